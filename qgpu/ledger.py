@@ -1,0 +1,454 @@
+"""The allocation ledger: slices in a SQLite file (WAL), safe across threads and processes.
+
+Every reservation runs in one ``BEGIN IMMEDIATE`` transaction: load the inventory and the
+live slices, decide with the placement engine (or take a decision made elsewhere), insert,
+then re-check the totals of the touched GPUs *inside the same transaction* and roll back if
+anything would be over-committed. SQLite's write lock serialises writers across threads
+and processes; WAL keeps readers unblocked; a committed slice survives ``kill -9``.
+
+Release is idempotent. Each slice records its owner (pid, Ray actor, pod uid, ...) so the
+node agent's reconcile can release slices whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from qgpu.errors import NoFit, QgpuError, RuleViolation
+from qgpu.model import (
+    Allocation,
+    IsolationPolicy,
+    NodeInventory,
+    Owner,
+    OwnerKind,
+    PlacementPolicy,
+    SliceRequest,
+)
+from qgpu.placement import ClusterState, Decision, Engine
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY,
+    inventory TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slices (
+    slice_id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    core INTEGER NOT NULL,
+    memory_gib INTEGER NOT NULL,
+    isolation TEXT NOT NULL,
+    owner_kind TEXT NOT NULL,
+    owner_id TEXT NOT NULL,
+    owner_meta TEXT NOT NULL,
+    request TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slice_gpus (
+    slice_id TEXT NOT NULL REFERENCES slices(slice_id) ON DELETE CASCADE,
+    gpu_uuid TEXT NOT NULL,
+    core INTEGER NOT NULL,
+    memory_gib INTEGER NOT NULL,
+    PRIMARY KEY (slice_id, gpu_uuid)
+);
+CREATE INDEX IF NOT EXISTS slice_gpus_by_gpu ON slice_gpus(gpu_uuid);
+CREATE INDEX IF NOT EXISTS slices_by_owner ON slices(owner_kind, owner_id);
+CREATE INDEX IF NOT EXISTS slices_by_node ON slices(node);
+"""
+
+
+class OverCommit(QgpuError):
+    """A reservation would have over-committed a GPU; the transaction was rolled back."""
+
+
+class UnknownNode(QgpuError):
+    pass
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    """Committed use of one GPU according to the ledger."""
+
+    node: str
+    uuid: str
+    core_used: int
+    memory_used_gib: int
+    slices: int
+    core_capacity: int
+    memory_capacity_gib: int
+    max_slices: int
+
+
+def new_slice_id() -> str:
+    return "s-" + uuid.uuid4().hex[:16]
+
+
+class Ledger:
+    """SQLite-backed record of nodes and slices. One instance may be shared by threads."""
+
+    def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL") -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if synchronous.upper() not in {"FULL", "NORMAL", "EXTRA"}:
+            raise RuleViolation("synchronous", synchronous, "must be FULL, NORMAL or EXTRA")
+        self._synchronous = synchronous.upper()
+        self._local = threading.local()
+        with self._tx() as db:
+            db.executescript(_SCHEMA)
+            db.execute(
+                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+
+    # -- connections -------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        pid = getattr(self._local, "pid", None)
+        if conn is None or pid != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={self._synchronous}")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA busy_timeout=60000")
+            self._local.conn = conn
+            self._local.pid = os.getpid()
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction holding SQLite's write lock from the start."""
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        else:
+            db.execute("COMMIT")
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def put_node(self, inventory: NodeInventory) -> None:
+        """Insert or replace a node's inventory (slices on it are kept)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO nodes(name, inventory, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET inventory=excluded.inventory, "
+                "updated_at=excluded.updated_at",
+                (inventory.name, inventory.model_dump_json(), time.time()),
+            )
+
+    def nodes(self) -> list[NodeInventory]:
+        rows = self._conn().execute("SELECT inventory FROM nodes ORDER BY name").fetchall()
+        return [NodeInventory.model_validate_json(r[0]) for r in rows]
+
+    def node(self, name: str) -> NodeInventory:
+        row = self._conn().execute("SELECT inventory FROM nodes WHERE name=?", (name,)).fetchone()
+        if row is None:
+            raise UnknownNode(f"node {name!r} is not in the ledger")
+        return NodeInventory.model_validate_json(row[0])
+
+    def remove_node(self, name: str) -> list[str]:
+        """Forget a node (it died or left); its slices are released. Returns their ids."""
+        with self._tx() as db:
+            ids = [r[0] for r in db.execute("SELECT slice_id FROM slices WHERE node=?", (name,))]
+            db.execute("DELETE FROM slices WHERE node=?", (name,))
+            db.execute("DELETE FROM nodes WHERE name=?", (name,))
+        return ids
+
+    # -- reservations ------------------------------------------------------------------
+
+    def reserve(
+        self,
+        request: SliceRequest,
+        owner: Owner | None = None,
+        *,
+        slice_id: str | None = None,
+        node: str | None = None,
+        policy: PlacementPolicy | str | None = None,
+        gpu_policy: PlacementPolicy | str | None = None,
+    ) -> Allocation:
+        """Place and record a slice atomically. Raises NoFit, RuleViolation or OverCommit.
+
+        With a `slice_id` that already exists for the same owner, returns the existing
+        allocation (a retried reservation is not placed twice).
+        """
+        owner = owner or Owner()
+        slice_id = slice_id or new_slice_id()
+        with self._tx() as db:
+            existing = self._get(db, slice_id)
+            if existing is not None:
+                return _same_owner_or_raise(existing, owner)
+            inventories = self._inventories(db, node)
+            state = self._state(db, inventories)
+            _reject_never_fits(request, inventories)
+            engine = Engine(state, policy, gpu_policy)
+            decision = engine.decide(request)
+            inv = next(n for n in inventories if n.name == decision.node)
+            alloc = _allocation(slice_id, decision, request, inv, owner)
+            self._insert_checked(db, alloc, decision.memory_gib_per_gpu, request, inv)
+        return alloc
+
+    def record(self, alloc: Allocation, request: SliceRequest | None = None) -> Allocation:
+        """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked."""
+        with self._tx() as db:
+            existing = self._get(db, alloc.slice_id)
+            if existing is not None:
+                return _same_owner_or_raise(existing, alloc.owner)
+            inv = self._inventories(db, alloc.node)[0]
+            by_uuid = {g.uuid: g for g in inv.gpus}
+            missing = [u for u in alloc.gpu_uuids if u not in by_uuid]
+            if missing:
+                raise RuleViolation("gpu_uuids", missing[0], f"is not a GPU of node {inv.name}")
+            mems = tuple(
+                by_uuid[u].memory_gib if alloc.is_whole_gpu else alloc.memory_gib
+                for u in alloc.gpu_uuids
+            )
+            req = request or SliceRequest(
+                core=alloc.core * len(alloc.gpu_uuids) if alloc.is_whole_gpu else alloc.core,
+                memory_gib=None if alloc.is_whole_gpu else alloc.memory_gib,
+                isolation=alloc.isolation,
+            )
+            self._insert_checked(db, alloc, mems, req, inv)
+        return alloc
+
+    def release(self, slice_id: str) -> bool:
+        """Release a slice. True if it was held; False if it was already gone (idempotent)."""
+        with self._tx() as db:
+            cur = db.execute("DELETE FROM slices WHERE slice_id=?", (slice_id,))
+            return cur.rowcount > 0
+
+    def release_owner(self, kind: OwnerKind | str, owner_id: str) -> list[str]:
+        """Release every slice of one owner; returns the released ids."""
+        kind = OwnerKind(kind)
+        with self._tx() as db:
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT slice_id FROM slices WHERE owner_kind=? AND owner_id=?",
+                    (kind.value, owner_id),
+                )
+            ]
+            db.execute(
+                "DELETE FROM slices WHERE owner_kind=? AND owner_id=?", (kind.value, owner_id)
+            )
+        return ids
+
+    # -- queries -----------------------------------------------------------------------
+
+    def get(self, slice_id: str) -> Allocation | None:
+        return self._get(self._conn(), slice_id)
+
+    def allocations(self, node: str | None = None) -> list[Allocation]:
+        db = self._conn()
+        where, args = ("WHERE node=?", (node,)) if node else ("", ())
+        rows = db.execute(f"SELECT * FROM slices {where} ORDER BY created_at, slice_id", args)
+        rows = rows.fetchall()
+        gpus = _gpus_by_slice(db)
+        return [_row_to_allocation(r, gpus.get(r[0], [])) for r in rows]
+
+    def usage(self, node: str | None = None) -> list[GpuUsage]:
+        """Per-GPU committed core, memory and slice count against capacity."""
+        db = self._conn()
+        inventories = self._inventories(db, node) if node else self.nodes()
+        used = {
+            r[0]: (r[1], r[2], r[3])
+            for r in db.execute(
+                "SELECT gpu_uuid, SUM(core), SUM(memory_gib), COUNT(*) "
+                "FROM slice_gpus GROUP BY gpu_uuid"
+            )
+        }
+        out = []
+        for inv in inventories:
+            for gpu in inv.gpus:
+                core, mem, count = used.get(gpu.uuid, (0, 0, 0))
+                out.append(
+                    GpuUsage(
+                        node=inv.name,
+                        uuid=gpu.uuid,
+                        core_used=core,
+                        memory_used_gib=mem,
+                        slices=count,
+                        core_capacity=100,
+                        memory_capacity_gib=gpu.memory_gib,
+                        max_slices=gpu.max_slices(inv.max_slices_per_gpu),
+                    )
+                )
+        return out
+
+    def state(self, node: str | None = None) -> ClusterState:
+        """A ClusterState with every live slice applied (for planning and tests)."""
+        db = self._conn()
+        return self._state(db, self._inventories(db, node))
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _inventories(self, db: sqlite3.Connection, node: str | None) -> list[NodeInventory]:
+        if node is None:
+            rows = db.execute("SELECT inventory FROM nodes ORDER BY name").fetchall()
+        else:
+            rows = db.execute("SELECT inventory FROM nodes WHERE name=?", (node,)).fetchall()
+            if not rows:
+                raise UnknownNode(f"node {node!r} is not in the ledger")
+        return [NodeInventory.model_validate_json(r[0]) for r in rows]
+
+    def _state(self, db: sqlite3.Connection, inventories: list[NodeInventory]) -> ClusterState:
+        state = ClusterState(inventories)
+        names = {n.name for n in inventories}
+        rows = db.execute(
+            "SELECT s.slice_id, s.node, s.request, g.gpu_uuid, g.core, g.memory_gib "
+            "FROM slices s JOIN slice_gpus g USING (slice_id) ORDER BY s.slice_id"
+        ).fetchall()
+        grouped: dict[str, list[tuple]] = {}
+        for row in rows:
+            if row[1] in names:
+                grouped.setdefault(row[0], []).append(row)
+        for sid, parts in grouped.items():
+            req = json.loads(parts[0][2])
+            state.apply(
+                sid,
+                [state.uuid_index[p[3]] for p in parts],
+                parts[0][4],
+                [p[5] for p in parts],
+                int(req.get("cpu_milli", 0)),
+                int(req.get("host_memory_mib", 0)),
+            )
+        return state
+
+    def _get(self, db: sqlite3.Connection, slice_id: str) -> Allocation | None:
+        row = db.execute("SELECT * FROM slices WHERE slice_id=?", (slice_id,)).fetchone()
+        if row is None:
+            return None
+        gpus = [
+            r[0]
+            for r in db.execute(
+                "SELECT gpu_uuid FROM slice_gpus WHERE slice_id=? ORDER BY rowid", (slice_id,)
+            )
+        ]
+        return _row_to_allocation(row, gpus)
+
+    def _insert_checked(
+        self,
+        db: sqlite3.Connection,
+        alloc: Allocation,
+        memory_per_gpu: tuple[int, ...],
+        request: SliceRequest,
+        inv: NodeInventory,
+    ) -> None:
+        db.execute(
+            "INSERT INTO slices(slice_id, node, core, memory_gib, isolation, owner_kind, "
+            "owner_id, owner_meta, request, created_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                alloc.slice_id,
+                alloc.node,
+                alloc.core,
+                alloc.memory_gib,
+                alloc.isolation.value,
+                alloc.owner.kind.value,
+                alloc.owner.id,
+                json.dumps(alloc.owner.meta, sort_keys=True),
+                request.model_dump_json(),
+                alloc.created_at,
+            ),
+        )
+        db.executemany(
+            "INSERT INTO slice_gpus(slice_id, gpu_uuid, core, memory_gib) VALUES (?,?,?,?)",
+            [
+                (alloc.slice_id, u, alloc.core, m)
+                for u, m in zip(alloc.gpu_uuids, memory_per_gpu, strict=True)
+            ],
+        )
+        self._check_capacity(db, inv, alloc.gpu_uuids)
+
+    def _check_capacity(self, db: sqlite3.Connection, inv: NodeInventory, uuids: list[str]) -> None:
+        by_uuid = {g.uuid: g for g in inv.gpus}
+        marks = ",".join("?" * len(uuids))
+        rows = db.execute(
+            f"SELECT gpu_uuid, SUM(core), SUM(memory_gib), COUNT(*) FROM slice_gpus "
+            f"WHERE gpu_uuid IN ({marks}) GROUP BY gpu_uuid",
+            uuids,
+        ).fetchall()
+        for uuid_, core, mem, count in rows:
+            gpu = by_uuid[uuid_]
+            limit = gpu.max_slices(inv.max_slices_per_gpu)
+            if core > 100 or mem > gpu.memory_gib or count > limit:
+                raise OverCommit(
+                    f"GPU {uuid_} would hold core {core}/100, memory {mem}/{gpu.memory_gib} GiB, "
+                    f"{count}/{limit} slices"
+                )
+
+
+def _reject_never_fits(request: SliceRequest, inventories: list[NodeInventory]) -> None:
+    """A request bigger than every card is a rule violation, not a 'try later'."""
+    cards = [g for n in inventories for g in n.gpus if g.matches_model(request.model_names)]
+    if not cards or request.memory_gib is None:
+        return
+    biggest = max(cards, key=lambda g: g.memory_gib)
+    if request.memory_gib > biggest.memory_gib:
+        request.check_against(biggest)
+
+
+def _allocation(
+    slice_id: str, d: Decision, req: SliceRequest, inv: NodeInventory, owner: Owner
+) -> Allocation:
+    return Allocation(
+        slice_id=slice_id,
+        node=d.node,
+        gpu_uuids=list(d.gpu_uuids),
+        core=d.core_per_gpu,
+        memory_gib=min(d.memory_gib_per_gpu),
+        isolation=req.effective_isolation(inv.default_isolation),
+        owner=owner,
+    )
+
+
+def _same_owner_or_raise(existing: Allocation, owner: Owner) -> Allocation:
+    if existing.owner.kind == owner.kind and existing.owner.id == owner.id:
+        return existing
+    raise RuleViolation(
+        "slice_id", existing.slice_id, "is already held by another owner; choose a new id"
+    )
+
+
+def _gpus_by_slice(db: sqlite3.Connection) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for sid, gpu in db.execute("SELECT slice_id, gpu_uuid FROM slice_gpus ORDER BY rowid"):
+        out.setdefault(sid, []).append(gpu)
+    return out
+
+
+def _row_to_allocation(row: tuple, gpus: list[str]) -> Allocation:
+    (sid, node, core, mem, iso, okind, oid, ometa, _req, created) = row
+    return Allocation(
+        slice_id=sid,
+        node=node,
+        gpu_uuids=gpus,
+        core=core,
+        memory_gib=mem,
+        isolation=IsolationPolicy(iso),
+        owner=Owner(kind=OwnerKind(okind), id=oid, meta=json.loads(ometa)),
+        created_at=created,
+    )
+
+
+__all__ = ["GpuUsage", "Ledger", "NoFit", "OverCommit", "UnknownNode", "new_slice_id"]

@@ -1,0 +1,464 @@
+"""The placement engine: one engine, pure and deterministic for a given state.
+
+`ClusterState` keeps per-GPU free vectors (numpy arrays, updated incrementally on every
+`apply` / `release`) and per-node aggregates, so a decision over 1,000 nodes x 8 GPUs is a
+handful of vector operations. `decide()` filters candidate GPUs (health, model constraint,
+include/exclude, free core, free memory, slice count, host CPU/memory), picks a node with the
+node-level policy and then GPU(s) on it with the GPU-level policy.
+
+Policies plug in through the `Policy` interface and the `register_policy` registry; policy
+names come from `qgpu.model.PlacementPolicy` (the one list of names).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from qgpu.errors import NoFit
+from qgpu.model import (
+    DEFAULT_PLACEMENT,
+    WHOLE_GPU_CORE,
+    Allocation,
+    GpuDevice,
+    NodeInventory,
+    PlacementPolicy,
+    SliceRequest,
+)
+
+UNLIMITED = np.int64(2**62)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes: one node and one GPU (share) or N GPUs (whole cards)."""
+
+    node: str
+    gpu_uuids: tuple[str, ...]
+    core_per_gpu: int
+    memory_gib_per_gpu: tuple[int, ...]
+
+
+@dataclass
+class _Held:
+    gpus: np.ndarray
+    core: int
+    memory: np.ndarray
+    cpu_milli: int
+    host_memory_mib: int
+
+
+class ClusterState:
+    """Free capacity of a set of nodes, as numpy vectors over all GPUs (grouped by node)."""
+
+    def __init__(self, nodes: Iterable[NodeInventory]) -> None:
+        self.nodes: list[NodeInventory] = list(nodes)
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"node name {dup!r} appears twice")
+        self.node_index = {n.name: i for i, n in enumerate(self.nodes)}
+        gpus: list[GpuDevice] = []
+        gpu_node: list[int] = []
+        max_slices: list[int] = []
+        starts: list[int] = []
+        for i, node in enumerate(self.nodes):
+            starts.append(len(gpus))
+            for gpu in node.gpus:
+                gpus.append(gpu)
+                gpu_node.append(i)
+                max_slices.append(gpu.max_slices(node.max_slices_per_gpu))
+        self.gpus = gpus
+        self.uuid_index = {g.uuid: i for i, g in enumerate(gpus)}
+        if len(self.uuid_index) != len(gpus):
+            raise ValueError("a GPU UUID appears on two nodes")
+        n_gpu = len(gpus)
+        self.gpu_node = np.asarray(gpu_node, dtype=np.int32)
+        self.node_start = np.asarray(starts, dtype=np.int64)
+        self.node_gpu_count = np.asarray([len(n.gpus) for n in self.nodes], dtype=np.int64)
+        self.cap_core = np.full(n_gpu, WHOLE_GPU_CORE, dtype=np.int32)
+        self.free_core = self.cap_core.copy()
+        self.cap_mem = np.asarray([g.memory_gib for g in gpus], dtype=np.int32)
+        self.free_mem = self.cap_mem.copy()
+        self.slices = np.zeros(n_gpu, dtype=np.int32)
+        self.max_slices = np.asarray(max_slices, dtype=np.int32)
+        self.healthy = np.asarray([g.healthy for g in gpus], dtype=bool)
+        self.numa = np.asarray(
+            [-1 if g.numa_node is None else g.numa_node for g in gpus], dtype=np.int32
+        )
+        self.model_names = sorted({g.model for g in gpus})
+        model_id = {m: i for i, m in enumerate(self.model_names)}
+        self.gpu_model = np.asarray([model_id[g.model] for g in gpus], dtype=np.int32)
+        self.node_free_cpu = np.asarray(
+            [UNLIMITED if n.cpu_milli is None else n.cpu_milli for n in self.nodes],
+            dtype=np.int64,
+        )
+        self.node_free_hostmem = np.asarray(
+            [UNLIMITED if n.memory_mib is None else n.memory_mib for n in self.nodes],
+            dtype=np.int64,
+        )
+        self.node_cap_core = self.node_gpu_count * WHOLE_GPU_CORE
+        self.node_free_core = self.node_cap_core.copy()
+        self.node_cap_mem = np.zeros(len(self.nodes), dtype=np.int64)
+        np.add.at(self.node_cap_mem, self.gpu_node, self.cap_mem)
+        self.node_free_mem = self.node_cap_mem.copy()
+        self.held: dict[str, _Held] = {}
+        self._model_mask_cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    @property
+    def gpu_total(self) -> int:
+        return len(self.gpus)
+
+    def model_mask(self, names: tuple[str, ...]) -> np.ndarray | None:
+        """Boolean mask of GPUs whose model matches the constraint (None = any)."""
+        if not names:
+            return None
+        cached = self._model_mask_cache.get(names)
+        if cached is None:
+            probe = [
+                GpuDevice(uuid="probe", index=0, model=m, memory_mib=1).matches_model(names)
+                for m in self.model_names
+            ]
+            allowed = np.asarray(probe, dtype=bool)
+            cached = allowed[self.gpu_model] if len(self.gpus) else np.zeros(0, dtype=bool)
+            self._model_mask_cache[names] = cached
+        return cached
+
+    def apply(
+        self,
+        slice_id: str,
+        gpu_ids: Iterable[int],
+        core_per_gpu: int,
+        memory_per_gpu: Iterable[int],
+        cpu_milli: int = 0,
+        host_memory_mib: int = 0,
+    ) -> None:
+        """Record a placed slice; raises ValueError if it would over-commit anything."""
+        if slice_id in self.held:
+            raise ValueError(f"slice {slice_id!r} is already placed")
+        idx = np.asarray(list(gpu_ids), dtype=np.int64)
+        mem = np.asarray(list(memory_per_gpu), dtype=np.int32)
+        if len(idx) == 0 or len(idx) != len(mem) or len(set(idx.tolist())) != len(idx):
+            raise ValueError("a slice needs distinct GPUs, one memory amount per GPU")
+        nodes = set(self.gpu_node[idx].tolist())
+        if len(nodes) != 1:
+            raise ValueError("all GPUs of a slice must be on one node")
+        node = nodes.pop()
+        if np.any(self.free_core[idx] < core_per_gpu) or np.any(self.free_mem[idx] < mem):
+            raise ValueError(f"slice {slice_id!r} would over-commit a GPU")
+        if np.any(self.slices[idx] >= self.max_slices[idx]):
+            raise ValueError(f"slice {slice_id!r} would exceed a GPU's slice limit")
+        if self.node_free_cpu[node] < cpu_milli or self.node_free_hostmem[node] < host_memory_mib:
+            raise ValueError(f"slice {slice_id!r} would over-commit the node's CPU or memory")
+        self.free_core[idx] -= core_per_gpu
+        self.free_mem[idx] -= mem
+        self.slices[idx] += 1
+        self.node_free_core[node] -= core_per_gpu * len(idx)
+        self.node_free_mem[node] -= int(mem.sum())
+        self.node_free_cpu[node] -= cpu_milli
+        self.node_free_hostmem[node] -= host_memory_mib
+        self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib)
+
+    def apply_allocation(self, alloc: Allocation, cpu_milli: int = 0, host_mib: int = 0) -> None:
+        ids = [self.uuid_index[u] for u in alloc.gpu_uuids]
+        self.apply(
+            alloc.slice_id, ids, alloc.core, [alloc.memory_gib] * len(ids), cpu_milli, host_mib
+        )
+
+    def apply_decision(self, slice_id: str, decision: Decision, req: SliceRequest) -> None:
+        ids = [self.uuid_index[u] for u in decision.gpu_uuids]
+        self.apply(
+            slice_id,
+            ids,
+            decision.core_per_gpu,
+            decision.memory_gib_per_gpu,
+            req.cpu_milli,
+            req.host_memory_mib,
+        )
+
+    def release(self, slice_id: str) -> bool:
+        """Forget a slice; False when it was not placed (release is idempotent)."""
+        held = self.held.pop(slice_id, None)
+        if held is None:
+            return False
+        idx = held.gpus
+        node = int(self.gpu_node[idx[0]])
+        self.free_core[idx] += held.core
+        self.free_mem[idx] += held.memory
+        self.slices[idx] -= 1
+        self.node_free_core[node] += held.core * len(idx)
+        self.node_free_mem[node] += int(held.memory.sum())
+        self.node_free_cpu[node] += held.cpu_milli
+        self.node_free_hostmem[node] += held.host_memory_mib
+        return True
+
+    def check_invariants(self) -> None:
+        """Assert free vectors equal capacity minus live slices (used by tests)."""
+        core = self.cap_core.copy()
+        mem = self.cap_mem.copy()
+        slices = np.zeros_like(self.slices)
+        for held in self.held.values():
+            core[held.gpus] -= held.core
+            mem[held.gpus] -= held.memory
+            slices[held.gpus] += 1
+        assert np.array_equal(core, self.free_core), "free core drifted"
+        assert np.array_equal(mem, self.free_mem), "free memory drifted"
+        assert np.array_equal(slices, self.slices), "slice counts drifted"
+        assert np.all(self.free_core >= 0) and np.all(self.free_mem >= 0), "over-committed"
+        assert np.all(self.slices <= self.max_slices), "too many slices on a GPU"
+        node_core = np.zeros(len(self.nodes), dtype=np.int64)
+        np.add.at(node_core, self.gpu_node, self.free_core)
+        assert np.array_equal(node_core, self.node_free_core), "node core drifted"
+
+
+@dataclass
+class CandidateView:
+    """What a policy sees while scoring: the state, the request and the fitting GPUs."""
+
+    state: ClusterState
+    request: SliceRequest
+    gpu_mask: np.ndarray
+    core: int
+    memory: np.ndarray  # memory each GPU would give (GiB), per GPU
+    node_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class Policy(ABC):
+    """A placement policy: scores nodes and GPUs, higher is better; ties go to lower index."""
+
+    name: str
+
+    @abstractmethod
+    def node_scores(self, view: CandidateView) -> np.ndarray:
+        """One score per node in `view.node_ids`."""
+
+    @abstractmethod
+    def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
+        """One score per GPU in `gpu_ids` (all on one node, all fitting)."""
+
+    def observe(self, request: SliceRequest) -> None:  # noqa: B027 - optional hook
+        """See a request arrive (policies that learn the request mix override this)."""
+
+
+def _leftover(view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
+    s = view.state
+    core_left = (s.free_core[gpu_ids] - view.core) / WHOLE_GPU_CORE
+    mem_left = (s.free_mem[gpu_ids] - view.memory[gpu_ids]) / np.maximum(s.cap_mem[gpu_ids], 1)
+    return core_left + mem_left
+
+
+def _node_fill(view: CandidateView) -> np.ndarray:
+    s = view.state
+    ids = view.node_ids
+    used_core = 1.0 - s.node_free_core[ids] / np.maximum(s.node_cap_core[ids], 1)
+    used_mem = 1.0 - s.node_free_mem[ids] / np.maximum(s.node_cap_mem[ids], 1)
+    return used_core + used_mem
+
+
+class BinpackPolicy(Policy):
+    """Fill the fullest node and the fullest fitting GPU first (best fit)."""
+
+    name = PlacementPolicy.BINPACK.value
+
+    def node_scores(self, view: CandidateView) -> np.ndarray:
+        return _node_fill(view)
+
+    def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
+        return -_leftover(view, gpu_ids)
+
+
+class SpreadPolicy(Policy):
+    """Use the emptiest node and the emptiest GPU first (worst fit)."""
+
+    name = PlacementPolicy.SPREAD.value
+
+    def node_scores(self, view: CandidateView) -> np.ndarray:
+        return -_node_fill(view)
+
+    def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
+        return _leftover(view, gpu_ids)
+
+
+_REGISTRY: dict[str, Callable[[], Policy]] = {
+    PlacementPolicy.BINPACK.value: BinpackPolicy,
+    PlacementPolicy.SPREAD.value: SpreadPolicy,
+}
+
+
+def register_policy(name: PlacementPolicy | str, factory: Callable[[], Policy]) -> None:
+    """Plug a policy in under a name that `qgpu.model.PlacementPolicy` defines."""
+    _REGISTRY[PlacementPolicy.parse(name).value] = factory
+
+
+def make_policy(name: PlacementPolicy | str | None) -> Policy:
+    """A fresh policy object for a validated policy name (None = the cluster default)."""
+    policy = PlacementPolicy.parse(name) if name is not None else DEFAULT_PLACEMENT
+    return _REGISTRY[policy.value]()
+
+
+# Reasons, in the order they are checked; counts of GPUs (or nodes) ruled out by each.
+REASONS = (
+    "unhealthy",
+    "model",
+    "excluded",
+    "slice limit",
+    "core",
+    "memory",
+    "not empty (whole GPU)",
+)
+
+
+class Engine:
+    """Decides placements over a ClusterState with a node-level and a GPU-level policy."""
+
+    def __init__(
+        self,
+        state: ClusterState,
+        node_policy: Policy | PlacementPolicy | str | None = None,
+        gpu_policy: Policy | PlacementPolicy | str | None = None,
+    ) -> None:
+        self.state = state
+        self.node_policy = (
+            node_policy if isinstance(node_policy, Policy) else make_policy(node_policy)
+        )
+        if gpu_policy is None:
+            self.gpu_policy = self.node_policy
+        elif isinstance(gpu_policy, Policy):
+            self.gpu_policy = gpu_policy
+        else:
+            self.gpu_policy = make_policy(gpu_policy)
+        self._per_request: dict[str, Policy] = {}
+
+    def _policy_for(self, name: PlacementPolicy | None, default: Policy) -> Policy:
+        if name is None or name.value == default.name:
+            return default
+        if name.value not in self._per_request:
+            self._per_request[name.value] = make_policy(name)
+        return self._per_request[name.value]
+
+    def candidates(self, req: SliceRequest) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        """(fitting-GPU mask, memory each GPU would give, GPUs ruled out per reason)."""
+        s = self.state
+        n = s.gpu_total
+        reasons: dict[str, int] = {}
+        ok = np.ones(n, dtype=bool)
+
+        def cut(name: str, keep: np.ndarray) -> None:
+            nonlocal ok
+            dropped = int(np.count_nonzero(ok & ~keep))
+            if dropped:
+                reasons[name] = reasons.get(name, 0) + dropped
+            ok &= keep
+
+        cut("unhealthy", s.healthy)
+        model = s.model_mask(req.model_names)
+        if model is not None:
+            cut("model", model)
+        if req.include_uuids:
+            keep = np.zeros(n, dtype=bool)
+            keep[[s.uuid_index[u] for u in req.include_uuids if u in s.uuid_index]] = True
+            cut("excluded", keep)
+        if req.exclude_uuids:
+            keep = np.ones(n, dtype=bool)
+            keep[[s.uuid_index[u] for u in req.exclude_uuids if u in s.uuid_index]] = False
+            cut("excluded", keep)
+        if req.is_whole_gpu:
+            need = req.memory_gib or 0
+            cut("memory", s.cap_mem >= need)
+            cut("not empty (whole GPU)", (s.slices == 0) & (s.free_core == s.cap_core))
+            memory = s.cap_mem
+        else:
+            cut("slice limit", s.slices < s.max_slices)
+            cut("core", s.free_core >= req.core)
+            cut("memory", s.free_mem >= req.memory_gib)
+            memory = np.full(n, req.memory_gib, dtype=np.int32)
+        return ok, memory, reasons
+
+    def decide(self, req: SliceRequest) -> Decision:
+        """Choose where `req` goes; raise NoFit (with reasons) when nothing fits."""
+        s = self.state
+        if s.gpu_total == 0:
+            raise NoFit("no GPUs in the cluster", {})
+        node_policy = self._policy_for(req.placement, self.node_policy)
+        gpu_policy = self._policy_for(req.gpu_placement or req.placement, self.gpu_policy)
+        mask, memory, reasons = self.candidates(req)
+        per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
+        node_ok = per_node >= req.gpu_count
+        short = int(np.count_nonzero((per_node > 0) & ~node_ok))
+        if short:
+            reasons[f"fewer than {req.gpu_count} fitting GPUs on one node"] = short
+        host_ok = (s.node_free_cpu >= req.cpu_milli) & (s.node_free_hostmem >= req.host_memory_mib)
+        host_short = int(np.count_nonzero(node_ok & ~host_ok))
+        if host_short:
+            reasons["host CPU or memory (nodes)"] = host_short
+        node_ids = np.flatnonzero(node_ok & host_ok)
+        if len(node_ids) == 0:
+            raise NoFit(_no_fit_message(req, reasons), reasons)
+        view = CandidateView(s, req, mask, req.core_per_gpu, memory, node_ids)
+        node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])
+        start = int(s.node_start[node])
+        local = np.flatnonzero(mask[start : start + int(s.node_gpu_count[node])]) + start
+        scores = gpu_policy.gpu_scores(view, local)
+        chosen = _pick_gpus(s, local, scores, req.gpu_count)
+        return Decision(
+            node=s.nodes[node].name,
+            gpu_uuids=tuple(s.gpus[i].uuid for i in chosen),
+            core_per_gpu=req.core_per_gpu,
+            memory_gib_per_gpu=tuple(int(memory[i]) for i in chosen),
+        )
+
+    def observe(self, req: SliceRequest) -> None:
+        """Tell the policies a request arrived (before deciding it)."""
+        self.node_policy.observe(req)
+        if self.gpu_policy is not self.node_policy:
+            self.gpu_policy.observe(req)
+        for extra in self._per_request.values():
+            extra.observe(req)
+
+    def place(self, slice_id: str, req: SliceRequest) -> Decision:
+        """Observe, decide and apply in one step (the usual path)."""
+        self.observe(req)
+        decision = self.decide(req)
+        s = self.state
+        ids = [s.uuid_index[u] for u in decision.gpu_uuids]
+        s.apply(
+            slice_id,
+            ids,
+            decision.core_per_gpu,
+            decision.memory_gib_per_gpu,
+            req.cpu_milli,
+            req.host_memory_mib,
+        )
+        return decision
+
+
+def _pick_gpus(s: ClusterState, local: np.ndarray, scores: np.ndarray, count: int) -> list[int]:
+    """Best-scored GPUs; for several GPUs prefer one NUMA node that can hold them all."""
+    order = np.lexsort((local, -scores))  # score desc, then index asc
+    ranked = local[order]
+    if count == 1:
+        return [int(ranked[0])]
+    numa = s.numa[ranked]
+    groups = {int(g): int(np.count_nonzero(numa == g)) for g in np.unique(numa) if g >= 0}
+    fitting = sorted((size, g) for g, size in groups.items() if size >= count)
+    if fitting:
+        group = fitting[0][1]  # the smallest NUMA group that fits keeps larger ones whole
+        ranked = ranked[numa == group]
+    return sorted(int(i) for i in ranked[:count])
+
+
+def _no_fit_message(req: SliceRequest, reasons: dict[str, int]) -> str:
+    what = (
+        f"{req.gpu_count} whole GPU(s)"
+        if req.is_whole_gpu
+        else f"qgpu-core={req.core} qgpu-memory={req.memory_gib}"
+    )
+    if not reasons:
+        return f"no GPU can take {what}"
+    detail = ", ".join(f"{k}: {v}" for k, v in reasons.items())
+    return f"no GPU can take {what} ({detail})"
