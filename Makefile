@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(wildcard setup.py) $(NATIVE_SRC)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m qgpu.demo
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m ruff check .

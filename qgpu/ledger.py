@@ -105,12 +105,14 @@ class Ledger:
             raise RuleViolation("synchronous", synchronous, "must be FULL, NORMAL or EXTRA")
         self._synchronous = synchronous.upper()
         self._local = threading.local()
-        with self._tx() as db:
-            db.executescript(_SCHEMA)
-            db.execute(
-                "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
-            )
+        # executescript() commits on its own, so the schema gets its own script transaction
+        self._conn().executescript(
+            "BEGIN IMMEDIATE;"
+            + _SCHEMA
+            + "INSERT OR IGNORE INTO meta(key, value) VALUES "
+            + f"('schema_version', '{SCHEMA_VERSION}');"
+            + "COMMIT;"
+        )
 
     # -- connections -------------------------------------------------------------------
 

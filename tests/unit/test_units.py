@@ -1,0 +1,40 @@
+"""Unit tests for qgpu.units: every accepted spelling and every rejection."""
+
+from __future__ import annotations
+
+import pytest
+
+from qgpu.errors import RuleViolation
+from qgpu.units import parse_core, parse_memory_gib
+
+
+@pytest.mark.parametrize(
+    ("value", "gib"),
+    [(8, 8), ("8", 8), ("8Gi", 8), ("8192Mi", 8), ("8G", 8), ("8GiB", 8), ("1Ti", 1024),
+     (8.0, 8), (" 16 Gi ", 16)],
+)
+def test_memory_spellings(value, gib):
+    assert parse_memory_gib(value) == gib
+
+
+@pytest.mark.parametrize("value", [0, -1, "abc", "0Gi", "8.5", "1000Mi", "8Qi", None, True, [], 7.5])
+def test_memory_rejections_name_field_value_and_rule(value):
+    with pytest.raises(RuleViolation) as info:
+        parse_memory_gib(value)
+    err = info.value
+    assert err.field == "qgpu-memory"
+    assert err.value == value
+    assert "whole number of GiB" in err.rule
+    assert str(err).startswith(f"qgpu-memory={value!r}: ")
+
+
+@pytest.mark.parametrize(("value", "core"), [(30, 30), ("30", 30), ("30%", 30), (200.0, 200)])
+def test_core_spellings(value, core):
+    assert parse_core(value) == core
+
+
+@pytest.mark.parametrize("value", ["thirty", 30.5, None, False, "3 0"])
+def test_core_syntax_rejections(value):
+    with pytest.raises(RuleViolation) as info:
+        parse_core(value)
+    assert info.value.field == "qgpu-core"
