@@ -8,6 +8,7 @@ measurement, run it with `python bench/placement_latency.py [--nodes N] [--decis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -28,12 +29,19 @@ def build_cluster(n_nodes: int, gpus_per_node: int, seed: int) -> list[NodeInven
     for n in range(n_nodes):
         model, gib, sms = rng.choice(MODELS)
         gpus = [
-            GpuDevice(uuid=f"GPU-{n:04d}-{i}", index=i, model=model, memory_mib=gib * 1024,
-                      sm_count=sms, numa_node=i // 4)
+            GpuDevice(
+                uuid=f"GPU-{n:04d}-{i}",
+                index=i,
+                model=model,
+                memory_mib=gib * 1024,
+                sm_count=sms,
+                numa_node=i // 4,
+            )
             for i in range(gpus_per_node)
         ]
-        nodes.append(NodeInventory(name=f"node-{n:04d}", gpus=gpus, cpu_milli=96000,
-                                   memory_mib=1 << 20))
+        nodes.append(
+            NodeInventory(name=f"node-{n:04d}", gpus=gpus, cpu_milli=96000, memory_mib=1 << 20)
+        )
     return nodes
 
 
@@ -50,10 +58,8 @@ def fill(state: ClusterState, target: float, seed: int) -> None:
     i = 0
     total = state.cap_core.sum()
     while 1.0 - state.free_core.sum() / total < target:
-        try:
+        with contextlib.suppress(NoFit):
             engine.place(f"fill-{i}", random_request(rng))
-        except NoFit:
-            pass
         i += 1
 
 
@@ -91,8 +97,10 @@ def main() -> None:
     for policy in PlacementPolicy:
         t = measure(nodes, policy.value, args.decisions, args.seed)
         p99 = float(np.percentile(t, 99))
-        print(f"{policy.value:<10}{statistics.median(t):>12.1f}{p99:>12.1f}{max(t):>12.1f}"
-              f"{p99 / TARGET_P99_US:>12.3f}")
+        print(
+            f"{policy.value:<10}{statistics.median(t):>12.1f}{p99:>12.1f}{max(t):>12.1f}"
+            f"{p99 / TARGET_P99_US:>12.3f}"
+        )
 
 
 if __name__ == "__main__":

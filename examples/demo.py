@@ -25,8 +25,10 @@ def run() -> int:
     nodes = load_nodes(HERE / "nodes.yaml")
     requests = load_requests(HERE / "requests.yaml")
     gpus = sum(len(n.gpus) for n in nodes)
-    console.print(f"[bold]qgpu placement demo[/]: {len(nodes)} nodes, {gpus} GPUs, "
-                  f"{sum(r.count for r in requests)} slice requests")
+    console.print(
+        f"[bold]qgpu placement demo[/]: {len(nodes)} nodes, {gpus} GPUs, "
+        f"{sum(r.count for r in requests)} slice requests"
+    )
     for policy in ("binpack", "spread"):
         console.print(Rule(f"policy: {policy}"))
         render_plan(plan(nodes, requests, policy), console, title=policy)

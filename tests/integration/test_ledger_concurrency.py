@@ -32,8 +32,11 @@ def _worker(path: str, seed: int, out: mp.Queue) -> None:
             released += 1
             continue
         core = rng.choice([10, 20, 30, 50, 100])
-        req = SliceRequest(core=core, memory=rng.randint(1, 12) if core < 100 else None,
-                           placement=rng.choice(["binpack", "spread"]))
+        req = SliceRequest(
+            core=core,
+            memory=rng.randint(1, 12) if core < 100 else None,
+            placement=rng.choice(["binpack", "spread"]),
+        )
         try:
             held.append(ledger.reserve(req, owner).slice_id)
             reserved += 1
@@ -47,8 +50,11 @@ def _auditor(path: str, stop, out: mp.Queue) -> None:
     samples = violations = 0
     while not stop.is_set():
         for usage in ledger.usage():
-            if (usage.core_used > 100 or usage.memory_used_gib > usage.memory_capacity_gib
-                    or usage.slices > usage.max_slices):
+            if (
+                usage.core_used > 100
+                or usage.memory_used_gib > usage.memory_capacity_gib
+                or usage.slices > usage.max_slices
+            ):
                 violations += 1
         samples += 1
     out.put((samples, violations))
@@ -56,8 +62,9 @@ def _auditor(path: str, stop, out: mp.Queue) -> None:
 
 def _racer(path: str, i: int, out: mp.Queue) -> None:
     ledger = Ledger(path, synchronous="NORMAL")
-    alloc = Allocation(slice_id=f"race-{i}", node="n0", gpu_uuids=["GPU-n0-0"], core=30,
-                       memory_gib=1)
+    alloc = Allocation(
+        slice_id=f"race-{i}", node="n0", gpu_uuids=["GPU-n0-0"], core=30, memory_gib=1
+    )
     try:
         ledger.record(alloc)
         out.put(True)

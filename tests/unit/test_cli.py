@@ -28,13 +28,15 @@ def test_validate_accepts_and_normalises(capsys):
 
 @pytest.mark.parametrize(
     ("args", "field"),
-    [(["--core", "0", "--memory", "8"], "qgpu-core"),
-     (["--core", "250", "--memory", "8"], "qgpu-core"),
-     (["--core", "30", "--memory", "abc"], "qgpu-memory"),
-     (["--core", "30", "--memory", "-1"], "qgpu-memory"),
-     (["--core", "30"], "qgpu-memory"),
-     (["--core", "30", "--memory", "8", "--isolation", "hard"], "isolation"),
-     (["--core", "30", "--memory", "90", "--card-memory", "80"], "qgpu-memory")],
+    [
+        (["--core", "0", "--memory", "8"], "qgpu-core"),
+        (["--core", "250", "--memory", "8"], "qgpu-core"),
+        (["--core", "30", "--memory", "abc"], "qgpu-memory"),
+        (["--core", "30", "--memory", "-1"], "qgpu-memory"),
+        (["--core", "30"], "qgpu-memory"),
+        (["--core", "30", "--memory", "8", "--isolation", "hard"], "isolation"),
+        (["--core", "30", "--memory", "90", "--card-memory", "80"], "qgpu-memory"),
+    ],
 )
 def test_validate_rejections(args, field, capsys):
     assert main(["validate", *args]) == 2
@@ -44,7 +46,9 @@ def test_validate_rejections(args, field, capsys):
 def test_validate_as_a_real_process():
     proc = subprocess.run(
         [sys.executable, "-m", "qgpu.cli", "validate", "--core", "150", "--memory", "8"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 2
     assert "qgpu-core" in proc.stderr and "Traceback" not in proc.stderr
@@ -52,8 +56,16 @@ def test_validate_as_a_real_process():
 
 @pytest.mark.parametrize("policy", ["binpack", "spread"])
 def test_plan_examples_json(policy, capsys):
-    args = ["plan", "--nodes", str(EXAMPLES / "nodes.yaml"),
-            "--requests", str(EXAMPLES / "requests.yaml"), "--policy", policy, "--json"]
+    args = [
+        "plan",
+        "--nodes",
+        str(EXAMPLES / "nodes.yaml"),
+        "--requests",
+        str(EXAMPLES / "requests.yaml"),
+        "--policy",
+        policy,
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     placed = {p["name"]: p for p in out["placed"]}

@@ -57,8 +57,9 @@ def test_repeated_slice_id_returns_existing(ledger):
     assert a == b
     assert len(ledger.allocations()) == 1
     with pytest.raises(RuleViolation) as info:
-        ledger.reserve(SliceRequest(core=30, memory=8), Owner(kind="pod", id="uid-2"),
-                       slice_id="s-1")
+        ledger.reserve(
+            SliceRequest(core=30, memory=8), Owner(kind="pod", id="uid-2"), slice_id="s-1"
+        )
     assert info.value.field == "slice_id"
 
 
@@ -78,15 +79,16 @@ def test_memory_above_every_card_is_a_rule_violation(ledger):
 
 def test_record_checks_capacity_in_transaction(ledger):
     def alloc(i, core):
-        return Allocation(slice_id=f"r{i}", node="n0", gpu_uuids=["GPU-n0-0"], core=core,
-                          memory_gib=4)
+        return Allocation(
+            slice_id=f"r{i}", node="n0", gpu_uuids=["GPU-n0-0"], core=core, memory_gib=4
+        )
 
     ledger.record(alloc(1, 60))
     with pytest.raises(OverCommit):
         ledger.record(alloc(2, 50))
     assert ledger.get("r2") is None
     ledger.record(alloc(3, 40))
-    assert [u.core_used for u in ledger.usage("n0")][0] == 100
+    assert next(u.core_used for u in ledger.usage("n0")) == 100
 
 
 def test_record_rejects_foreign_gpu(ledger):
@@ -201,9 +203,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for uuid, i in state.uuid_index.items():
             core = sum(c for c, gpus, _ in self.live.values() if uuid in gpus)
             mem = sum(
-                (cap[uuid] if c >= 100 else m)
-                for c, gpus, m in self.live.values()
-                if uuid in gpus
+                (cap[uuid] if c >= 100 else m) for c, gpus, m in self.live.values() if uuid in gpus
             )
             assert state.free_core[i] == 100 - core
             assert state.free_mem[i] == cap[uuid] - mem
@@ -211,6 +211,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
 TestLedgerMachine = LedgerMachine.TestCase
 TestLedgerMachine.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None,
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -66,9 +66,13 @@ def test_memory_above_the_card_rejected():
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [("be", IsolationPolicy.BEST_EFFORT), ("fs", IsolationPolicy.FIXED_SHARE),
-     ("bs", IsolationPolicy.BURST_SHARE), ("Fixed-Share", IsolationPolicy.FIXED_SHARE),
-     ("burst-share", IsolationPolicy.BURST_SHARE)],
+    [
+        ("be", IsolationPolicy.BEST_EFFORT),
+        ("fs", IsolationPolicy.FIXED_SHARE),
+        ("bs", IsolationPolicy.BURST_SHARE),
+        ("Fixed-Share", IsolationPolicy.FIXED_SHARE),
+        ("burst-share", IsolationPolicy.BURST_SHARE),
+    ],
 )
 def test_isolation_abbreviations_accepted(given, expected):
     assert SliceRequest(core=30, memory=8, isolation=given).isolation is expected

@@ -80,7 +80,7 @@ def test_two_hundred_takes_two_empty_gpus_of_one_node(two_nodes):
 
 def test_multi_gpu_prefers_one_numa_node():
     # n0: GPUs 0,1 on NUMA 0 and 2,3 on NUMA 1; occupy GPU 0 so only NUMA 1 has 2 empty.
-    state, ds = place_all([make_node("n0")], "binpack", [share(), SliceRequest(core=200)])
+    _state, ds = place_all([make_node("n0")], "binpack", [share(), SliceRequest(core=200)])
     assert set(ds[1].gpu_uuids) == {"GPU-n0-2", "GPU-n0-3"}
 
 

@@ -10,14 +10,25 @@ from qgpu.units import parse_core, parse_memory_gib
 
 @pytest.mark.parametrize(
     ("value", "gib"),
-    [(8, 8), ("8", 8), ("8Gi", 8), ("8192Mi", 8), ("8G", 8), ("8GiB", 8), ("1Ti", 1024),
-     (8.0, 8), (" 16 Gi ", 16)],
+    [
+        (8, 8),
+        ("8", 8),
+        ("8Gi", 8),
+        ("8192Mi", 8),
+        ("8G", 8),
+        ("8GiB", 8),
+        ("1Ti", 1024),
+        (8.0, 8),
+        (" 16 Gi ", 16),
+    ],
 )
 def test_memory_spellings(value, gib):
     assert parse_memory_gib(value) == gib
 
 
-@pytest.mark.parametrize("value", [0, -1, "abc", "0Gi", "8.5", "1000Mi", "8Qi", None, True, [], 7.5])
+@pytest.mark.parametrize(
+    "value", [0, -1, "abc", "0Gi", "8.5", "1000Mi", "8Qi", None, True, [], 7.5]
+)
 def test_memory_rejections_name_field_value_and_rule(value):
     with pytest.raises(RuleViolation) as info:
         parse_memory_gib(value)
