@@ -1,0 +1,1 @@
+"""In-repo fakes of Kubernetes components (kubelet device-plugin side, apiserver)."""
