@@ -10,7 +10,8 @@ Rules:
   optional and, when given, the minimum card size.
 - slices per GPU: at most ``floor(card GiB / 4)`` and at most 16 (configurable per node).
 - isolation: ``best-effort`` (``be``), ``fixed-share`` (``fs``), ``burst-share`` (``bs``).
-- placement: ``binpack``, ``spread`` at node level and GPU level.
+- placement: ``binpack``, ``spread``, ``frag`` (fragmentation-aware, `qgpu.frag`) at node
+  level and GPU level.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class PlacementPolicy(StrEnum):
 
     BINPACK = "binpack"
     SPREAD = "spread"
+    FRAG = "frag"
 
     @classmethod
     def parse(cls, value: Any, field: str = "placement") -> PlacementPolicy:

@@ -4,7 +4,9 @@
 `apply` / `release`) and per-node aggregates, so a decision over 1,000 nodes x 8 GPUs is a
 handful of vector operations. `decide()` filters candidate GPUs (health, model constraint,
 include/exclude, free core, free memory, slice count, host CPU/memory), picks a node with the
-node-level policy and then GPU(s) on it with the GPU-level policy.
+node-level policy and then GPU(s) on it with the GPU-level policy. Host-only workloads (CPU
+and memory, no GPU) go through `Engine.place_host` / `ClusterState.apply_host`, so they take
+node capacity in the same vectors.
 
 Policies plug in through the `Policy` interface and the `register_policy` registry; policy
 names come from `qgpu.model.PlacementPolicy` (the one list of names).
@@ -44,11 +46,12 @@ class Decision:
 
 @dataclass
 class _Held:
-    gpus: np.ndarray
+    gpus: np.ndarray  # empty for a host-only placement (no GPU)
     core: int
     memory: np.ndarray
     cpu_milli: int
     host_memory_mib: int
+    node: int
 
 
 class ClusterState:
@@ -92,14 +95,16 @@ class ClusterState:
         self.model_names = sorted({g.model for g in gpus})
         model_id = {m: i for i, m in enumerate(self.model_names)}
         self.gpu_model = np.asarray([model_id[g.model] for g in gpus], dtype=np.int32)
-        self.node_free_cpu = np.asarray(
+        self.node_cap_cpu = np.asarray(
             [UNLIMITED if n.cpu_milli is None else n.cpu_milli for n in self.nodes],
             dtype=np.int64,
         )
-        self.node_free_hostmem = np.asarray(
+        self.node_cap_hostmem = np.asarray(
             [UNLIMITED if n.memory_mib is None else n.memory_mib for n in self.nodes],
             dtype=np.int64,
         )
+        self.node_free_cpu = self.node_cap_cpu.copy()
+        self.node_free_hostmem = self.node_cap_hostmem.copy()
         self.node_cap_core = self.node_gpu_count * WHOLE_GPU_CORE
         self.node_free_core = self.node_cap_core.copy()
         self.node_cap_mem = np.zeros(len(self.nodes), dtype=np.int64)
@@ -162,7 +167,30 @@ class ClusterState:
         self.node_free_mem[node] -= int(mem.sum())
         self.node_free_cpu[node] -= cpu_milli
         self.node_free_hostmem[node] -= host_memory_mib
-        self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib)
+        self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib, node)
+
+    def apply_host(
+        self, slice_id: str, node: int | str, cpu_milli: int, host_memory_mib: int
+    ) -> None:
+        """Record a host-only placement (CPU and memory on a node, no GPU).
+
+        Workloads without a GPU share the nodes with slices (the trace replay's CPU-only
+        pods); they take node CPU and memory, so they change what fits. Released with
+        `release` like any slice; raises ValueError if it would over-commit the node.
+        """
+        if slice_id in self.held:
+            raise ValueError(f"slice {slice_id!r} is already placed")
+        n = self.node_index[node] if isinstance(node, str) else int(node)
+        if cpu_milli < 0 or host_memory_mib < 0:
+            raise ValueError("host CPU and memory must be >= 0")
+        if self.node_free_cpu[n] < cpu_milli or self.node_free_hostmem[n] < host_memory_mib:
+            raise ValueError(f"{slice_id!r} would over-commit the node's CPU or memory")
+        self.node_free_cpu[n] -= cpu_milli
+        self.node_free_hostmem[n] -= host_memory_mib
+        empty = np.zeros(0, dtype=np.int64)
+        self.held[slice_id] = _Held(
+            empty, 0, np.zeros(0, dtype=np.int32), cpu_milli, host_memory_mib, n
+        )
 
     def apply_allocation(self, alloc: Allocation, cpu_milli: int = 0, host_mib: int = 0) -> None:
         ids = [self.uuid_index[u] for u in alloc.gpu_uuids]
@@ -187,7 +215,7 @@ class ClusterState:
         if held is None:
             return False
         idx = held.gpus
-        node = int(self.gpu_node[idx[0]])
+        node = held.node
         self.free_core[idx] += held.core
         self.free_mem[idx] += held.memory
         self.slices[idx] -= 1
@@ -214,6 +242,15 @@ class ClusterState:
         node_core = np.zeros(len(self.nodes), dtype=np.int64)
         np.add.at(node_core, self.gpu_node, self.free_core)
         assert np.array_equal(node_core, self.node_free_core), "node core drifted"
+        cpu = self.node_cap_cpu.copy()
+        hostmem = self.node_cap_hostmem.copy()
+        for held in self.held.values():
+            cpu[held.node] -= held.cpu_milli
+            hostmem[held.node] -= held.host_memory_mib
+        assert np.array_equal(cpu, self.node_free_cpu), "node CPU drifted"
+        assert np.array_equal(hostmem, self.node_free_hostmem), "node memory drifted"
+        assert np.all(self.node_free_cpu >= 0), "node CPU over-committed"
+        assert np.all(self.node_free_hostmem >= 0), "node memory over-committed"
 
 
 @dataclass
@@ -228,8 +265,23 @@ class CandidateView:
     node_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
+@dataclass
+class HostView:
+    """What a policy sees while placing a host-only workload (CPU and memory, no GPU)."""
+
+    state: ClusterState
+    cpu_milli: int
+    host_memory_mib: int
+    node_ids: np.ndarray
+
+
 class Policy(ABC):
-    """A placement policy: scores nodes and GPUs, higher is better; ties go to lower index."""
+    """A placement policy: scores nodes and GPUs, higher is better; ties go to lower index.
+
+    `node_scores` may look at `view.gpu_mask` (the GPUs that fit) to score a node by its
+    best GPU, as the fragmentation-aware policy does; `gpu_scores` is then called with the
+    same view for the chosen node.
+    """
 
     name: str
 
@@ -243,6 +295,13 @@ class Policy(ABC):
 
     def observe(self, request: SliceRequest) -> None:  # noqa: B027 - optional hook
         """See a request arrive (policies that learn the request mix override this)."""
+
+    def host_scores(self, view: HostView) -> np.ndarray:
+        """One score per node in `view.node_ids` for a host-only workload.
+
+        The default fills the fullest node first (by host CPU and memory in use).
+        """
+        return _host_fill(view)
 
 
 def _leftover(view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
@@ -258,6 +317,16 @@ def _node_fill(view: CandidateView) -> np.ndarray:
     used_core = 1.0 - s.node_free_core[ids] / np.maximum(s.node_cap_core[ids], 1)
     used_mem = 1.0 - s.node_free_mem[ids] / np.maximum(s.node_cap_mem[ids], 1)
     return used_core + used_mem
+
+
+def _host_fill(view: HostView) -> np.ndarray:
+    s = view.state
+    ids = view.node_ids
+    cap_cpu = s.node_cap_cpu[ids].astype(np.float64)
+    cap_mem = s.node_cap_hostmem[ids].astype(np.float64)
+    used_cpu = 1.0 - s.node_free_cpu[ids] / np.maximum(cap_cpu, 1.0)
+    used_mem = 1.0 - s.node_free_hostmem[ids] / np.maximum(cap_mem, 1.0)
+    return used_cpu + used_mem
 
 
 class BinpackPolicy(Policy):
@@ -279,6 +348,9 @@ class SpreadPolicy(Policy):
 
     def node_scores(self, view: CandidateView) -> np.ndarray:
         return -_node_fill(view)
+
+    def host_scores(self, view: HostView) -> np.ndarray:
+        return -_host_fill(view)
 
     def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
         return _leftover(view, gpu_ids)
@@ -412,6 +484,37 @@ class Engine:
             memory_gib_per_gpu=tuple(int(memory[i]) for i in chosen),
         )
 
+    def decide_host(
+        self, cpu_milli: int, host_memory_mib: int, placement: PlacementPolicy | None = None
+    ) -> str:
+        """Choose a node for a host-only workload (no GPU); raise NoFit when none has room.
+
+        Scored by the node-level policy's `host_scores` (or `placement`'s, when given).
+        """
+        s = self.state
+        policy = self._policy_for(placement, self.node_policy)
+        ok = (s.node_free_cpu >= cpu_milli) & (s.node_free_hostmem >= host_memory_mib)
+        node_ids = np.flatnonzero(ok)
+        if len(node_ids) == 0:
+            raise NoFit(
+                f"no node has {cpu_milli} mCPU and {host_memory_mib} MiB free",
+                {"host CPU or memory (nodes)": len(s.nodes)},
+            )
+        scores = policy.host_scores(HostView(s, cpu_milli, host_memory_mib, node_ids))
+        return s.nodes[int(node_ids[int(np.argmax(scores))])].name
+
+    def place_host(
+        self,
+        slice_id: str,
+        cpu_milli: int,
+        host_memory_mib: int,
+        placement: PlacementPolicy | None = None,
+    ) -> str:
+        """Decide and apply a host-only workload; returns the node's name."""
+        node = self.decide_host(cpu_milli, host_memory_mib, placement)
+        self.state.apply_host(slice_id, node, cpu_milli, host_memory_mib)
+        return node
+
     def observe(self, req: SliceRequest) -> None:
         """Tell the policies a request arrived (before deciding it)."""
         self.node_policy.observe(req)
@@ -462,3 +565,8 @@ def _no_fit_message(req: SliceRequest, reasons: dict[str, int]) -> str:
         return f"no GPU can take {what}"
     detail = ", ".join(f"{k}: {v}" for k, v in reasons.items())
     return f"no GPU can take {what} ({detail})"
+
+
+# The fragmentation-aware policy lives in its own module and registers itself on import;
+# importing it here means every entry point that can make a policy knows "frag".
+from qgpu import frag as _frag  # noqa: E402, F401
