@@ -1,0 +1,241 @@
+"""``qgpu agent`` (run the node agent) and ``qgpu status`` (devices and slices as tables).
+
+Quick start without a GPU::
+
+    qgpu agent --sim 2xH100-80GB --state-dir /tmp/qgpu
+    qgpu status --state-dir /tmp/qgpu
+
+Both are registered as ``qgpu.commands`` entry points (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from enforcement.agent.client import AgentClient, default_socket
+from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
+from qgpu.errors import RuleViolation
+from qgpu.model import IsolationPolicy, PlacementPolicy
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token; the file must not be readable by group or others."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+        token = p.read_text().strip()
+    except OSError as exc:
+        raise RuleViolation("token_file", path, f"cannot be read: {exc.strerror}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise RuleViolation(
+            "token_file", path, "must not be accessible by group or others (chmod 600)"
+        )
+    if len(token) < 16:
+        raise RuleViolation("token_file", path, "must hold a token of at least 16 characters")
+    return token
+
+
+def _socket_for(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    if os.environ.get(SOCKET_ENV):
+        return Path(os.environ[SOCKET_ENV])
+    if args.state_dir:
+        return Path(args.state_dir) / "agent.sock"
+    return default_socket()
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    raw: dict[str, object] = {
+        "state_dir": args.state_dir or DEFAULT_STATE_DIR,
+        "socket_path": _socket_for(args),
+        "tcp_host": args.tcp_host,
+        "tcp_port": args.tcp_port,
+        "backend": args.backend or ("sim" if args.sim else os.environ.get("QGPU_BACKEND", "auto")),
+        "sim_spec": args.sim,
+        "max_slices_per_gpu": args.max_slices_per_gpu,
+        "default_isolation": args.isolation,
+        "reconcile_interval_s": args.reconcile_interval,
+        "watchdog_interval_s": args.watchdog_interval,
+        "watchdog_kill": args.watchdog_kill,
+        "enforcement": args.enforcement,
+        "mps_control": args.mps_control,
+        "test_mode": args.test_mode,
+    }
+    for key, value in (
+        ("node_name", args.node_name),
+        ("placement", args.placement),
+        ("gpu_placement", args.gpu_placement),
+        ("hook_path", args.hook_path),
+        ("real_libcuda", args.real_libcuda),
+    ):
+        if value is not None:
+            raw[key] = value
+    if args.token_file:
+        raw["token"] = read_token_file(args.token_file)
+    elif args.tcp_port is not None:
+        raise RuleViolation("token_file", None, "is required with --tcp-port")
+    return AgentConfig.model_validate(raw)
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from enforcement.agent.server import serve
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return serve(config_from_args(args))
+
+
+def register_agent(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent", help="run the node agent (GPU discovery, slices, metrics)")
+    p.add_argument("--sim", metavar="SPEC", help="simulated GPUs, e.g. 2xH100-80GB")
+    p.add_argument("--backend", choices=["auto", "nvml", "sim"], help="GPU backend (default auto)")
+    p.add_argument("--state-dir", help=f"ledger, limits files (default {DEFAULT_STATE_DIR})")
+    p.add_argument(
+        "--socket",
+        help="unix socket (default <state-dir>/agent.sock when --state-dir "
+        "is given, else /run/qgpu/agent.sock)",
+    )
+    p.add_argument("--tcp-port", type=int, help="also listen on loopback TCP (needs --token-file)")
+    p.add_argument("--tcp-host", default="127.0.0.1", help="loopback address for --tcp-port")
+    p.add_argument("--token-file", help="bearer token for TCP (file mode 600)")
+    p.add_argument("--node-name", help="node name (default: hostname)")
+    iso = ", ".join(f"{i.value}/{i.abbreviation}" for i in IsolationPolicy)
+    p.add_argument("--isolation", default="best-effort", help=f"node default isolation: {iso}")
+    names = [x.value for x in PlacementPolicy]
+    p.add_argument("--placement", choices=names, help="GPU choice policy (default binpack)")
+    p.add_argument("--gpu-placement", choices=names, help="GPU-level policy if different")
+    p.add_argument("--max-slices-per-gpu", type=int, default=16)
+    p.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
+    p.add_argument("--watchdog-interval", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument("--watchdog-kill", action="store_true", help="kill processes over their cap")
+    p.add_argument("--enforcement", choices=["interposer", "mps"], default="interposer")
+    p.add_argument("--mps-control", default="nvidia-cuda-mps-control", help="MPS control binary")
+    p.add_argument("--hook-path", help="the interposer library (default: the installed one)")
+    p.add_argument("--real-libcuda", help="QGPU_REAL_LIBCUDA for workloads")
+    p.add_argument("--test-mode", action="store_true", help="limits files need not be root-owned")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_agent)
+
+
+def _client(args: argparse.Namespace) -> AgentClient:
+    if args.url:
+        token = read_token_file(args.token_file) if args.token_file else None
+        return AgentClient(url=args.url, token=token)
+    return AgentClient(_socket_for(args))
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024**3:.1f}"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        health = client.health()
+        devices = client.devices()
+        slices = client.slices()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "health": health.model_dump(mode="json"),
+                    "devices": devices.model_dump(mode="json"),
+                    "slices": slices.model_dump(mode="json"),
+                },
+                indent=2,
+            )
+        )
+        return EXIT_OK
+    console = Console()
+    colour = "green" if health.status == "ok" else "yellow"
+    console.print(
+        f"node [bold]{health.node}[/] · backend {health.backend} · enforcement "
+        f"{health.enforcement} · [{colour}]{health.status}[/] · {health.slices} slices"
+    )
+    for problem in health.problems:
+        console.print(f"  [yellow]![/] {problem}")
+    dev = Table(title="Devices")
+    for col in (
+        "#",
+        "UUID",
+        "model",
+        "health",
+        "core committed",
+        "memory committed",
+        "memory used GiB",
+        "util %",
+        "slices",
+    ):
+        dev.add_column(col)
+    for d in devices.devices:
+        dev.add_row(
+            str(d.index),
+            d.uuid,
+            d.model,
+            d.health.value if d.health_reason is None else f"{d.health.value}: {d.health_reason}",
+            f"{d.core_committed}/100",
+            f"{d.memory_committed_gib}/{d.memory_mib // 1024} GiB",
+            _gib(d.memory_used_bytes),
+            "-" if d.utilization_percent is None else str(d.utilization_percent),
+            f"{d.slices}/{d.max_slices}",
+        )
+    console.print(dev)
+    sl = Table(title="Slices")
+    for col in (
+        "slice",
+        "GPU",
+        "core",
+        "memory GiB",
+        "used GiB",
+        "core used %",
+        "policy",
+        "owner",
+        "pids",
+    ):
+        sl.add_column(col)
+    index = {d.uuid: d.index for d in devices.devices}
+    for s in slices.slices:
+        u = s.usage
+        sl.add_row(
+            s.slice_id,
+            ",".join(f"#{index.get(x, '?')}" for x in s.device_uuids),
+            str(s.core),
+            str(s.memory_gib),
+            _gib(u.memory_used_bytes),
+            "-" if u.core_used_percent is None else f"{u.core_used_percent:.0f}",
+            s.isolation.value,
+            f"{s.owner.kind.value}:{s.owner.id}",
+            ",".join(str(p) for p in u.pids) or "-",
+        )
+    console.print(sl)
+    return EXIT_OK
+
+
+def register_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="devices and slices of the local agent")
+    p.add_argument("--socket", help=f"agent socket (default ${SOCKET_ENV} or /run/qgpu/agent.sock)")
+    p.add_argument("--state-dir", help="use <state-dir>/agent.sock")
+    p.add_argument(
+        "--url", help="loopback TCP URL instead of the socket, e.g. http://127.0.0.1:7070"
+    )
+    p.add_argument("--token-file", help="bearer token for --url")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_status)
+
+
+__all__ = ["cmd_agent", "cmd_status", "config_from_args", "register_agent", "register_status"]

@@ -1,0 +1,227 @@
+"""Python clients of the node agent (sync and asyncio), for the CLI and the adapters.
+
+``AgentClient(socket_path=...)`` talks over the unix socket; ``AgentClient(url=...,
+token=...)`` over loopback TCP with the bearer token. Answers are the API's pydantic
+models. A 4xx/5xx answer raises `AgentError` carrying the agent's field, value and rule
+(and ``reasons`` for a no-fit); a connection failure raises `AgentUnavailable`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+
+from enforcement.agent.config import DEFAULT_SOCKET, SOCKET_ENV
+from enforcement.agent.models import (
+    DeviceList,
+    Health,
+    ReleaseResult,
+    Reservation,
+    SliceList,
+)
+from qgpu.errors import QgpuError, RuleViolation
+from qgpu.model import Owner, SliceRequest
+
+UDS_BASE_URL = "http://qgpu-agent"
+
+
+class AgentError(QgpuError):
+    """The agent refused a request; `field`, `value`, `rule` say why."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        self.error = str(body.get("error", "error"))
+        self.field = str(body.get("field", "request"))
+        self.value = body.get("value")
+        self.rule = str(body.get("rule", body))
+        self.reasons: dict[str, int] = dict(body.get("reasons") or {})
+        self.violations: list[dict[str, Any]] = list(body.get("violations") or [])
+        super().__init__(
+            f"agent answered {status} {self.error}: {self.field}={self.value!r}: {self.rule}"
+        )
+
+    @property
+    def is_no_fit(self) -> bool:
+        return self.status == 409
+
+    def as_violation(self) -> RuleViolation:
+        return RuleViolation(self.field, self.value, self.rule)
+
+
+class AgentUnavailable(QgpuError):
+    """The agent could not be reached (not running, wrong socket, no permission)."""
+
+
+def default_socket() -> Path:
+    return Path(os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET)
+
+
+def _request_json(request: SliceRequest | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(request, SliceRequest):
+        return request.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
+    return dict(request)
+
+
+def _reserve_body(
+    request: SliceRequest | dict[str, Any],
+    owner: Owner | dict[str, Any] | None,
+    slice_id: str | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"request": _request_json(request)}
+    if owner is not None:
+        body["owner"] = owner.model_dump(mode="json") if isinstance(owner, Owner) else dict(owner)
+    if slice_id is not None:
+        body["slice_id"] = slice_id
+    return body
+
+
+def _check(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"error": "error", "field": "response", "rule": response.text[:500]}
+        if not isinstance(body, dict):
+            body = {"error": "error", "field": "response", "rule": str(body)[:500]}
+        raise AgentError(response.status_code, body)
+    return response
+
+
+def _connection(
+    socket_path: str | os.PathLike[str] | None, url: str | None, token: str | None
+) -> tuple[str, dict[str, str], str | None]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if url is not None:
+        return url.rstrip("/"), headers, None
+    return UDS_BASE_URL, headers, str(socket_path or default_socket())
+
+
+class AgentClient:
+    """Blocking client. Thread-safe (httpx.Client is); use one per process."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        base, headers, uds = _connection(socket_path, url, token)
+        self.where = uds or base
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self._http = httpx.Client(
+            base_url=base, headers=headers, timeout=timeout, transport=transport
+        )
+
+    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return _check(self._http.request(method, path, **kw))
+        except httpx.TransportError as exc:
+            raise AgentUnavailable(f"cannot reach the qgpu agent at {self.where}: {exc}") from exc
+
+    def devices(self) -> DeviceList:
+        return DeviceList.model_validate_json(self._call("GET", "/v1/devices").content)
+
+    def reserve(
+        self,
+        request: SliceRequest | dict[str, Any],
+        owner: Owner | dict[str, Any] | None = None,
+        slice_id: str | None = None,
+    ) -> Reservation:
+        body = _reserve_body(request, owner, slice_id)
+        return Reservation.model_validate_json(self._call("POST", "/v1/slices", json=body).content)
+
+    def get(self, slice_id: str) -> Reservation:
+        return Reservation.model_validate_json(self._call("GET", f"/v1/slices/{slice_id}").content)
+
+    def release(self, slice_id: str) -> ReleaseResult:
+        return ReleaseResult.model_validate_json(
+            self._call("DELETE", f"/v1/slices/{slice_id}").content
+        )
+
+    def slices(self) -> SliceList:
+        return SliceList.model_validate_json(self._call("GET", "/v1/slices").content)
+
+    def health(self) -> Health:
+        return Health.model_validate_json(self._call("GET", "/v1/health").content)
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics").text
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncAgentClient:
+    """asyncio client with the same methods (for many concurrent calls)."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 60.0,
+        max_connections: int = 100,
+    ) -> None:
+        base, headers, uds = _connection(socket_path, url, token)
+        self.where = uds or base
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        transport = httpx.AsyncHTTPTransport(uds=uds, limits=limits) if uds else None
+        self._http = httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=timeout, transport=transport, limits=limits
+        )
+
+    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return _check(await self._http.request(method, path, **kw))
+        except httpx.TransportError as exc:
+            raise AgentUnavailable(f"cannot reach the qgpu agent at {self.where}: {exc}") from exc
+
+    async def devices(self) -> DeviceList:
+        return DeviceList.model_validate_json((await self._call("GET", "/v1/devices")).content)
+
+    async def reserve(
+        self,
+        request: SliceRequest | dict[str, Any],
+        owner: Owner | dict[str, Any] | None = None,
+        slice_id: str | None = None,
+    ) -> Reservation:
+        body = _reserve_body(request, owner, slice_id)
+        response = await self._call("POST", "/v1/slices", json=body)
+        return Reservation.model_validate_json(response.content)
+
+    async def release(self, slice_id: str) -> ReleaseResult:
+        response = await self._call("DELETE", f"/v1/slices/{slice_id}")
+        return ReleaseResult.model_validate_json(response.content)
+
+    async def slices(self) -> SliceList:
+        return SliceList.model_validate_json((await self._call("GET", "/v1/slices")).content)
+
+    async def health(self) -> Health:
+        return Health.model_validate_json((await self._call("GET", "/v1/health")).content)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["AgentClient", "AgentError", "AgentUnavailable", "AsyncAgentClient", "default_socket"]

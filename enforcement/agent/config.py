@@ -1,0 +1,107 @@
+"""The agent's settings (one pydantic model, validated like every other input).
+
+Paths derive from `state_dir` unless given: the ledger ``ledger.sqlite``, the per-slice
+limits files under ``limits/``, the interposer's shared per-slice state under ``slices/``,
+MPS pipe/log directories under ``mps/`` and the simulator's files under ``sim/``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from qgpu.errors import RuleViolation
+from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, IsolationPolicy, PlacementPolicy
+
+DEFAULT_STATE_DIR = "/var/lib/qgpu"
+DEFAULT_SOCKET = "/run/qgpu/agent.sock"
+SOCKET_ENV = "QGPU_AGENT_SOCKET"
+MAX_UNIX_PATH = 100
+
+Enforcement = Literal["interposer", "mps"]
+
+
+class AgentConfig(BaseModel):
+    """Everything `qgpu agent` can be told; the CLI flags map one to one onto it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    state_dir: Path = Path(DEFAULT_STATE_DIR)
+    socket_path: Path | None = Field(default=None, description="default: /run/qgpu/agent.sock")
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int | None = Field(default=None, ge=0, le=65535)
+    token: str | None = Field(default=None, min_length=16, repr=False)
+    backend: Literal["auto", "nvml", "sim"] = "auto"
+    sim_spec: str | None = None
+    max_slices_per_gpu: int = Field(default=DEFAULT_MAX_SLICES_PER_GPU, ge=1, le=64)
+    default_isolation: IsolationPolicy = IsolationPolicy.BEST_EFFORT
+    placement: PlacementPolicy | None = None
+    gpu_placement: PlacementPolicy | None = None
+    reconcile_interval_s: float = Field(default=10.0, gt=0)
+    watchdog_interval_s: float = Field(default=5.0, gt=0)
+    watchdog_kill: bool = False
+    enforcement: Enforcement = "interposer"
+    mps_control: str = "nvidia-cuda-mps-control"
+    hook_path: Path | None = None
+    real_libcuda: Path | None = None
+    test_mode: bool = Field(
+        default=False, description="skip root ownership of limits files (tests, laptops)"
+    )
+    kubelet_pods_dir: Path = Path("/var/lib/kubelet/pods")
+
+    @field_validator("default_isolation", mode="before")
+    @classmethod
+    def _isolation(cls, value: object) -> IsolationPolicy:
+        return IsolationPolicy.parse(value, "default_isolation")
+
+    @field_validator("tcp_host")
+    @classmethod
+    def _loopback_only(cls, value: str) -> str:
+        if value == "localhost":
+            return "127.0.0.1"
+        try:
+            addr = ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise RuleViolation("tcp_host", value, "must be a loopback IP address") from exc
+        if not addr.is_loopback:
+            raise RuleViolation(
+                "tcp_host",
+                value,
+                "must be a loopback address (127.0.0.0/8 or ::1); "
+                "the agent never listens on a network interface",
+            )
+        return value
+
+    @field_validator("socket_path")
+    @classmethod
+    def _short_socket(cls, value: Path | None) -> Path | None:
+        if value is not None and len(str(value)) >= MAX_UNIX_PATH:
+            raise RuleViolation(
+                "socket", str(value), f"unix socket paths must be shorter than {MAX_UNIX_PATH}"
+            )
+        return value
+
+    @property
+    def socket(self) -> Path:
+        return self.socket_path or Path(DEFAULT_SOCKET)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.state_dir / "ledger.sqlite"
+
+    @property
+    def limits_dir(self) -> Path:
+        return self.state_dir / "limits"
+
+    @property
+    def slices_dir(self) -> Path:
+        return self.state_dir / "slices"
+
+    @property
+    def mps_dir(self) -> Path:
+        return self.state_dir / "mps"

@@ -1,0 +1,204 @@
+"""Prometheus metrics of the agent: a custom collector that reads current state at scrape time.
+
+Nothing is cached between scrapes: each scrape reads the ledger, NVML (or the simulator)
+and the agent's event counters. Every metric is documented in docs/metrics.md; labels are
+``node``, ``device_uuid``, ``slice`` and ``owner`` (``<kind>:<id>``) where they apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from enforcement.agent.service import Agent
+
+SLICE_LABELS = ["node", "device_uuid", "slice", "owner"]
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic collector: no registration-time scrape
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._devices()
+        yield from self._slices()
+        yield from self._agent()
+        yield from self._watchdog()
+
+    def _devices(self) -> Iterator[Metric]:
+        agent = self.agent
+        node = agent.node
+        labels = ["node", "device_uuid"]
+        info = GaugeMetricFamily(
+            "qgpu_device_info", "A GPU of the node (value 1)", labels=[*labels, "index", "model"]
+        )
+        total = GaugeMetricFamily("qgpu_device_memory_total_bytes", "GPU memory", labels=labels)
+        used = GaugeMetricFamily(
+            "qgpu_device_memory_used_bytes", "GPU memory in use (all processes)", labels=labels
+        )
+        util = GaugeMetricFamily(
+            "qgpu_device_utilization_ratio", "GPU busy fraction (NVML, 0..1)", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "qgpu_device_healthy", "1 healthy, 0 unhealthy (ECC/Xid)", labels=labels
+        )
+        slices = GaugeMetricFamily("qgpu_device_slices", "Slices on the GPU", labels=labels)
+        max_slices = GaugeMetricFamily(
+            "qgpu_device_max_slices", "Slice limit of the GPU", labels=labels
+        )
+        core = GaugeMetricFamily(
+            "qgpu_device_core_committed_percent", "Sum of the slices' core", labels=labels
+        )
+        mem = GaugeMetricFamily(
+            "qgpu_device_memory_committed_bytes", "Sum of the slices' memory caps", labels=labels
+        )
+        for d in agent.devices().devices:
+            key = [node, d.uuid]
+            info.add_metric([*key, str(d.index), d.model], 1)
+            total.add_metric(key, d.memory_total_bytes or d.memory_mib * 1024 * 1024)
+            if d.memory_used_bytes is not None:
+                used.add_metric(key, d.memory_used_bytes)
+            if d.utilization_percent is not None:
+                util.add_metric(key, d.utilization_percent / 100)
+            healthy.add_metric(key, 1 if d.health.value == "healthy" else 0)
+            slices.add_metric(key, d.slices)
+            max_slices.add_metric(key, d.max_slices)
+            core.add_metric(key, d.core_committed)
+            mem.add_metric(key, d.memory_committed_gib * 1024**3)
+        yield from (info, total, used, util, healthy, slices, max_slices, core, mem)
+
+    def _slices(self) -> Iterator[Metric]:
+        agent = self.agent
+        info = GaugeMetricFamily(
+            "qgpu_slice_info",
+            "A slice (value 1) with its isolation policy and enforcement",
+            labels=[*SLICE_LABELS, "policy", "enforcement"],
+        )
+        mem_limit = GaugeMetricFamily(
+            "qgpu_slice_memory_limit_bytes", "Memory cap of the slice", labels=SLICE_LABELS
+        )
+        mem_used = GaugeMetricFamily(
+            "qgpu_slice_memory_used_bytes", "Memory the slice's processes hold", labels=SLICE_LABELS
+        )
+        core_limit = GaugeMetricFamily(
+            "qgpu_slice_core_limit_percent", "Compute share of the slice", labels=SLICE_LABELS
+        )
+        core_used = GaugeMetricFamily(
+            "qgpu_slice_core_used_percent",
+            "Compute the slice used (percent of the GPU)",
+            labels=SLICE_LABELS,
+        )
+        throttled = CounterMetricFamily(
+            "qgpu_slice_throttled_seconds",
+            "Time the interposer held back the slice's kernel launches",
+            labels=SLICE_LABELS,
+        )
+        ooms = CounterMetricFamily(
+            "qgpu_slice_oom_refusals",
+            "Allocations refused with CUDA_ERROR_OUT_OF_MEMORY at the cap",
+            labels=SLICE_LABELS,
+        )
+        for s in agent.slices().slices:
+            owner = f"{s.owner.kind.value}:{s.owner.id}"
+            for uuid in s.device_uuids:
+                key = [agent.node, uuid, s.slice_id, owner]
+                info.add_metric([*key, s.isolation.value, s.enforcement], 1)
+                mem_limit.add_metric(key, s.memory_limit_bytes)
+                core_limit.add_metric(key, s.core)
+                u = s.usage
+                if u.memory_used_bytes is not None:
+                    mem_used.add_metric(key, u.memory_used_bytes)
+                if u.core_used_percent is not None:
+                    core_used.add_metric(key, u.core_used_percent)
+                if u.throttled_seconds is not None:
+                    throttled.add_metric(key, u.throttled_seconds)
+                if u.oom_refusals is not None:
+                    ooms.add_metric(key, u.oom_refusals)
+        yield from (info, mem_limit, mem_used, core_limit, core_used, throttled, ooms)
+
+    def _agent(self) -> Iterator[Metric]:
+        agent = self.agent
+        node = agent.node
+        c = agent.counters
+        with c._lock:
+            reservations = dict(c.reservations)
+            releases = dict(c.releases)
+            errors = dict(c.errors)
+            reconciled = c.reconcile_released
+        res = CounterMetricFamily(
+            "qgpu_agent_reservations", "Reservation requests by result", labels=["node", "result"]
+        )
+        for result in ("ok", "invalid", "no-fit"):
+            res.add_metric([node, result], reservations.get(result, 0))
+        rel = CounterMetricFamily(
+            "qgpu_agent_releases", "Releases by reason", labels=["node", "reason"]
+        )
+        for reason in ("request", "owner-gone", "already-gone"):
+            rel.add_metric([node, reason], releases.get(reason, 0))
+        err = CounterMetricFamily(
+            "qgpu_agent_errors", "Internal errors by exception type", labels=["node", "type"]
+        )
+        for kind, n in sorted(errors.items()):
+            err.add_metric([node, kind], n)
+        rec = CounterMetricFamily(
+            "qgpu_agent_reconcile_released",
+            "Slices released because their owner died",
+            labels=["node"],
+        )
+        rec.add_metric([node], reconciled)
+        start = GaugeMetricFamily(
+            "qgpu_agent_start_time_seconds", "Unix time the agent started", labels=["node"]
+        )
+        start.add_metric([node], agent.started_at)
+        yield from (res, rel, err, rec, start)
+
+    def _watchdog(self) -> Iterator[Metric]:
+        agent = self.agent
+        wd = agent.watchdog
+        over = CounterMetricFamily(
+            "qgpu_watchdog_over_cap",
+            "Scans that found a slice's process over the slice's memory cap (a bypass)",
+            labels=["node", "device_uuid", "slice"],
+        )
+        kills = CounterMetricFamily(
+            "qgpu_watchdog_kills",
+            "Processes the watchdog killed for exceeding their cap",
+            labels=["node", "device_uuid", "slice"],
+        )
+        with agent.counters._lock:
+            over_counts = dict(agent.counters.watchdog_over_cap)
+            kill_counts = dict(agent.counters.watchdog_kills)
+        for (uuid, sid), n in sorted(over_counts.items()):
+            over.add_metric([agent.node, uuid, sid], n)
+        for (uuid, sid), n in sorted(kill_counts.items()):
+            kills.add_metric([agent.node, uuid, sid], n)
+        unowned = GaugeMetricFamily(
+            "qgpu_watchdog_unowned_processes",
+            "GPU processes that belong to no slice, at the last scan",
+            labels=["node", "device_uuid"],
+        )
+        if wd is not None and wd.last is not None:
+            per_dev: dict[str, int] = {g.uuid: 0 for g in agent.inventory.gpus}
+            for p in wd.last.unowned:
+                per_dev[p.device_uuid] = per_dev.get(p.device_uuid, 0) + 1
+            for uuid, n in sorted(per_dev.items()):
+                unowned.add_metric([agent.node, uuid], n)
+        yield from (over, kills, unowned)
+
+
+def build_registry(agent: Agent) -> CollectorRegistry:
+    """A private registry (one per agent, so tests can run several agents in one process)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))
+    return registry
+
+
+__all__ = ["AgentCollector", "build_registry"]

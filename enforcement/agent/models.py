@@ -1,0 +1,133 @@
+"""The agent API's pydantic models: every request body and every response.
+
+The slice itself is the core `qgpu.model.SliceRequest` (one source of truth for the rules);
+the owner is the core `qgpu.model.Owner`. Errors are `ErrorBody`: the first violation's
+field, value and rule at the top level, all of them under ``violations``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qgpu.model import GpuHealth, IsolationPolicy, Owner, SliceRequest
+
+SLICE_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+
+
+class Violation(BaseModel):
+    field: str
+    value: Any = None
+    rule: str
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer of the agent."""
+
+    error: Literal["invalid", "no-fit", "not-found", "unauthorized", "unavailable", "internal"]
+    field: str
+    value: Any = None
+    rule: str
+    violations: list[Violation] = Field(default_factory=list)
+    reasons: dict[str, int] = Field(
+        default_factory=dict, description="no-fit: GPUs ruled out per reason"
+    )
+
+
+class ReserveRequest(BaseModel):
+    """POST /v1/slices body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request: SliceRequest
+    owner: Owner = Field(default_factory=Owner)
+    slice_id: str | None = Field(
+        default=None,
+        pattern=SLICE_ID_PATTERN,
+        description="optional client-chosen id; a retry with the same id and owner is a no-op",
+    )
+
+
+class Reservation(BaseModel):
+    """A reserved slice and what a workload must apply to run inside it."""
+
+    slice_id: str
+    node: str
+    device_uuid: str = Field(description="the (first) GPU of the slice")
+    device_uuids: list[str]
+    device_indexes: list[int]
+    core: int = Field(description="per GPU: the share 1..99, or 100 for whole GPUs")
+    memory_gib: int
+    memory_limit_bytes: int
+    isolation: IsolationPolicy
+    enforcement: Literal["interposer", "mps", "none"] = Field(
+        description="how the caps are enforced: interposer, mps, or none (whole GPUs)"
+    )
+    owner: Owner
+    created_at: float
+    limits_file: str | None = Field(description="KEY=VALUE limits file read at cuInit")
+    env: dict[str, str] = Field(description="environment to apply before the process starts")
+
+
+class SliceUsage(BaseModel):
+    """Live use of a slice; None where the source does not report it."""
+
+    memory_used_bytes: int | None = None
+    core_used_percent: float | None = None
+    throttled_seconds: float | None = None
+    oom_refusals: int | None = None
+    pids: list[int] = Field(default_factory=list)
+    source: Literal["interposer", "nvml", "sim", "none"] = "none"
+
+
+class SliceInfo(Reservation):
+    usage: SliceUsage = Field(default_factory=SliceUsage)
+
+
+class SliceList(BaseModel):
+    node: str
+    slices: list[SliceInfo]
+
+
+class ReleaseResult(BaseModel):
+    slice_id: str
+    released: bool = Field(description="true if it was held; false if already gone")
+
+
+class DeviceInfo(BaseModel):
+    uuid: str
+    index: int
+    model: str
+    memory_mib: int
+    sm_count: int
+    numa_node: int | None
+    health: GpuHealth
+    health_reason: str | None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    utilization_percent: int | None = None
+    slices: int
+    max_slices: int
+    core_committed: int
+    memory_committed_gib: int
+
+
+class DeviceList(BaseModel):
+    node: str
+    backend: str
+    devices: list[DeviceInfo]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    node: str
+    backend: str
+    enforcement: str
+    devices: int
+    unhealthy_devices: list[str]
+    slices: int
+    uptime_s: float
+    last_reconcile_at: float | None
+    problems: list[str] = Field(default_factory=list)
+    version: str

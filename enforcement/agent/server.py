@@ -1,0 +1,184 @@
+"""Serving the agent: the unix socket (mode 0600), optional loopback TCP, background upkeep.
+
+The unix socket is created under a 0177 umask, so it is 0600 from the moment it exists
+(uvicorn's own ``uds=`` path would chmod it 0666); only its owner (root in production) can
+connect. TCP is opt-in, loopback only (the config refuses any other address) and every
+request on it needs the bearer token (`enforcement.agent.app.TokenGuard`).
+
+A maintenance thread reconciles owners every ``reconcile_interval_s``, runs the watchdog
+every ``watchdog_interval_s`` and re-reads the GPUs' health every 30 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from enforcement.agent.app import TokenGuard, create_app
+from enforcement.agent.config import AgentConfig
+from enforcement.agent.mps import MpsManager
+from enforcement.agent.service import Agent
+from enforcement.agent.watchdog import Watchdog
+from enforcement.discovery import GpuBackend, open_backend
+from qgpu.errors import RuleViolation
+
+log = logging.getLogger("qgpu.agent.server")
+
+INVENTORY_REFRESH_S = 30.0
+BACKLOG = 4096
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A listening unix socket at `path`, mode 0600 from creation."""
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o755)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise RuleViolation(
+                "socket", str(path), "exists and is not a socket; refusing to remove it"
+            )
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a stale socket of a dead agent
+        else:
+            raise RuleViolation("socket", str(path), "another agent is already listening there")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Maintenance(threading.Thread):
+    """Periodic reconcile, watchdog scan and inventory refresh."""
+
+    def __init__(self, agent: Agent, watchdog: Watchdog) -> None:
+        super().__init__(name="qgpu-maintenance", daemon=True)
+        self.agent = agent
+        self.watchdog = watchdog
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        cfg = self.agent.config
+        now = time.monotonic()
+        due = {"reconcile": now + cfg.reconcile_interval_s, "watchdog": now, "inventory": now}
+        every = {
+            "reconcile": cfg.reconcile_interval_s,
+            "watchdog": cfg.watchdog_interval_s,
+            "inventory": INVENTORY_REFRESH_S,
+        }
+        jobs = {
+            "reconcile": self.agent.reconcile,
+            "watchdog": self.watchdog.scan,
+            "inventory": self.agent.refresh_inventory,
+        }
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            for name, at in due.items():
+                if now >= at:
+                    try:
+                        jobs[name]()
+                    except Exception as exc:
+                        self.agent.counters.add("errors", f"{name}:{type(exc).__name__}")
+                        log.exception("%s failed: %s", name, exc)
+                    due[name] = time.monotonic() + every[name]
+            self.stop_event.wait(max(0.05, min(due.values()) - time.monotonic()))
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
+
+
+def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent:
+    """Open the GPU backend (and MPS when configured) and start the agent's state."""
+    if backend is None:
+        backend = open_backend(
+            config.backend,
+            sim_spec=config.sim_spec,
+            state_dir=config.state_dir,
+            node_name=config.node_name,
+        )
+    mps = MpsManager(config.mps_control, config.mps_dir) if config.enforcement == "mps" else None
+    agent = Agent(config, backend, mps=mps)
+    agent.watchdog = Watchdog(agent, kill=config.watchdog_kill)
+    return agent
+
+
+def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
+    """Run the agent until SIGINT/SIGTERM. Returns the exit code."""
+    if config.tcp_port is not None and not config.token:
+        raise RuleViolation("token_file", None, "is required with --tcp-port")
+    agent = build_agent(config, backend)
+    assert agent.watchdog is not None
+    app = create_app(agent)
+    asgi = TokenGuard(app, config.token) if config.token else app
+    sockets = [bind_unix(config.socket)]
+    if config.tcp_port is not None:
+        sockets.append(bind_tcp(config.tcp_host, config.tcp_port))
+    maintenance = Maintenance(agent, agent.watchdog)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            asgi,
+            lifespan="off",
+            access_log=False,
+            log_level=logging.getLevelName(logging.getLogger().level).lower(),
+            timeout_graceful_shutdown=5,
+            backlog=BACKLOG,
+        )
+    )
+    tcp = (
+        f" and {sockets[1].getsockname()[0]}:{sockets[1].getsockname()[1]}"
+        if len(sockets) > 1
+        else ""
+    )
+    log.warning(
+        "qgpu agent on node %s (%s backend, %d GPUs, %d slices) listening on %s%s",
+        agent.node,
+        agent.backend.kind,
+        len(agent.inventory.gpus),
+        len(agent.ledger.allocations(agent.node)),
+        config.socket,
+        tcp,
+    )
+    maintenance.start()
+    try:
+        server.run(sockets=sockets)
+    finally:
+        maintenance.stop()
+        for sock in sockets:
+            sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            config.socket.unlink()
+        agent.close()
+        agent.backend.close()
+    return 0
+
+
+__all__ = ["Maintenance", "bind_tcp", "bind_unix", "build_agent", "serve"]

@@ -1,0 +1,466 @@
+"""The agent's state and operations: reserve, release, list, health — over the core ledger.
+
+State lives in two places, both under the state directory and both rebuilt from the
+ledger on start: the core SQLite ledger (``ledger.sqlite``, WAL, synchronous=FULL: a
+reservation is acknowledged only after it is committed) and one limits file per share slice
+(``limits/<slice>.limits``, written after the commit and before the answer). A restart —
+even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file, deletes
+files of slices that are gone, and reconciles owners. Running processes keep their caps:
+the interposer read its limits at ``cuInit`` and shares per-slice state through files the
+agent never touches.
+
+Placement is the core engine's (`Ledger.reserve`); validation is the core model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from enforcement.agent import slice_env
+from enforcement.agent.config import AgentConfig
+from enforcement.agent.models import (
+    DeviceInfo,
+    DeviceList,
+    Health,
+    ReleaseResult,
+    Reservation,
+    ReserveRequest,
+    SliceInfo,
+    SliceList,
+    SliceUsage,
+)
+from enforcement.agent.mps import MpsManager
+from enforcement.agent.reconcile import (
+    Liveness,
+    OwnerRegistry,
+    default_registry,
+    pid_namespace,
+    proc_start_time,
+)
+from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
+from qgpu.errors import QgpuError, RuleViolation
+from qgpu.ledger import Ledger
+from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind
+from qgpu.units import BYTES_PER_GIB
+
+if TYPE_CHECKING:
+    from enforcement.agent.watchdog import Watchdog
+
+log = logging.getLogger("qgpu.agent")
+
+try:
+    VERSION = version("qgpu")
+except PackageNotFoundError:  # running from a source tree
+    VERSION = "0+unknown"
+
+
+class NotFound(QgpuError):
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        self.violation = RuleViolation(field, value, rule)
+        super().__init__(str(self.violation))
+
+
+@dataclass
+class Counters:
+    """Event counters exported by the metrics module (thread-safe)."""
+
+    reservations: Counter[str] = field(default_factory=Counter)
+    releases: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    reconcile_released: int = 0
+    watchdog_over_cap: Counter[tuple[str, str]] = field(default_factory=Counter)
+    watchdog_kills: Counter[tuple[str, str]] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, key: object, n: int = 1) -> None:
+        with self._lock:
+            getattr(self, name)[key] += n
+
+
+def default_hook_path() -> Path:
+    """Where `pip install` builds the interposer: next to the native sources."""
+    import enforcement.native as native
+
+    return Path(native.__file__).resolve().parent / "libqgpu_hook.so"
+
+
+class Agent:
+    """One node's slices. Thread-safe: FastAPI runs handlers on a thread pool."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        backend: GpuBackend,
+        *,
+        registry: OwnerRegistry | None = None,
+        mps: MpsManager | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.registry = registry or default_registry(config.kubelet_pods_dir)
+        self.mps = mps
+        self.counters = Counters()
+        self.started_at = time.time()
+        self.last_reconcile_at: float | None = None
+        self.watchdog: Watchdog | None = None
+        self.hook_path = config.hook_path or default_hook_path()
+        self._stripes = [threading.Lock() for _ in range(64)]
+        self._inventory_lock = threading.Lock()
+        self._environ_cache: dict[tuple[int, int], str | None] = {}
+        for path in (config.state_dir, config.limits_dir):
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o755)
+        config.slices_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.slices_dir, 0o1777)
+        self.ledger = Ledger(config.ledger_path)
+        self.inventory = self._discover()
+        self.ledger.put_node(self.inventory)
+        if self.mps is not None:
+            self.mps.start(g.uuid for g in self.inventory.gpus)
+        self.restore()
+        self.reconcile()
+
+    # -- inventory ---------------------------------------------------------------------
+
+    @property
+    def node(self) -> str:
+        return self.config.node_name
+
+    def _discover(self) -> NodeInventory:
+        return discover(
+            self.backend,
+            self.node,
+            max_slices_per_gpu=self.config.max_slices_per_gpu,
+            default_isolation=self.config.default_isolation,
+        )
+
+    def refresh_inventory(self) -> bool:
+        """Re-read the GPUs (health changes); returns True when the inventory changed."""
+        with self._inventory_lock:
+            fresh = self._discover()
+            if fresh == self.inventory:
+                return False
+            self.ledger.put_node(fresh)
+            self.inventory = fresh
+            log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
+            return True
+
+    # -- restart recovery ---------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Make the limits files match the ledger exactly (after any restart or crash)."""
+        held = {a.slice_id: a for a in self.ledger.allocations(self.node)}
+        for alloc in held.values():
+            self._write_limits(alloc)
+        for path in self.config.limits_dir.iterdir():
+            name = path.name
+            if name.startswith("."):
+                path.unlink(missing_ok=True)  # a temp file a crash left behind
+            elif (
+                name.endswith(slice_env.LIMITS_SUFFIX)
+                and name.removesuffix(slice_env.LIMITS_SUFFIX) not in held
+            ):
+                path.unlink(missing_ok=True)
+
+    # -- reservations --------------------------------------------------------------------
+
+    def _stripe(self, slice_id: str) -> threading.Lock:
+        return self._stripes[hash(slice_id) % len(self._stripes)]
+
+    def reserve(self, body: ReserveRequest) -> Reservation:
+        owner = self._checked_owner(body.owner)
+        slice_id = body.slice_id or _new_id()
+        with self._stripe(slice_id):
+            alloc = self.ledger.reserve(
+                body.request,
+                owner,
+                slice_id=slice_id,
+                node=self.node,
+                policy=self.config.placement,
+                gpu_policy=self.config.gpu_placement,
+            )
+            try:
+                self._write_limits(alloc)
+            except BaseException:
+                self.ledger.release(alloc.slice_id)
+                raise
+        self.counters.add("reservations", "ok")
+        log.info(
+            "reserved %s on %s core=%d memory=%dGiB owner=%s:%s",
+            alloc.slice_id,
+            ",".join(alloc.gpu_uuids),
+            alloc.core,
+            alloc.memory_gib,
+            alloc.owner.kind.value,
+            alloc.owner.id,
+        )
+        return self.reservation(alloc)
+
+    def _checked_owner(self, owner: Owner) -> Owner:
+        """A pid owner must be a running process; its start time pins its identity."""
+        if owner.kind is not OwnerKind.PID:
+            return owner
+        try:
+            pid = int(owner.id)
+        except ValueError:
+            raise RuleViolation("owner.id", owner.id, "a pid owner's id must be a pid") from None
+        started = proc_start_time(pid) if pid > 0 else None
+        if started is None:
+            raise RuleViolation("owner.id", owner.id, "must be the pid of a running process")
+        given = owner.meta.get("start_time")
+        if given is not None and given != str(started):
+            raise RuleViolation(
+                "owner.meta.start_time", given, f"does not match process {pid} (started {started})"
+            )
+        meta = dict(owner.meta)
+        meta["start_time"] = str(started)
+        ns = pid_namespace()
+        if ns is not None:
+            meta["pidns"] = ns
+        return Owner(kind=owner.kind, id=str(pid), meta=meta)
+
+    def release(self, slice_id: str, reason: str = "request") -> ReleaseResult:
+        with self._stripe(slice_id):
+            released = self.ledger.release(slice_id)
+            slice_env.remove_limits_file(self._limits_path(slice_id))
+        self.counters.add("releases", reason if released else "already-gone")
+        if released:
+            log.info("released %s (%s)", slice_id, reason)
+        return ReleaseResult(slice_id=slice_id, released=released)
+
+    def get(self, slice_id: str) -> Reservation:
+        alloc = self.ledger.get(slice_id)
+        if alloc is None or alloc.node != self.node:
+            raise NotFound("slice_id", slice_id, "no such slice on this node")
+        return self.reservation(alloc)
+
+    # -- environment and limits files ----------------------------------------------------
+
+    def _limits_path(self, slice_id: str) -> Path:
+        return self.config.limits_dir / f"{slice_id}{slice_env.LIMITS_SUFFIX}"
+
+    def _enforcement(self, alloc: Allocation) -> str:
+        if alloc.is_whole_gpu:
+            return "none"
+        return "mps" if self.mps is not None else "interposer"
+
+    def _limits(self, alloc: Allocation) -> dict[str, str]:
+        return slice_env.limits_values(
+            alloc,
+            state_dir=self.config.slices_dir,
+            limits_file=self._limits_path(alloc.slice_id),
+            real_libcuda=self.config.real_libcuda,
+            extra=self.backend.workload_env,
+        )
+
+    def _write_limits(self, alloc: Allocation) -> None:
+        if self._enforcement(alloc) != "interposer":
+            return
+        slice_env.write_limits_file(
+            self._limits_path(alloc.slice_id),
+            self._limits(alloc),
+            root_owned=not self.config.test_mode and os.geteuid() == 0,
+        )
+
+    def reservation(self, alloc: Allocation) -> Reservation:
+        enforcement = self._enforcement(alloc)
+        limits_file: str | None = None
+        if enforcement == "none":
+            env = slice_env.whole_gpu_env(alloc, self.backend.workload_env)
+        elif enforcement == "mps":
+            assert self.mps is not None
+            env = dict(self.backend.workload_env)
+            env.update(self.mps.slice_env(alloc))
+        else:
+            hook = self.hook_path if self.hook_path.exists() else None
+            env = slice_env.interposer_env(
+                alloc, self._limits(alloc), hook_path=hook, workload_env=self.backend.workload_env
+            )
+            limits_file = str(self._limits_path(alloc.slice_id))
+        index = {g.uuid: g.index for g in self.inventory.gpus}
+        return Reservation(
+            slice_id=alloc.slice_id,
+            node=alloc.node,
+            device_uuid=alloc.gpu_uuids[0],
+            device_uuids=list(alloc.gpu_uuids),
+            device_indexes=[index.get(u, -1) for u in alloc.gpu_uuids],
+            core=alloc.core,
+            memory_gib=alloc.memory_gib,
+            memory_limit_bytes=alloc.memory_gib * BYTES_PER_GIB,
+            isolation=alloc.isolation,
+            enforcement=enforcement,  # type: ignore[arg-type]
+            owner=alloc.owner,
+            created_at=alloc.created_at,
+            limits_file=limits_file,
+            env=env,
+        )
+
+    # -- live usage ----------------------------------------------------------------------
+
+    def slice_of_pid(self, pid: int, owners: dict[int, str]) -> str | None:
+        """The slice a GPU process belongs to: its QGPU_SLICE_ID, else its owner pid."""
+        started = proc_start_time(pid)
+        if started is None:
+            return owners.get(pid)
+        key = (pid, started)
+        if key not in self._environ_cache:
+            if len(self._environ_cache) > 4096:
+                self._environ_cache.clear()
+            self._environ_cache[key] = _environ_slice_id(pid)
+        return self._environ_cache[key] or owners.get(pid)
+
+    def attribute(
+        self, allocs: list[Allocation], procs: list[GpuProcess]
+    ) -> tuple[dict[str, list[GpuProcess]], list[GpuProcess]]:
+        """GPU processes per slice, and the processes that belong to no slice."""
+        known = {a.slice_id for a in allocs}
+        owners = {int(a.owner.id): a.slice_id for a in allocs if a.owner.kind is OwnerKind.PID}
+        by_slice: dict[str, list[GpuProcess]] = {}
+        unowned = []
+        for proc in procs:
+            sid = self.slice_of_pid(proc.pid, owners)
+            if sid in known:
+                by_slice.setdefault(sid, []).append(proc)
+            else:
+                unowned.append(proc)
+        return by_slice, unowned
+
+    def _usage_source(self) -> str:
+        return "sim" if self.backend.kind == "sim" else "nvml"
+
+    def slices(self) -> SliceList:
+        allocs = self.ledger.allocations(self.node)
+        procs = _safe(self.backend.processes, [])
+        utils = _safe(self.backend.process_utilization, {})
+        by_slice, _unowned = self.attribute(allocs, procs)
+        out = []
+        for alloc in allocs:
+            mine = [p for p in by_slice.get(alloc.slice_id, []) if p.device_uuid in alloc.gpu_uuids]
+            mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
+            core = [utils[(p.device_uuid, p.pid)] for p in mine if (p.device_uuid, p.pid) in utils]
+            usage = SliceUsage(
+                memory_used_bytes=sum(mem) if mine else 0,
+                core_used_percent=float(sum(core)) if core or not mine else None,
+                pids=sorted({p.pid for p in mine}),
+                source=self._usage_source(),  # type: ignore[arg-type]
+            )
+            out.append(SliceInfo(**self.reservation(alloc).model_dump(), usage=usage))
+        return SliceList(node=self.node, slices=out)
+
+    def devices(self) -> DeviceList:
+        usage = {u.uuid: u for u in self.ledger.usage(self.node)}
+        tele: dict[str, DeviceTelemetry] = {t.uuid: t for t in _safe(self.backend.telemetry, [])}
+        out = []
+        for gpu in self.inventory.gpus:
+            u = usage.get(gpu.uuid)
+            t = tele.get(gpu.uuid)
+            out.append(
+                DeviceInfo(
+                    **gpu.model_dump(),
+                    memory_total_bytes=t.memory_total_bytes if t else None,
+                    memory_used_bytes=t.memory_used_bytes if t else None,
+                    utilization_percent=t.utilization_percent if t else None,
+                    slices=u.slices if u else 0,
+                    max_slices=gpu.max_slices(self.inventory.max_slices_per_gpu),
+                    core_committed=u.core_used if u else 0,
+                    memory_committed_gib=u.memory_used_gib if u else 0,
+                )
+            )
+        return DeviceList(node=self.node, backend=self.backend.kind, devices=out)
+
+    def health(self) -> Health:
+        problems = []
+        unhealthy = [g.uuid for g in self.inventory.gpus if not g.healthy]
+        for gpu in self.inventory.gpus:
+            if not gpu.healthy:
+                problems.append(f"GPU {gpu.uuid} is unhealthy: {gpu.health_reason}")
+        if self.mps is None and not self.hook_path.exists():
+            problems.append(
+                f"the interposer {self.hook_path} is not built: memory and compute caps are "
+                "not enforced (reinstall qgpu to build it)"
+            )
+        uuids = {g.uuid for g in self.inventory.gpus}
+        allocs = self.ledger.allocations(self.node)
+        for alloc in allocs:
+            gone = [u for u in alloc.gpu_uuids if u not in uuids]
+            if gone:
+                problems.append(f"slice {alloc.slice_id} is on a GPU no longer present: {gone[0]}")
+        return Health(
+            status="degraded" if problems else "ok",
+            node=self.node,
+            backend=self.backend.kind,
+            enforcement="mps" if self.mps is not None else "interposer",
+            devices=len(self.inventory.gpus),
+            unhealthy_devices=unhealthy,
+            slices=len(allocs),
+            uptime_s=round(time.time() - self.started_at, 3),
+            last_reconcile_at=self.last_reconcile_at,
+            problems=problems,
+            version=VERSION,
+        )
+
+    # -- reconcile -----------------------------------------------------------------------
+
+    def reconcile(self) -> list[str]:
+        """Release the slices whose owner is dead; alive and unknown owners keep theirs."""
+        released = []
+        for alloc in self.ledger.allocations(self.node):
+            if self.registry.check(alloc.owner) is not Liveness.DEAD:
+                continue
+            # Re-read under the slice's lock: it may have been released and re-reserved.
+            with self._stripe(alloc.slice_id):
+                current = self.ledger.get(alloc.slice_id)
+                if current is None or current.owner != alloc.owner:
+                    continue
+            if self.release(alloc.slice_id, reason="owner-gone").released:
+                released.append(alloc.slice_id)
+                log.info(
+                    "reconcile: released %s, owner %s:%s is gone",
+                    alloc.slice_id,
+                    alloc.owner.kind.value,
+                    alloc.owner.id,
+                )
+        with self.counters._lock:
+            self.counters.reconcile_released += len(released)
+        self.last_reconcile_at = time.time()
+        return released
+
+    def close(self) -> None:
+        self.ledger.close()
+
+
+def _new_id() -> str:
+    from qgpu.ledger import new_slice_id
+
+    return new_slice_id()
+
+
+def _environ_slice_id(pid: int) -> str | None:
+    try:
+        data = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for entry in data.split(b"\0"):
+        if entry.startswith(b"QGPU_SLICE_ID="):
+            return entry[len(b"QGPU_SLICE_ID=") :].decode(errors="replace")
+    return None
+
+
+def _safe(call, default):
+    """Telemetry must never break the API: a failing NVML query reads as 'not reported'."""
+    try:
+        return call()
+    except Exception as exc:
+        log.warning("GPU telemetry query %s failed: %s", getattr(call, "__name__", call), exc)
+        return default
+
+
+__all__ = ["Agent", "Counters", "NotFound", "default_hook_path"]

@@ -1,0 +1,133 @@
+"""Per-slice limits files and the environment a workload applies to run in its slice.
+
+The contract with the interposer (enforcement/native, read at ``cuInit``):
+``QGPU_SLICE_ID``, ``QGPU_DEVICE_UUID``, ``QGPU_MEMORY_LIMIT`` (bytes), ``QGPU_CORE_LIMIT``
+(1..100), ``QGPU_ISOLATION``, ``QGPU_STATE_DIR`` (the shared per-slice ledgers),
+``QGPU_LIMITS_FILE``, ``QGPU_REAL_LIBCUDA`` and ``QGPU_SIM_CONFIG`` (simulation), plus
+``CUDA_VISIBLE_DEVICES=<uuid>`` and ``LD_PRELOAD=<hook>``. The limits file holds the same
+keys as ``KEY=VALUE`` lines; it is written atomically (temp file, fsync, rename), mode
+0444 and owned by root in production, so a workload can read but not loosen its caps.
+
+The MPS backend hands out ``CUDA_MPS_*`` variables instead of the interposer's.
+Whole-GPU slices need no cap: they get the device and the slice id only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from qgpu.model import Allocation
+from qgpu.units import BYTES_PER_GIB
+
+LIMITS_SUFFIX = ".limits"
+_SAFE_VALUE = re.compile(r"^[^\n\r=\x00]*$")
+
+
+def limits_values(
+    alloc: Allocation,
+    *,
+    state_dir: Path,
+    limits_file: Path,
+    real_libcuda: Path | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The QGPU_* limits of one share slice (what goes in its limits file)."""
+    values = {
+        "QGPU_SLICE_ID": alloc.slice_id,
+        "QGPU_DEVICE_UUID": alloc.gpu_uuids[0],
+        "QGPU_MEMORY_LIMIT": str(alloc.memory_gib * BYTES_PER_GIB),
+        "QGPU_CORE_LIMIT": str(min(alloc.core, 100)),
+        "QGPU_ISOLATION": alloc.isolation.value,
+        "QGPU_STATE_DIR": str(state_dir),
+        "QGPU_LIMITS_FILE": str(limits_file),
+    }
+    if real_libcuda is not None:
+        values["QGPU_REAL_LIBCUDA"] = str(real_libcuda)
+    for key, value in (extra or {}).items():
+        if key.startswith("QGPU_"):
+            values[key] = value
+    return values
+
+
+def render_limits(values: Mapping[str, str]) -> str:
+    lines = []
+    for key in sorted(values):
+        value = values[key]
+        if not _SAFE_VALUE.match(value):
+            raise ValueError(f"limits value of {key} contains a newline, '=' or NUL")
+        lines.append(f"{key}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_limits(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def write_limits_file(path: Path, values: Mapping[str, str], *, root_owned: bool) -> None:
+    """Atomically (re)write a limits file: mode 0444, owner root:root when `root_owned`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = render_limits(values)
+    if path.exists():
+        try:
+            if path.read_text() == text and _owned_ok(path, root_owned):
+                return
+        except OSError:
+            pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+        if root_owned:
+            os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _owned_ok(path: Path, root_owned: bool) -> bool:
+    st = path.stat()
+    return (st.st_mode & 0o777) == 0o444 and (not root_owned or (st.st_uid, st.st_gid) == (0, 0))
+
+
+def remove_limits_file(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def interposer_env(
+    alloc: Allocation,
+    limits: Mapping[str, str],
+    *,
+    hook_path: Path | None,
+    workload_env: Mapping[str, str],
+) -> dict[str, str]:
+    """Environment of a share slice enforced by the interposer."""
+    env = dict(workload_env)
+    env.update(limits)
+    env["CUDA_VISIBLE_DEVICES"] = alloc.gpu_uuids[0]
+    if hook_path is not None:
+        env["LD_PRELOAD"] = str(hook_path)
+    return env
+
+
+def whole_gpu_env(alloc: Allocation, workload_env: Mapping[str, str]) -> dict[str, str]:
+    """Environment of whole GPUs: the devices and the slice id, no caps."""
+    env = dict(workload_env)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(alloc.gpu_uuids)
+    env["QGPU_SLICE_ID"] = alloc.slice_id
+    return env

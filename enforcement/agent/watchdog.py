@@ -1,0 +1,151 @@
+"""The watchdog: GPU processes over their slice's memory cap, and GPU processes of no slice.
+
+Each scan reads per-process GPU memory from NVML (or the simulated driver, through the same
+pynvml calls) and attributes every process to a slice (its ``QGPU_SLICE_ID`` environment
+variable, else the slice's pid owner). A share slice whose processes together hold more
+than its cap on its GPU has escaped the interposer (a bypass: static linking, a raw ioctl,
+an unpreloaded process): each such process is reported as one structured JSON log line and
+counted in ``qgpu_watchdog_over_cap_total``. With ``kill`` enabled, the slice's largest
+processes are SIGKILLed, largest first, until the rest fit the cap (counted in
+``qgpu_watchdog_kills_total``). Processes that belong to no slice are logged once each and
+exposed as ``qgpu_watchdog_unowned_processes``. Whole-GPU slices own their card: no cap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from enforcement.discovery import GpuProcess
+from qgpu.units import BYTES_PER_GIB
+
+if TYPE_CHECKING:
+    from enforcement.agent.service import Agent
+
+log = logging.getLogger("qgpu.agent.watchdog")
+
+
+@dataclass(frozen=True)
+class OverCap:
+    device_uuid: str
+    slice_id: str
+    pid: int
+    used_bytes: int
+    slice_used_bytes: int
+    limit_bytes: int
+    action: str  # reported | killed | kill-failed
+
+
+@dataclass
+class WatchdogReport:
+    at: float
+    over_cap: list[OverCap] = field(default_factory=list)
+    unowned: list[GpuProcess] = field(default_factory=list)
+
+
+class Watchdog:
+    def __init__(
+        self,
+        agent: Agent,
+        *,
+        kill: bool = False,
+        killer: Callable[[int, int], None] = os.kill,
+    ) -> None:
+        self.agent = agent
+        self.kill = kill
+        self._killer = killer
+        self._seen_unowned: set[tuple[str, int]] = set()
+        self.last: WatchdogReport | None = None
+
+    def scan(self) -> WatchdogReport:
+        agent = self.agent
+        allocs = agent.ledger.allocations(agent.node)
+        procs = agent.backend.processes()
+        by_slice, unowned = agent.attribute(allocs, procs)
+        report = WatchdogReport(at=time.time(), unowned=unowned)
+        for alloc in allocs:
+            if alloc.is_whole_gpu:
+                continue
+            limit = alloc.memory_gib * BYTES_PER_GIB
+            uuid = alloc.gpu_uuids[0]
+            mine = [
+                p
+                for p in by_slice.get(alloc.slice_id, [])
+                if p.device_uuid == uuid and p.used_memory_bytes is not None
+            ]
+            total = sum(p.used_memory_bytes or 0 for p in mine)
+            if total <= limit:
+                continue
+            remaining = total
+            for proc in sorted(mine, key=lambda p: p.used_memory_bytes or 0, reverse=True):
+                action = "reported"
+                if self.kill and remaining > limit:
+                    action = self._kill(proc.pid)
+                    if action == "killed":
+                        remaining -= proc.used_memory_bytes or 0
+                        agent.counters.add("watchdog_kills", (uuid, alloc.slice_id))
+                event = OverCap(
+                    uuid,
+                    alloc.slice_id,
+                    proc.pid,
+                    proc.used_memory_bytes or 0,
+                    total,
+                    limit,
+                    action,
+                )
+                report.over_cap.append(event)
+                agent.counters.add("watchdog_over_cap", (uuid, alloc.slice_id))
+                log.warning(
+                    json.dumps(
+                        {
+                            "event": "qgpu.watchdog.over_cap",
+                            "node": agent.node,
+                            "device_uuid": uuid,
+                            "slice": alloc.slice_id,
+                            "owner": f"{alloc.owner.kind.value}:{alloc.owner.id}",
+                            "pid": proc.pid,
+                            "used_bytes": event.used_bytes,
+                            "slice_used_bytes": total,
+                            "limit_bytes": limit,
+                            "action": action,
+                        },
+                        sort_keys=True,
+                    )
+                )
+        current = {(p.device_uuid, p.pid) for p in unowned}
+        for proc in unowned:
+            if (proc.device_uuid, proc.pid) not in self._seen_unowned:
+                log.warning(
+                    json.dumps(
+                        {
+                            "event": "qgpu.watchdog.unowned_process",
+                            "node": agent.node,
+                            "device_uuid": proc.device_uuid,
+                            "pid": proc.pid,
+                            "used_bytes": proc.used_memory_bytes,
+                        },
+                        sort_keys=True,
+                    )
+                )
+        self._seen_unowned = current
+        self.last = report
+        return report
+
+    def _kill(self, pid: int) -> str:
+        if pid == os.getpid():
+            return "kill-failed"
+        try:
+            self._killer(pid, signal.SIGKILL)
+        except OSError as exc:
+            log.error("watchdog could not kill %d: %s", pid, exc)
+            return "kill-failed"
+        return "killed"
+
+
+__all__ = ["OverCap", "Watchdog", "WatchdogReport"]
