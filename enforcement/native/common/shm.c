@@ -1,0 +1,124 @@
+/* Shared state files: an mmap'd file with a robust, process-shared mutex inside. */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "qgpu_common.h"
+
+int qgpu_mkdirs(const char *path) {
+    char tmp[PATH_MAX];
+    size_t len = strlen(path);
+    if (len == 0 || len >= sizeof tmp) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(tmp, path, len + 1);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
+        *p = '/';
+    }
+    if (mkdir(tmp, 01777) == 0) {
+        chmod(tmp, 01777); /* umask-proof: every user of the GPU shares the directory */
+    } else if (errno != EEXIST) {
+        return -1;
+    }
+    return 0;
+}
+
+static void init_mutex(pthread_mutex_t *m) {
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(m, &attr);
+    pthread_mutexattr_destroy(&attr);
+}
+
+void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex_offset,
+                     qgpu_init_cb init_cb, void *arg) {
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) return NULL;
+    fchmod(fd, 0666); /* harmless when not the owner */
+    if (flock(fd, LOCK_EX) != 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return NULL;
+    }
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return NULL;
+    }
+    uint64_t *head = (uint64_t *)base;
+    if (*head != magic) {
+        memset(base, 0, size);
+        init_mutex((pthread_mutex_t *)((char *)base + mutex_offset));
+        if (init_cb) init_cb(base, arg);
+        __atomic_store_n(head, magic, __ATOMIC_RELEASE);
+    }
+    flock(fd, LOCK_UN);
+    close(fd);
+    return base;
+}
+
+int qgpu_lock(pthread_mutex_t *m) {
+    int r = pthread_mutex_lock(m);
+    if (r == EOWNERDEAD) {
+        pthread_mutex_consistent(m);
+        return 1;
+    }
+    return 0;
+}
+
+void qgpu_unlock(pthread_mutex_t *m) { pthread_mutex_unlock(m); }
+
+void qgpu_uuid_format(const unsigned char b[16], char out[41]) {
+    snprintf(out, 41,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+int qgpu_uuid_parse(const char *text, unsigned char bytes[16]) {
+    if (strncmp(text, "GPU-", 4) == 0) text += 4;
+    int n = 0;
+    while (*text && n < 32) {
+        if (*text == '-') {
+            text++;
+            continue;
+        }
+        int v = hexval(*text++);
+        if (v < 0) return -1;
+        if (n % 2 == 0)
+            bytes[n / 2] = (unsigned char)(v << 4);
+        else
+            bytes[n / 2] |= (unsigned char)v;
+        n++;
+    }
+    return (n == 32 && *text == 0) ? 0 : -1;
+}

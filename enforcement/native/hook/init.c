@@ -1,0 +1,94 @@
+/* Hook state: limits are read on the first CUDA/NVML call that goes through the hook (in
+ * practice cuInit), never at load time, so a process that never uses CUDA pays nothing and
+ * a worker can receive its limits before it starts CUDA. cuInit also checks the slice
+ * against the card. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "hook.h"
+
+QGPU_HIDDEN hook_limits_t g_lim;
+QGPU_HIDDEN int g_hook_state;
+QGPU_HIDDEN int g_capped;
+static pthread_once_t config_once = PTHREAD_ONCE_INIT;
+static pthread_once_t device_once = PTHREAD_ONCE_INIT;
+
+void hook_fail(const char *fmt, ...) {
+    char line[1536];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "qgpu: invalid limits: %s\n", line);
+    __atomic_store_n(&g_hook_state, HOOK_ERROR, __ATOMIC_RELEASE);
+}
+
+static void load_config(void) {
+    char err[1400];
+    if (hook_config_load(&g_lim, err, sizeof err) != 0) {
+        hook_fail("%s", err);
+        return;
+    }
+    if (!g_lim.active) {
+        __atomic_store_n(&g_hook_state, HOOK_PASSTHROUGH, __ATOMIC_RELEASE);
+        return;
+    }
+    if (ledger_open(&g_lim, err, sizeof err) != 0) {
+        hook_fail("%s", err);
+        return;
+    }
+    if (g_lim.device_uuid[0]) ledger_region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
+    g_capped = g_lim.policy != POLICY_BEST_EFFORT && g_lim.core < 100;
+    __atomic_store_n(&g_hook_state, HOOK_ACTIVE, __ATOMIC_RELEASE);
+}
+
+int hook_state(void) {
+    int s = __atomic_load_n(&g_hook_state, __ATOMIC_ACQUIRE);
+    if (s) return s;
+    pthread_once(&config_once, load_config);
+    return __atomic_load_n(&g_hook_state, __ATOMIC_ACQUIRE);
+}
+
+/* After the real cuInit: the slice's device must be visible and big enough. */
+static void check_device(void) {
+    int n = 0;
+    if (!HAVE_REAL(cuDeviceGetCount) || REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS || n <= 0) return;
+    CUdevice found = -1;
+    char uuid[41] = "";
+    for (int i = 0; i < n && found < 0; i++) {
+        CUdevice d;
+        CUuuid u;
+        if (REAL(cuDeviceGet)(&d, i) != CUDA_SUCCESS || REAL(cuDeviceGetUuid)(&u, d) != CUDA_SUCCESS)
+            continue;
+        qgpu_uuid_format((const unsigned char *)u.bytes, uuid);
+        if (!g_lim.device_uuid[0] || strcmp(uuid, g_lim.device_uuid) == 0) found = d;
+    }
+    if (found < 0) {
+        hook_fail("QGPU_DEVICE_UUID=%s: no visible device has this UUID (rule: the slice's GPU "
+                  "must be visible; CUDA_VISIBLE_DEVICES is set to it)", g_lim.device_uuid);
+        return;
+    }
+    size_t total = 0;
+    if (REAL(cuDeviceTotalMem_v2)(&total, found) == CUDA_SUCCESS && g_lim.mem_limit > total) {
+        hook_fail("QGPU_MEMORY_LIMIT=%llu (from %s): exceeds the card's %llu bytes (rule: a "
+                  "slice's memory must fit its GPU)",
+                  (unsigned long long)g_lim.mem_limit, g_lim.mem_source, (unsigned long long)total);
+        return;
+    }
+    if (!g_lim.device_uuid[0]) {
+        snprintf(g_lim.device_uuid, sizeof g_lim.device_uuid, "%s", uuid);
+        ledger_region_open(g_lim.state_dir, uuid, &g_lim);
+    }
+}
+
+QGPU_EXPORT CUresult cuInit(unsigned int flags) {
+    hook_load_cuda();
+    if (!HAVE_REAL(cuInit)) return CUDA_ERROR_NOT_INITIALIZED;
+    int s = hook_state();
+    if (s == HOOK_ERROR) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = REAL(cuInit)(flags);
+    if (r != CUDA_SUCCESS || s != HOOK_ACTIVE) return r;
+    pthread_once(&device_once, check_device);
+    return hook_state() == HOOK_ERROR ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}

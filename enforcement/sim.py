@@ -1,0 +1,304 @@
+"""Simulation mode: simulated GPUs served by the simulated driver (``libcuda.so.1``) and
+NVML (``libnvidia-ml.so.1``) built from ``enforcement/native/sim``.
+
+A spec such as ``"2xH100-80GB"`` or ``"H100-80GB,A10-24GB"`` becomes a config file (one
+``key=value`` per line, read by the C libraries through ``QGPU_SIM_CONFIG``). GPU UUIDs are
+derived from the node name and index, so a node always has the same simulated GPUs. Each GPU
+has a state file (memory, device timeline, per-process slots) next to the config; this module
+also reads it, for tests, benchmarks and the node agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from enforcement.native import sim_library_dir
+
+GIB = 1 << 30
+_UUID_NAMESPACE = uuid.UUID("6f1d3c1e-5a0b-4c8e-9d27-2b1f0e7a9c44")
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A GPU model the simulator knows: marketing name, memory, SM count, compute capability."""
+
+    key: str
+    name: str
+    memory_gib: int
+    sms: int
+    cc: str
+
+
+MODELS: dict[str, GpuModel] = {
+    m.key.lower(): m
+    for m in (
+        GpuModel("T4-16GB", "Tesla T4", 16, 40, "7.5"),
+        GpuModel("V100-16GB", "Tesla V100-SXM2-16GB", 16, 80, "7.0"),
+        GpuModel("V100-32GB", "Tesla V100-SXM2-32GB", 32, 80, "7.0"),
+        GpuModel("A10-24GB", "NVIDIA A10", 24, 72, "8.6"),
+        GpuModel("A30-24GB", "NVIDIA A30", 24, 56, "8.0"),
+        GpuModel("A100-40GB", "NVIDIA A100-SXM4-40GB", 40, 108, "8.0"),
+        GpuModel("A100-80GB", "NVIDIA A100-SXM4-80GB", 80, 108, "8.0"),
+        GpuModel("L4-24GB", "NVIDIA L4", 24, 58, "8.9"),
+        GpuModel("L40S-48GB", "NVIDIA L40S", 48, 142, "8.9"),
+        GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9"),
+        GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 80, 132, "9.0"),
+        GpuModel("H200-141GB", "NVIDIA H200", 141, 132, "9.0"),
+    )
+}
+# short aliases: the model without its memory, when that is unambiguous
+_ALIASES = {"t4": "t4-16gb", "a10": "a10-24gb", "a30": "a30-24gb", "l4": "l4-24gb",
+            "l40s": "l40s-48gb", "rtx4090": "rtx4090-24gb", "h100": "h100-80gb",
+            "h200": "h200-141gb", "v100m32": "v100-32gb", "v100": "v100-16gb"}
+_ITEM_RE = re.compile(r"^(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9._-]+)$")
+
+
+class SimSpecError(ValueError):
+    """A simulated-GPU spec that cannot be parsed; the message names the part and the rule."""
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    index: int
+    uuid: str
+    model: str
+    name: str
+    memory_bytes: int
+    sms: int
+    cc: str
+
+    @property
+    def memory_gib(self) -> int:
+        return self.memory_bytes // GIB
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    path: Path
+    node: str
+    state_dir: Path
+    gpus: tuple[SimGpu, ...]
+
+    def gpu(self, key: int | str) -> SimGpu:
+        """A GPU by index or UUID."""
+        for g in self.gpus:
+            if g.index == key or g.uuid == key:
+                return g
+        raise KeyError(f"no simulated GPU {key!r} in {self.path}")
+
+    def state_path(self, key: int | str) -> Path:
+        return self.state_dir / f"{self.gpu(key).uuid}.gpu"
+
+
+def parse_spec(spec: str) -> list[GpuModel]:
+    """``"2xH100-80GB,A10-24GB"`` -> [H100, H100, A10]."""
+    models: list[GpuModel] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        m = _ITEM_RE.match(item)
+        if not m:
+            raise SimSpecError(f"sim spec item {item!r}: must be [COUNTx]MODEL, e.g. 2xH100-80GB")
+        count = int(m.group(1) or 1)
+        key = m.group(2).lower()
+        key = _ALIASES.get(key, key)
+        if key not in MODELS:
+            known = ", ".join(sorted(m.key for m in MODELS.values()))
+            raise SimSpecError(f"sim spec item {item!r}: unknown model (known: {known})")
+        if count < 1 or count > 64:
+            raise SimSpecError(f"sim spec item {item!r}: count must be 1..64")
+        models.extend([MODELS[key]] * count)
+    if len(models) > 64:
+        raise SimSpecError(f"sim spec {spec!r}: at most 64 GPUs")
+    return models
+
+
+def gpu_uuid(node: str, index: int) -> str:
+    """The deterministic UUID of simulated GPU ``index`` on ``node``."""
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+
+
+def write_sim_config(
+    path: str | os.PathLike[str],
+    spec: str,
+    node: str = "sim-node",
+    state_dir: str | os.PathLike[str] | None = None,
+) -> SimConfig:
+    """Write the config file for ``spec`` and return what it describes."""
+    path = Path(path)
+    models = parse_spec(spec)
+    state = Path(state_dir) if state_dir else Path(f"{path}.state")
+    lines = ["# qgpu simulated GPUs (enforcement/sim.py)", f"node={node}", f"state_dir={state}"]
+    gpus = []
+    for i, m in enumerate(models):
+        g = SimGpu(i, gpu_uuid(node, i), m.key, m.name, m.memory_gib * GIB, m.sms, m.cc)
+        gpus.append(g)
+        lines += [
+            f"gpu{i}.uuid={g.uuid}",
+            f"gpu{i}.name={g.name}",
+            f"gpu{i}.model={g.model}",
+            f"gpu{i}.memory={g.memory_bytes}",
+            f"gpu{i}.sms={g.sms}",
+            f"gpu{i}.cc={g.cc}",
+        ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return SimConfig(path, node, state, tuple(gpus))
+
+
+def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
+    """Read a config written by write_sim_config."""
+    path = Path(path)
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            values[k.strip()] = v.strip()
+    gpus = []
+    i = 0
+    while f"gpu{i}.uuid" in values:
+        p = f"gpu{i}."
+        gpus.append(
+            SimGpu(
+                i,
+                values[p + "uuid"],
+                values.get(p + "model", ""),
+                values.get(p + "name", ""),
+                int(values[p + "memory"]),
+                int(values.get(p + "sms", "80")),
+                values.get(p + "cc", "8.0"),
+            )
+        )
+        i += 1
+    state = Path(values.get("state_dir") or f"{path}.state")
+    return SimConfig(path, values.get("node", ""), state, tuple(gpus))
+
+
+def sim_environment(config_path: str | os.PathLike[str]) -> dict[str, str]:
+    """Environment that makes a process use the simulated driver and NVML."""
+    lib_dir = str(sim_library_dir())
+    old = os.environ.get("LD_LIBRARY_PATH", "")
+    ld = lib_dir if not old else f"{lib_dir}:{old}"
+    return {"LD_LIBRARY_PATH": ld, "QGPU_SIM_CONFIG": str(Path(config_path).resolve())}
+
+
+def load_sim_nvml(config_path: str | os.PathLike[str]) -> ctypes.CDLL:
+    """Load the simulated NVML into this process so that ``pynvml`` uses it.
+
+    pynvml opens ``CDLL("libnvidia-ml.so.1")``; the dynamic loader answers a name that
+    matches the SONAME of an already-loaded library with that library, so loading ours first
+    (RTLD_GLOBAL) is enough. Call before ``pynvml.nvmlInit()``.
+    """
+    os.environ["QGPU_SIM_CONFIG"] = str(Path(config_path).resolve())
+    return ctypes.CDLL(str(sim_library_dir() / "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL)
+
+
+# --- reading the shared per-GPU state (layout: enforcement/native/sim/sim.h) ---
+
+_HEADER = struct.Struct("<QIIQQqQQq")  # magic .. created_ns, offsets 0..64
+_PROC = struct.Struct("<iIQQQqQ16x")  # sim_proc_t, 64 bytes
+_PROCS_OFFSET = 512
+_MAX_PROCS = 64
+_MAGIC = 0x314D495355504751
+
+
+@dataclass(frozen=True)
+class SimProcess:
+    pid: int
+    mem_used: int
+    busy_ns: int
+    last_end_ns: int
+    launches: int
+
+    def busy_completed(self, now_ns: int) -> int:
+        """Device time of this process's work finished by ``now_ns`` (queued work of one
+        process is counted as contiguous; exact when it keeps one op in flight)."""
+        return self.busy_ns - max(0, self.last_end_ns - now_ns)
+
+
+@dataclass(frozen=True)
+class SimGpuState:
+    """A snapshot of one simulated GPU, taken at ``now_ns`` (CLOCK_MONOTONIC)."""
+
+    now_ns: int
+    mem_total: int
+    mem_used: int
+    tail_ns: int
+    busy_total_ns: int
+    launches: int
+    processes: tuple[SimProcess, ...] = field(default=())
+
+    @property
+    def busy_completed_ns(self) -> int:
+        return self.busy_total_ns - max(0, self.tail_ns - self.now_ns)
+
+    def process(self, pid: int) -> SimProcess | None:
+        return next((p for p in self.processes if p.pid == pid), None)
+
+
+def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> SimGpuState:
+    """Snapshot of a simulated GPU's shared state (memory, timeline, processes)."""
+    cfg = config if isinstance(config, SimConfig) else load_sim_config(config)
+    data = cfg.state_path(gpu).read_bytes()
+    now = _monotonic_ns()
+    magic, _ver, _nprocs, total, used, tail, busy, launches, _created = _HEADER.unpack_from(data, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"{cfg.state_path(gpu)} is not a simulated GPU state file")
+    procs = []
+    for i in range(_MAX_PROCS):
+        pid, _flags, _start, mem, pbusy, last_end, plaunch = _PROC.unpack_from(
+            data, _PROCS_OFFSET + i * _PROC.size
+        )
+        if pid:
+            procs.append(SimProcess(pid, mem, pbusy, last_end, plaunch))
+    return SimGpuState(now, total, used, tail, busy, launches, tuple(procs))
+
+
+def gpu_memory_used(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> int:
+    return read_gpu_state(config, gpu).mem_used
+
+
+def process_memory(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> dict[int, int]:
+    """pid -> bytes held on the simulated GPU (slots of dead processes may linger until the
+    next allocation or NVML query reclaims them)."""
+    return {p.pid: p.mem_used for p in read_gpu_state(config, gpu).processes}
+
+
+def busy_share(
+    before: SimGpuState, after: SimGpuState, pid: int | None = None
+) -> float:
+    """Fraction of the wall time between two snapshots the device spent on ``pid``'s work
+    (or on anyone's, when pid is None)."""
+    span = after.now_ns - before.now_ns
+    if span <= 0:
+        raise ValueError("snapshots must be in time order")
+    if pid is None:
+        return (after.busy_completed_ns - before.busy_completed_ns) / span
+    a, b = before.process(pid), after.process(pid)
+    done_a = a.busy_completed(before.now_ns) if a else 0
+    done_b = b.busy_completed(after.now_ns) if b else 0
+    return (done_b - done_a) / span
+
+
+def utilization(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0,
+                seconds: float = 0.5) -> float:
+    """Device utilisation (0..1) over the next ``seconds``."""
+    import time
+
+    before = read_gpu_state(config, gpu)
+    time.sleep(seconds)
+    return busy_share(before, read_gpu_state(config, gpu))
+
+
+def _monotonic_ns() -> int:
+    import time
+
+    return time.monotonic_ns()
