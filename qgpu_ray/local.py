@@ -1,0 +1,152 @@
+"""A Ray cluster on this machine with qgpu nodes: real GPUs, or simulated ones.
+
+`LocalCluster` starts ``ray.cluster_utils.Cluster`` nodes that each advertise their GPUs
+(totals, per-GPU resources, labels) and run their workers with the interposer, the bind
+hook and (on simulated GPUs) the simulated driver; it connects the driver and runs the
+plain-path reaper. It serves ``make demo``, the examples and the tests, and lets users try
+their Ray code on simulated GPUs.
+
+`init_local` is the one-node shortcut: ``qgpu_ray.init_local(sim="2xH100-80GB")``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qgpu.model import NodeInventory, PlacementPolicy
+from qgpu_ray.provider import sim_node, worker_environment
+from qgpu_ray.reaper import Reaper
+from qgpu_ray.resources import node_labels, node_resources
+
+
+@dataclass
+class LocalNode:
+    name: str
+    inventory: NodeInventory
+    state_dir: Path
+    sim_config: Path | None
+    ray_node: Any
+    env: dict[str, str]
+
+
+def _real_gpu_node(name: str, root: Path) -> tuple[NodeInventory, None]:
+    from enforcement.discovery import discover, open_backend
+
+    backend = open_backend("nvml", state_dir=root)
+    try:
+        return discover(backend, name), None
+    finally:
+        backend.close()
+
+
+class LocalCluster:
+    """Ray nodes on this machine, each with its own (simulated or real) GPUs."""
+
+    def __init__(
+        self,
+        nodes: list[str] | None = None,
+        *,
+        root: str | Path | None = None,
+        policy: PlacementPolicy | str = PlacementPolicy.BINPACK,
+        cpus_per_node: int = 2,
+        head_cpus: int = 1,
+        connect: bool = True,
+        reaper_interval: float = 0.5,
+        ray_init_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """`nodes` lists one simulated-GPU spec per node (``["2xH100-80GB", "T4"]``);
+        the special spec ``"real"`` uses this machine's GPUs through NVML."""
+        from ray.cluster_utils import Cluster
+
+        self._own_root = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="qgpu-ray-", dir="/tmp"))
+        self.policy = PlacementPolicy.parse(policy, "policy")
+        self.cpus_per_node = cpus_per_node
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": head_cpus, "include_dashboard": False},
+        )
+        self.nodes: list[LocalNode] = []
+        self.reaper: Reaper | None = None
+        for spec in nodes or ["2xH100-80GB"]:
+            self.add_node(spec)
+        if connect:
+            import ray
+
+            ray.init(address=self.cluster.address, **(ray_init_kwargs or {}))
+            self.reaper = Reaper(interval=reaper_interval).start()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, spec: str, name: str | None = None) -> LocalNode:
+        name = name or f"qgpu-node-{len(self.nodes)}"
+        node_root = self.root / name
+        node_root.mkdir(parents=True, exist_ok=True)
+        if spec == "real":
+            inventory, sim_config = _real_gpu_node(name, node_root)
+        else:
+            inventory, sim_config = sim_node(spec, name, node_root)
+        state_dir = node_root / "state"
+        state_dir.mkdir(exist_ok=True)
+        env = worker_environment(state_dir, sim_config=sim_config, policy=self.policy)
+        ray_node = self.cluster.add_node(
+            num_cpus=self.cpus_per_node,
+            resources=node_resources(inventory),
+            labels=node_labels(inventory),
+            env_vars=env,
+        )
+        node = LocalNode(name, inventory, state_dir, sim_config, ray_node, env)
+        self.nodes.append(node)
+        return node
+
+    def remove_node(self, node: LocalNode) -> None:
+        self.cluster.remove_node(node.ray_node)
+        self.nodes.remove(node)
+
+    def node_of(self, gpu_uuid: str) -> LocalNode:
+        for node in self.nodes:
+            if any(g.uuid == gpu_uuid for g in node.inventory.gpus):
+                return node
+        raise KeyError(gpu_uuid)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.reaper is not None:
+            self.reaper.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def init_local(
+    sim: str | None = None, *, policy: PlacementPolicy | str = "binpack", **kwargs: Any
+) -> LocalCluster:
+    """One qgpu node on this machine: this machine's GPUs, or ``sim`` simulated ones.
+
+    Without ``sim`` the real GPUs are used when NVML is available, else ``2xH100-80GB``.
+    """
+    if sim is None:
+        from enforcement.discovery import nvml_available
+
+        sim = (
+            "real"
+            if nvml_available() and os.environ.get("QGPU_BACKEND") != "sim"
+            else ("2xH100-80GB")
+        )
+    return LocalCluster([sim], policy=policy, **kwargs)

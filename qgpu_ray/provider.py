@@ -1,0 +1,92 @@
+"""Node resource provider: what a qgpu node tells Ray, and the environment of its workers.
+
+`ray_start_arguments` turns a node inventory into ``ray start`` flags (totals, per-GPU
+resources, labels); `worker_environment` is the raylet environment that every worker on the
+node inherits: the interposer preloaded, the bind hook of the plain ``resources=`` path,
+the interposer's state directory and, on simulated GPUs, the simulated driver.
+`sim_node` builds a simulated node (config + inventory) for laptops, CI and tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qgpu.model import GpuDevice, IsolationPolicy, NodeInventory, PlacementPolicy
+from qgpu.units import MIB_PER_GIB
+from qgpu_ray.bind import BIND_ENV, POLICY_ENV
+from qgpu_ray.resources import node_labels, node_resources
+
+SETUP_HOOK = "qgpu_ray.bind.install"
+# Ray reads this variable in every worker and runs the named function before any task
+# (the environment form of runtime_env["worker_process_setup_hook"]).
+RAY_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+
+
+def worker_environment(
+    state_dir: str | Path,
+    *,
+    sim_config: str | Path | None = None,
+    policy: PlacementPolicy | str = PlacementPolicy.BINPACK,
+    preload: bool = True,
+    setup_hook_env: bool = True,
+) -> dict[str, str]:
+    """Environment for the raylet of a qgpu node (its workers inherit it)."""
+    from enforcement.native import hook_library_path
+
+    env = {
+        "QGPU_STATE_DIR": str(Path(state_dir).resolve()),
+        POLICY_ENV: PlacementPolicy.parse(policy, "policy").value,
+        BIND_ENV: "ray",
+    }
+    if preload:
+        env["LD_PRELOAD"] = str(hook_library_path())
+    if setup_hook_env:
+        env[RAY_SETUP_HOOK_ENV] = SETUP_HOOK
+    if sim_config is not None:
+        from enforcement.sim import sim_environment
+
+        env.update(sim_environment(sim_config))
+    return env
+
+
+def ray_start_arguments(inventory: NodeInventory) -> list[str]:
+    """``ray start`` flags advertising the node's GPUs (append the user's own flags)."""
+    return [
+        "--resources=" + json.dumps(node_resources(inventory), sort_keys=True),
+        "--labels=" + ",".join(f"{k}={v}" for k, v in sorted(node_labels(inventory).items())),
+    ]
+
+
+def sim_node(
+    spec: str,
+    node_name: str,
+    root: str | Path,
+    *,
+    max_slices_per_gpu: int = 16,
+    default_isolation: IsolationPolicy | str = IsolationPolicy.BEST_EFFORT,
+) -> tuple[NodeInventory, Path]:
+    """A simulated node: writes its GPU config under `root`; returns inventory and config."""
+    from enforcement.sim import write_sim_config
+
+    root = Path(root)
+    config = write_sim_config(root / "sim.conf", spec, node=node_name, state_dir=root / "sim")
+    gpus = [
+        GpuDevice(
+            uuid=g.uuid,
+            index=g.index,
+            model=g.model,
+            memory_mib=g.memory_gib * MIB_PER_GIB,
+            sm_count=g.sms,
+            numa_node=0,
+        )
+        for g in config.gpus
+    ]
+    inventory = NodeInventory(
+        name=node_name,
+        gpus=gpus,
+        max_slices_per_gpu=max_slices_per_gpu,
+        default_isolation=IsolationPolicy.parse(default_isolation, "default_isolation"),
+        labels={"qgpu.io/backend": "sim"},
+    )
+    return inventory, config.path

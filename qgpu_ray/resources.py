@@ -1,0 +1,80 @@
+"""Ray resource names and node labels for qgpu (DESIGN.md §5).
+
+A node advertises the totals ``qgpu-core`` (100 x GPUs) and ``qgpu-memory`` (sum of whole
+GiB) and, per physical GPU, a cluster-unique triple named after the GPU's UUID:
+``qgpu-core/<uuid>`` (100), ``qgpu-memory/<uuid>`` (card GiB) and ``qgpu-slots/<uuid>``
+(the slice limit of that GPU). A slice consumes the totals plus its GPU's triple, so Ray's
+own accounting never over-commits a GPU in core, memory or slice count.
+
+Labels: ``qgpu.io/node`` (the agent's node name), ``qgpu.io/gpu-model`` (the model, or
+``mixed``), ``qgpu.io/gpu-count``, ``qgpu.io/isolation`` (the node's default isolation)
+and, per GPU, ``qgpu.io/model.<uuid>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from qgpu.model import NodeInventory
+from qgpu.units import CORE_FIELD, MEMORY_FIELD
+
+TOTAL_CORE = CORE_FIELD  # "qgpu-core"
+TOTAL_MEMORY = MEMORY_FIELD  # "qgpu-memory"
+SLOTS = "qgpu-slots"
+GPU_KINDS = (TOTAL_CORE, TOTAL_MEMORY, SLOTS)
+
+LABEL_NODE = "qgpu.io/node"
+LABEL_MODEL = "qgpu.io/gpu-model"
+LABEL_COUNT = "qgpu.io/gpu-count"
+LABEL_ISOLATION = "qgpu.io/isolation"
+LABEL_GPU_MODEL_PREFIX = "qgpu.io/model."
+
+_LABEL_VALUE_RE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def gpu_resource(kind: str, uuid: str) -> str:
+    """Per-GPU resource name, e.g. ``qgpu-core/GPU-5f3c...``."""
+    if kind not in GPU_KINDS:
+        raise ValueError(f"unknown per-GPU resource kind {kind!r}")
+    return f"{kind}/{uuid}"
+
+
+def parse_gpu_resource(name: str) -> tuple[str, str] | None:
+    """(kind, uuid) for a per-GPU resource name; None for anything else (group names too)."""
+    kind, sep, uuid = name.partition("/")
+    if not sep or kind not in GPU_KINDS or "_group_" in uuid or not uuid:
+        return None
+    return kind, uuid
+
+
+def label_value(text: str) -> str:
+    """A Ray label value: at most 63 characters of [A-Za-z0-9_.-]."""
+    return _LABEL_VALUE_RE.sub("_", text)[:63]
+
+
+def node_resources(inventory: NodeInventory) -> dict[str, float]:
+    """The custom resources a node with these GPUs advertises to Ray (healthy GPUs only)."""
+    gpus = [g for g in inventory.gpus if g.healthy]
+    out: dict[str, float] = {
+        TOTAL_CORE: float(100 * len(gpus)),
+        TOTAL_MEMORY: float(sum(g.memory_gib for g in gpus)),
+    }
+    for gpu in gpus:
+        out[gpu_resource(TOTAL_CORE, gpu.uuid)] = 100.0
+        out[gpu_resource(TOTAL_MEMORY, gpu.uuid)] = float(gpu.memory_gib)
+        out[gpu_resource(SLOTS, gpu.uuid)] = float(gpu.max_slices(inventory.max_slices_per_gpu))
+    return out
+
+
+def node_labels(inventory: NodeInventory) -> dict[str, str]:
+    """Labels describing the node's GPUs (usable in ``label_selector``)."""
+    models = sorted({g.model for g in inventory.gpus})
+    labels = {
+        LABEL_NODE: label_value(inventory.name),
+        LABEL_MODEL: label_value(models[0] if len(models) == 1 else "mixed"),
+        LABEL_COUNT: str(len(inventory.gpus)),
+        LABEL_ISOLATION: inventory.default_isolation.value,
+    }
+    for gpu in inventory.gpus:
+        labels[LABEL_GPU_MODEL_PREFIX + label_value(gpu.uuid)] = label_value(gpu.model)
+    return labels

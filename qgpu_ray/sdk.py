@@ -1,0 +1,264 @@
+"""The qgpu Ray SDK: ``options()``, ``@remote`` and ``placement_group()``.
+
+``options(core=30, memory="8Gi", policy="binpack")`` validates the request with the core
+slice model, decides node and GPU with the core placement engine over Ray's live per-GPU
+resources, and returns kwargs for ``.options()``: the totals plus that GPU's per-GPU
+resources (so Ray's own accounting keeps each GPU exact) and ``runtime_env.env_vars`` with
+the device, the interposer and the caps, all known before the worker process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from qgpu.errors import NoFit, first_violation
+from qgpu.model import Allocation, IsolationPolicy, PlacementPolicy, SliceRequest
+from qgpu.placement import Decision, Engine
+from qgpu_ray.env import slice_env
+from qgpu_ray.resources import (
+    LABEL_ISOLATION,
+    SLOTS,
+    TOTAL_CORE,
+    TOTAL_MEMORY,
+    gpu_resource,
+)
+from qgpu_ray.view import PENDING, RayNode, live_state
+
+
+def pg_strategy(policy: PlacementPolicy) -> str:
+    """Ray placement-group strategy for a qgpu policy: spread -> SPREAD, others -> PACK."""
+    return "SPREAD" if policy is PlacementPolicy.SPREAD else "PACK"
+
+
+def build_request(core: Any, memory: Any = None, **fields: Any) -> SliceRequest:
+    """Validate through the core model; raise RuleViolation naming field, value and rule."""
+    raw = {"core": core, **{k: v for k, v in fields.items() if v is not None}}
+    if memory is not None:
+        raw["memory"] = memory
+    try:
+        return SliceRequest.model_validate(raw)
+    except ValidationError as exc:
+        raise first_violation(exc) from exc
+
+
+def decision_resources(decision: Decision) -> dict[str, float]:
+    """Totals plus the per-GPU triple of every GPU in the decision."""
+    out = {
+        TOTAL_CORE: float(decision.core_per_gpu * len(decision.gpu_uuids)),
+        TOTAL_MEMORY: float(sum(decision.memory_gib_per_gpu)),
+    }
+    for uuid_, mem in zip(decision.gpu_uuids, decision.memory_gib_per_gpu, strict=True):
+        out[gpu_resource(TOTAL_CORE, uuid_)] = float(decision.core_per_gpu)
+        out[gpu_resource(TOTAL_MEMORY, uuid_)] = float(mem)
+        out[gpu_resource(SLOTS, uuid_)] = 1.0
+    return out
+
+
+def _allocation(decision: Decision, req: SliceRequest, node: RayNode) -> Allocation:
+    default = node.labels.get(LABEL_ISOLATION)
+    isolation = req.effective_isolation(IsolationPolicy.parse(default) if default else None)
+    return Allocation(
+        slice_id="r-" + uuid.uuid4().hex[:16],
+        node=decision.node,
+        gpu_uuids=list(decision.gpu_uuids),
+        core=decision.core_per_gpu,
+        memory_gib=min(decision.memory_gib_per_gpu),
+        isolation=isolation,
+    )
+
+
+def _merge(base: dict[str, Any], resources: dict[str, float], env: dict[str, str]) -> dict:
+    out = copy.deepcopy(base)
+    res = dict(out.get("resources") or {})
+    for key in resources:
+        if key in res:
+            raise ValueError(f"resources already names {key!r}; let qgpu_ray set it")
+    res.update(resources)
+    out["resources"] = res
+    runtime_env = dict(out.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.update(env)
+    runtime_env["env_vars"] = env_vars
+    out["runtime_env"] = runtime_env
+    return out
+
+
+def _no_fit(req: SliceRequest, exc: NoFit) -> NoFit:
+    return NoFit(f"Ray cluster: {exc}", exc.reasons)
+
+
+def options(
+    core: Any,
+    memory: Any = None,
+    *,
+    policy: PlacementPolicy | str | None = None,
+    gpu_policy: PlacementPolicy | str | None = None,
+    isolation: IsolationPolicy | str | None = None,
+    model: str | None = None,
+    include_uuids: list[str] | None = None,
+    exclude_uuids: list[str] | None = None,
+    **ray_options: Any,
+) -> dict[str, Any]:
+    """kwargs for ``.options()`` that put the task or actor on one slice (see module doc).
+
+    Extra keyword arguments (num_cpus, runtime_env, name, ...) are passed through;
+    ``runtime_env.env_vars`` is merged with the slice's variables.
+    """
+    req = build_request(
+        core,
+        memory,
+        isolation=isolation,
+        placement=policy,
+        gpu_placement=gpu_policy,
+        model=model,
+        include_uuids=include_uuids,
+        exclude_uuids=exclude_uuids,
+    )
+    state, nodes = live_state()
+    engine = Engine(state, policy, gpu_policy)
+    try:
+        decision = engine.decide(req)
+    except NoFit as exc:
+        raise _no_fit(req, exc) from exc
+    alloc = _allocation(decision, req, nodes[decision.node])
+    resources = decision_resources(decision)
+    PENDING.add(resources)
+    ray_options.setdefault("num_gpus", 0)
+    return _merge(ray_options, resources, slice_env(alloc))
+
+
+class SliceRemote:
+    """What ``@qgpu_ray.remote(core=..., memory=...)`` returns for a function or class.
+
+    Every ``.remote()`` call decides a fresh slice (placement is made at call time, over
+    the cluster as it is then), so a class decorated once can make many actors.
+    """
+
+    def __init__(self, target: Any, slice_kwargs: dict[str, Any], ray_kwargs: dict[str, Any]):
+        import ray
+
+        self._target = target
+        self._slice_kwargs = slice_kwargs
+        self._ray_kwargs = ray_kwargs
+        self._remote = ray.remote(target)
+
+    def options(self, **overrides: Any) -> _BoundOptions:
+        return _BoundOptions(self, overrides)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.options().remote(*args, **kwargs)
+
+    def _call(self, overrides: dict[str, Any], args: tuple, kwargs: dict) -> Any:
+        slice_kwargs = {**self._slice_kwargs}
+        for key in list(overrides):
+            if key in {
+                "core",
+                "memory",
+                "policy",
+                "gpu_policy",
+                "isolation",
+                "model",
+                "include_uuids",
+                "exclude_uuids",
+            }:
+                slice_kwargs[key] = overrides.pop(key)
+        opts = options(**slice_kwargs, **{**self._ray_kwargs, **overrides})
+        return self._remote.options(**opts).remote(*args, **kwargs)
+
+
+class _BoundOptions:
+    def __init__(self, owner: SliceRemote, overrides: dict[str, Any]) -> None:
+        self._owner = owner
+        self._overrides = overrides
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._owner._call(dict(self._overrides), args, kwargs)
+
+
+def remote(core: Any, memory: Any = None, **kwargs: Any) -> Callable[[Any], SliceRemote]:
+    """Decorator: ``@qgpu_ray.remote(core=30, memory=8)`` on a function or actor class.
+
+    Keyword arguments that are slice fields (policy, gpu_policy, isolation, model,
+    include_uuids, exclude_uuids) select the slice; the rest go to Ray's ``.options()``.
+    """
+    slice_keys = {"policy", "gpu_policy", "isolation", "model", "include_uuids", "exclude_uuids"}
+    slice_kwargs = {"core": core, "memory": memory}
+    slice_kwargs.update({k: v for k, v in kwargs.items() if k in slice_keys})
+    ray_kwargs = {k: v for k, v in kwargs.items() if k not in slice_keys}
+    build_request(core, memory, isolation=slice_kwargs.get("isolation"))  # fail early
+
+    def wrap(target: Any) -> SliceRemote:
+        return SliceRemote(target, slice_kwargs, ray_kwargs)
+
+    return wrap
+
+
+class SlicePlacementGroup:
+    """A gang of slices reserved together; ``bundle_options(i)`` places work in slice i."""
+
+    def __init__(self, pg: Any, decisions: list[Decision], allocations: list[Allocation]):
+        self.pg = pg
+        self.decisions = decisions
+        self.allocations = allocations
+
+    def ready(self) -> Any:
+        return self.pg.ready()
+
+    def wait(self, timeout_seconds: float = 30) -> bool:
+        return bool(self.pg.wait(timeout_seconds))
+
+    def bundle_options(self, index: int, **ray_options: Any) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        decision = self.decisions[index]
+        ray_options.setdefault("num_gpus", 0)
+        ray_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=index
+        )
+        return _merge(ray_options, decision_resources(decision), slice_env(self.allocations[index]))
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+def placement_group(
+    slices: list[dict[str, Any]],
+    policy: PlacementPolicy | str = PlacementPolicy.BINPACK,
+    *,
+    name: str = "",
+    gpu_policy: PlacementPolicy | str | None = None,
+) -> SlicePlacementGroup:
+    """Reserve a gang of slices at once (binpack -> PACK, spread -> SPREAD underneath).
+
+    Each item of `slices` is ``{"core": ..., "memory": ..., "isolation": ...}``. GPUs are
+    chosen by the core engine over a copy of the live state, one slice after the other, so
+    the gang never over-commits a GPU; the placement group then reserves them atomically.
+    """
+    from ray.util.placement_group import placement_group as ray_placement_group
+
+    pol = PlacementPolicy.parse(policy, "policy")
+    strategy = pg_strategy(pol)
+    requests = [build_request(**s) for s in slices]
+    state, nodes = live_state()
+    engine = Engine(state, pol, gpu_policy)
+    decisions: list[Decision] = []
+    allocations: list[Allocation] = []
+    for i, req in enumerate(requests):
+        try:
+            decision = engine.place(f"gang-{i}", req)
+        except NoFit as exc:
+            raise NoFit(f"slice {i} of the gang does not fit: {exc}", exc.reasons) from exc
+        decisions.append(decision)
+        allocations.append(_allocation(decision, req, nodes[decision.node]))
+    bundles = [decision_resources(d) for d in decisions]
+    pg = ray_placement_group(bundles, strategy=strategy, name=name)
+    for bundle in bundles:
+        PENDING.add(bundle)
+    return SlicePlacementGroup(pg, decisions, allocations)

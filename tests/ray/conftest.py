@@ -1,0 +1,60 @@
+"""A real multi-node Ray cluster on this machine with simulated GPUs (ray.cluster_utils).
+
+One cluster per test module: a GPU-less head and two nodes with two simulated 40 GiB GPUs
+each. Ray's temp dir is private to the session (RAY_TMPDIR).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_ray_tmpdir():
+    path = tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = path
+    yield path
+    if old is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = old
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from qgpu_ray.local import LocalCluster
+
+    c = LocalCluster(["2xA100-40GB", "2xA100-40GB"], cpus_per_node=4)
+    yield c
+    c.shutdown()
+
+
+def wait_until(predicate, timeout=20.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def gpu_free(uuid: str, kind: str = "qgpu-core") -> float:
+    from ray._private.state import available_resources_per_node
+
+    return sum(v.get(f"{kind}/{uuid}", 0.0) for v in available_resources_per_node().values())
+
+
+def all_free(cluster) -> bool:
+    return all(
+        gpu_free(g.uuid) == 100 and gpu_free(g.uuid, "qgpu-memory") == g.memory_gib
+        for n in cluster.nodes
+        for g in n.inventory.gpus
+    )

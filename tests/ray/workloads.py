@@ -1,0 +1,58 @@
+"""Actors used by the Ray tests: they report their slice and do "GPU work" through the
+simulated driver (and therefore through the interposer preloaded in their worker)."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+@ray.remote
+class SliceProbe:
+    """Reports the slice environment and exercises the driver from inside the worker."""
+
+    def env(self) -> dict[str, str]:
+        keys = (
+            "CUDA_VISIBLE_DEVICES",
+            "QGPU_SLICE_ID",
+            "QGPU_DEVICE_UUID",
+            "QGPU_MEMORY_LIMIT",
+            "QGPU_CORE_LIMIT",
+            "QGPU_ISOLATION",
+        )
+        return {k: os.environ.get(k, "") for k in keys}
+
+    def preloaded(self) -> bool:
+        with open("/proc/self/maps") as f:
+            return "libqgpu_hook.so" in f.read()
+
+    def cuda(self, over_by_gib: int = 1) -> dict[str, object]:
+        """cuInit, device identity, cuMemGetInfo, and an allocation above the cap."""
+        from enforcement import simcuda
+
+        out: dict[str, object] = {}
+        drv = simcuda.Driver()
+        code = drv.try_init()
+        out["init"] = code
+        if code != simcuda.CUDA_SUCCESS:
+            from qgpu_ray import bind
+
+            out["bind_error"] = bind.last_error()
+            return out
+        drv.context(0)
+        out["uuid"] = drv.device_uuid(0)
+        out["count"] = drv.device_count()
+        _free, total = drv.mem_get_info()
+        out["total"] = total
+        out["env"] = self.env()
+        code, alloc = drv.try_mem_alloc(total + over_by_gib * (1 << 30))
+        out["over_cap"] = code
+        code, alloc = drv.try_mem_alloc(total // 2)
+        out["half"] = code
+        if alloc is not None:
+            drv.mem_free(alloc)
+        return out
+
+    def pid(self) -> int:
+        return os.getpid()
