@@ -169,12 +169,10 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
     if (!valid_slice_id(eff.val[K_SLICE])) BAD(K_SLICE, "must match [A-Za-z0-9._-]{1,64}");
     snprintf(out->slice_id, sizeof out->slice_id, "%s", eff.val[K_SLICE]);
     if (!eff.set[K_MEM]) {
-        snprintf(err, errlen, "QGPU_MEMORY_LIMIT is missing (from %s): a slice needs its memory "
-                 "cap in bytes, an integer > 0", src[K_MEM]);
-        return -1;
-    }
-    if (parse_u64(eff.val[K_MEM], &out->mem_limit) != 0 || out->mem_limit == 0)
+        out->mem_limit = UINT64_MAX; /* whole-GPU slices: no memory cap (the card's size) */
+    } else if (parse_u64(eff.val[K_MEM], &out->mem_limit) != 0 || out->mem_limit == 0) {
         BAD(K_MEM, "must be an integer number of bytes > 0");
+    }
     snprintf(out->mem_source, sizeof out->mem_source, "%s", src[K_MEM]);
     uint64_t core = 100;
     if (eff.set[K_CORE] && (parse_u64(eff.val[K_CORE], &core) != 0 || core < 1 || core > 100))

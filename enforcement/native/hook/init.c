@@ -70,6 +70,8 @@ static void check_device(void) {
         return;
     }
     size_t total = 0;
+    if (REAL(cuDeviceTotalMem_v2)(&total, found) == CUDA_SUCCESS && g_lim.mem_limit == UINT64_MAX)
+        g_lim.mem_limit = total; /* no memory cap given: the card */
     if (REAL(cuDeviceTotalMem_v2)(&total, found) == CUDA_SUCCESS && g_lim.mem_limit > total) {
         hook_fail("QGPU_MEMORY_LIMIT=%llu (from %s): exceeds the card's %llu bytes (rule: a "
                   "slice's memory must fit its GPU)",
