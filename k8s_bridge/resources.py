@@ -15,6 +15,7 @@ Owns:
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from qgpu.model import IsolationPolicy, SliceRequest
 
 DEFAULT_PREFIX = "tke.cloud.tencent.com"
 _PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _INT_RE = re.compile(r"^\s*[0-9]+\s*$")
 
 
@@ -103,6 +105,16 @@ class Names:
     def epoch_annotation(self) -> str:
         """Node annotation: bumped by every bind, so a stale extender view is detected."""
         return f"{self.prefix}/qgpu-node-epoch"
+
+    def node_label_value(self, node: str) -> str:
+        """The value of the pod label ``<prefix>/qgpu-assigned`` for pods assigned to `node`.
+
+        The node name itself when it is a valid label value (<= 63 characters), otherwise a
+        stable hash of it.
+        """
+        if len(node) <= 63 and _LABEL_VALUE_RE.match(node):
+            return node
+        return "h-" + hashlib.sha256(node.encode()).hexdigest()[:40]
 
     def is_qgpu(self, resource: str) -> bool:
         return resource in (self.core, self.memory)

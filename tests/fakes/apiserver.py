@@ -13,7 +13,8 @@ Serves only what qgpu's Kubernetes bridge uses, with the apiserver's semantics:
   (merge semantics for maps; lists are replaced, which is all the bridge relies on);
   a ``metadata.resourceVersion`` in the patch is a precondition -> 409 Conflict;
 - every object carries a ``resourceVersion`` from one global counter; watches stream
-  newline-delimited events from a bounded history (an older resourceVersion gets an ERROR
+  newline-delimited events from a bounded history (an object entering a watch's selector
+  arrives as ADDED, one leaving it as DELETED) (an older resourceVersion gets an ERROR
   event with a 410 Expired Status, as the real server sends);
 - errors are ``Status`` objects with the real reasons and codes; a Binding returns a 201
   Success Status (the reply the Python client fails to deserialize).
@@ -25,6 +26,7 @@ Tests drive it over HTTP through the `kubernetes` client and inspect/seed it thr
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import threading
@@ -121,7 +123,8 @@ def label_matcher(text: str | None) -> Callable[[dict[str, str]], bool]:
             key, value = (s.strip() for s in re.split(r"==?", term, maxsplit=1))
             tests.append(lambda ls, k=key, v=value: ls.get(k) == v)
         elif term.startswith("!"):
-            tests.append(lambda ls, k=term[1:].strip(): k not in ls)
+            absent = term[1:].strip()
+            tests.append(lambda ls, k=absent: k not in ls)
         else:
             tests.append(lambda ls, k=term: k in ls)
     return lambda labels: all(t(labels) for t in tests)
@@ -248,13 +251,13 @@ class Store:
         self.lock = threading.Condition()
         self.rv = 1
         self.objects: dict[str, dict[tuple[str, str], Obj]] = {"nodes": {}, "pods": {}}
-        self.history: deque[tuple[int, str, str, Obj]] = deque(maxlen=_HISTORY)
+        self.history: deque[tuple[int, str, str, Obj, Obj | None]] = deque(maxlen=_HISTORY)
         self.counts: dict[str, int] = {}
 
-    def _bump(self, kind: str, event: str, obj: Obj) -> None:
+    def _bump(self, kind: str, event: str, obj: Obj, prev: Obj | None = None) -> None:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
-        self.history.append((self.rv, kind, event, copy.deepcopy(obj)))
+        self.history.append((self.rv, kind, event, copy.deepcopy(obj), prev))
         self.lock.notify_all()
 
     def create(self, kind: str, obj: Obj, namespace: str = "") -> Obj:
@@ -331,7 +334,7 @@ class Store:
             if new == cur:
                 return copy.deepcopy(cur)
             self.objects[kind][(namespace, name)] = new
-            self._bump(kind, "MODIFIED", new)
+            self._bump(kind, "MODIFIED", new, cur)
             return copy.deepcopy(new)
 
     def delete(self, kind: str, namespace: str, name: str) -> Obj:
@@ -342,8 +345,15 @@ class Store:
             self._bump(kind, "DELETED", obj)
             return copy.deepcopy(obj)
 
-    def events_after(self, kind: str, rv: int) -> list[tuple[int, str, Obj]]:
-        return [(r, e, o) for r, k, e, o in self.history if r > rv and k == kind]
+    def events_after(self, kind: str, rv: int) -> list[tuple[int, str, Obj, Obj | None]]:
+        if not self.history:
+            return []
+        start = max(0, rv - self.history[0][0] + 1)  # rvs in the history are consecutive
+        return [
+            (r, e, o, p)
+            for r, k, e, o, p in itertools.islice(self.history, start, None)
+            if r > rv and k == kind
+        ]
 
     def oldest_rv(self) -> int:
         return self.history[0][0] - 1 if self.history else self.rv
@@ -400,7 +410,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self) -> tuple[str, str | None, str | None, bool, dict[str, list[str]]]:
         url = urlsplit(self.path)
-        for pattern, kind, named, binding in _ROUTES:
+        for pattern, kind, _named, binding in _ROUTES:
             m = pattern.match(url.path)
             if m:
                 gd = m.groupdict()
@@ -408,7 +418,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if kind == "nodes":
                     ns = ""
                 return kind, ns, gd.get("name"), binding, parse_qs(url.query)
-        raise ApiError(404, "NotFound", f"the server could not find the requested resource {url.path}")
+        raise ApiError(
+            404, "NotFound", f"the server could not find the requested resource {url.path}"
+        )
 
     def _dispatch(self, method: str) -> None:
         try:
@@ -474,7 +486,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return out
 
         else:
-            raise ApiError(415, "UnsupportedMediaType", f"the body of type {ctype!r} is not supported")
+            raise ApiError(
+                415, "UnsupportedMediaType", f"the body of type {ctype!r} is not supported"
+            )
         self._send(200, self.server.owner.store.update(kind, ns, name, fn))
 
     def _bind(self, ns: str, name: str) -> None:
@@ -491,7 +505,7 @@ class _Handler(BaseHTTPRequestHandler):
                     409,
                     "Conflict",
                     f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is '
-                    f"already assigned to node \"{current}\"",
+                    f'already assigned to node "{current}"',
                     {"name": name, "kind": "pods/binding"},
                 )
             want_uid = (body.get("metadata") or {}).get("uid")
@@ -504,7 +518,13 @@ class _Handler(BaseHTTPRequestHandler):
         store.update("pods", ns, name, fn)
         self._send(
             201,
-            {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Success",
+                "code": 201,
+            },
         )
 
     def _list_or_watch(self, kind: str, ns: str | None, query: dict[str, list[str]]) -> None:
@@ -582,8 +602,16 @@ class _Handler(BaseHTTPRequestHandler):
                         events = store.events_after(kind, last)
                 if events:
                     last = events[-1][0]
-                for _, event, obj in events:
-                    if wanted(obj):
+                for _, event, obj, prev in events:
+                    # As the real watch cache does: an object entering the selector is ADDED,
+                    # one leaving it is DELETED.
+                    now_in = wanted(obj)
+                    was_in = prev is not None and wanted(prev)
+                    if event == "MODIFIED" and now_in and not was_in:
+                        chunk({"type": "ADDED", "object": obj})
+                    elif event == "MODIFIED" and was_in and not now_in:
+                        chunk({"type": "DELETED", "object": obj})
+                    elif now_in:
                         chunk({"type": event, "object": obj})
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
@@ -667,4 +695,3 @@ def node_object(name: str, labels: dict[str, str] | None = None, **annotations: 
         "metadata": {"name": name, "labels": labels or {}, "annotations": dict(annotations)},
         "status": {"capacity": {}, "allocatable": {}},
     }
-

@@ -1,0 +1,162 @@
+"""What a container receives from Allocate: env, mounts and devices for the interposer.
+
+`container_response()` is the ONE mapping from a container's assignment to kubelet's
+`ContainerAllocateResponse`. It takes the limits themselves from the node agent's
+`enforcement.agent.slice_env` (the interposer's contract: ``QGPU_SLICE_ID``,
+``QGPU_DEVICE_UUID``, ``QGPU_MEMORY_LIMIT`` in bytes, ``QGPU_CORE_LIMIT``,
+``QGPU_ISOLATION``, ``QGPU_STATE_DIR``, ``QGPU_LIMITS_FILE``) and adds what only a
+container needs:
+
+- the limits file, written on the host (root-owned, 0444 when the plugin runs as root) and
+  bind-mounted read-only at ``/etc/qgpu/limits``;
+- ``/etc/ld.so.preload`` bind-mounted read-only from a host file naming the interposer, and
+  the interposer itself mounted read-only at ``/usr/local/qgpu/lib/libqgpu_hook.so``, so
+  ``env -u LD_PRELOAD`` cannot escape the caps;
+- the per-slice ledger directory (``QGPU_STATE_DIR``) shared read-write;
+- device selection: ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` = GPU UUID(s) and
+  the ``/dev/nvidia*`` device nodes that exist on the host.
+
+Whole GPUs get the device(s) and the slice id only: nothing to cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from enforcement.agent.slice_env import limits_values, write_limits_file
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
+from k8s_bridge.protocol import ContainerAssignment, Kind
+from qgpu.model import Allocation, GpuDevice, Owner, OwnerKind
+
+CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits")
+CONTAINER_PRELOAD = Path("/etc/ld.so.preload")
+CONTAINER_HOOK = Path("/usr/local/qgpu/lib/libqgpu_hook.so")
+CONTAINER_STATE_DIR = Path("/run/qgpu/slices")
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+@dataclass(frozen=True)
+class AllocationPaths:
+    """Host-side paths the plugin writes and mounts (under one state directory)."""
+
+    state_dir: Path
+    hook_library: Path | None
+    dev_dir: Path = Path("/dev")
+    root_owned: bool = field(default_factory=lambda: os.geteuid() == 0)
+    workload_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def limits_dir(self) -> Path:
+        return self.state_dir / "k8s" / "limits"
+
+    @property
+    def slices_dir(self) -> Path:
+        return self.state_dir / "slices"
+
+    @property
+    def preload_file(self) -> Path:
+        return self.state_dir / "k8s" / "ld.so.preload"
+
+
+class AllocationError(Exception):
+    """The container cannot be given its slice (reported to kubelet as a gRPC error)."""
+
+
+def k8s_slice_id(pod_uid: str, container: str) -> str:
+    """A slice id (``[A-Za-z0-9._-]{1,64}``) unique per pod container."""
+    sid = f"{pod_uid}.{container}"
+    if len(sid) <= 64:
+        return sid
+    return f"{pod_uid}.{hashlib.sha256(container.encode()).hexdigest()[:16]}"
+
+
+def limits_file_for(paths: AllocationPaths, slice_id: str) -> Path:
+    return paths.limits_dir / f"{slice_id}.limits"
+
+
+def _device_specs(paths: AllocationPaths, gpus: list[GpuDevice]) -> list[pb.DeviceSpec]:
+    specs = []
+    wanted = [str(paths.dev_dir / f"nvidia{g.index}") for g in gpus]
+    wanted += [str(paths.dev_dir / Path(p).name) for p in CONTROL_DEVICES]
+    for host in wanted:
+        if Path(host).exists():
+            container = "/dev/" + Path(host).name
+            specs.append(pb.DeviceSpec(container_path=container, host_path=host, permissions="rw"))
+    return specs
+
+
+def container_response(
+    paths: AllocationPaths,
+    pod_uid: str,
+    container: str,
+    ca: ContainerAssignment,
+    gpus: list[GpuDevice],
+    kind: Kind,
+) -> pb.ContainerAllocateResponse:
+    """Env, mounts and devices of one container's slice (writes its limits file)."""
+    sid = k8s_slice_id(pod_uid, container)
+    visible = ",".join(ca.gpus)
+    env = dict(paths.workload_env)
+    env.update({"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible})
+    if ca.core >= 100:
+        env["QGPU_SLICE_ID"] = sid
+        if kind != "core":
+            return pb.ContainerAllocateResponse(envs=env)
+        return pb.ContainerAllocateResponse(envs=env, devices=_device_specs(paths, gpus))
+    if paths.hook_library is None or not paths.hook_library.is_file():
+        raise AllocationError(
+            f"the interposer library is not available on this node ({paths.hook_library}); "
+            "a share slice cannot be enforced without it"
+        )
+    host_limits = limits_file_for(paths, sid)
+    alloc = Allocation(
+        slice_id=sid,
+        node="",
+        gpu_uuids=ca.gpus,
+        core=ca.core,
+        memory_gib=ca.memory_gib[0],
+        isolation=ca.isolation,
+        owner=Owner(kind=OwnerKind.POD, id=pod_uid, meta={"container": container}),
+    )
+    values = limits_values(
+        alloc,
+        state_dir=CONTAINER_STATE_DIR,
+        limits_file=CONTAINER_LIMITS_FILE,
+        extra=paths.workload_env,
+    )
+    env.update(values)
+    if kind != "core":
+        # Mounts and devices come once per container, with the core resource (kubelet
+        # merges the two plugins' answers; a mount given twice would clash).
+        return pb.ContainerAllocateResponse(envs=env)
+    try:
+        write_limits_file(host_limits, values, root_owned=paths.root_owned)
+        paths.slices_dir.mkdir(parents=True, exist_ok=True)
+        preload = paths.preload_file
+        preload.parent.mkdir(parents=True, exist_ok=True)
+        text = f"{CONTAINER_HOOK}\n"
+        if not preload.exists() or preload.read_text() != text:
+            tmp = preload.with_name(f".{preload.name}.{os.getpid()}")
+            tmp.write_text(text)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, preload)
+    except OSError as exc:
+        raise AllocationError(f"cannot write the slice's files on the host: {exc}") from exc
+    mounts = [
+        pb.Mount(
+            container_path=str(CONTAINER_LIMITS_FILE), host_path=str(host_limits), read_only=True
+        ),
+        pb.Mount(container_path=str(CONTAINER_PRELOAD), host_path=str(preload), read_only=True),
+        pb.Mount(
+            container_path=str(CONTAINER_HOOK), host_path=str(paths.hook_library), read_only=True
+        ),
+        pb.Mount(
+            container_path=str(CONTAINER_STATE_DIR),
+            host_path=str(paths.slices_dir),
+            read_only=False,
+        ),
+    ]
+    return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=_device_specs(paths, gpus))

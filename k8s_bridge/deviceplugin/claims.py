@@ -1,0 +1,110 @@
+"""Which pod container is kubelet allocating? Matching device IDs to pending assignments.
+
+Kubelet's Allocate names device IDs only, never the pod. The extender wrote each pod's
+assignment (per container: GPU(s) and how many IDs of each resource per GPU) before the
+Binding, and our IDs name their GPU, so a call for N IDs of one resource, laid out per GPU
+as in an assignment, matches the containers whose assignment has exactly that layout and
+whose resource is not claimed yet. Among several, the order is:
+
+1. a container whose other resource is already claimed (kubelet is mid-way through it);
+2. a container of a pod that already has claims (kubelet admits one pod at a time);
+3. the oldest pod (kubelet admits new pods sorted by creation time), then namespace/name.
+
+The claim is written to the pod (``<prefix>/qgpu-allocated``) with a resourceVersion
+precondition, so plugin restarts lose nothing and two claims never take one container.
+Equal containers on different GPUs remain ambiguous only if kubelet admits them out of
+creation order; kubelet's own per-GPU accounting (device IDs) stays exact in every case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from k8s_bridge.protocol import (
+    Allocated,
+    Assignment,
+    ContainerAssignment,
+    Kind,
+    load_allocated,
+    load_assignment,
+)
+from k8s_bridge.resources import Names, PodModel
+from qgpu.errors import QgpuError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pod: PodModel
+    assignment: Assignment
+    allocated: Allocated
+    container: str
+
+    @property
+    def slice(self) -> ContainerAssignment:
+        return self.assignment.containers[self.container]
+
+    @property
+    def uid(self) -> str:
+        return self.pod.metadata.uid
+
+
+def pending_pods(names: Names, node: str, pod_objs: list[dict[str, Any]]) -> list[Candidate]:
+    """Every (pod, container) assigned to `node` on a live pod, claimed or not."""
+    out: list[Candidate] = []
+    for obj in pod_objs:
+        pod = PodModel.model_validate(obj)
+        if pod.terminated or pod.metadata.deletion_timestamp:
+            continue
+        text = pod.annotations.get(names.assignment_annotation)
+        if not text:
+            continue
+        try:
+            assignment = load_assignment(text)
+            allocated = load_allocated(pod.annotations.get(names.allocated_annotation))
+        except QgpuError:
+            continue
+        if assignment.node != node:
+            continue
+        for cname in assignment.containers:
+            out.append(Candidate(pod, assignment, allocated, cname))
+    return out
+
+
+def _rank(c: Candidate, kind: Kind) -> tuple[int, int, str, str]:
+    other = c.allocated.claimed(c.container) - {kind}
+    in_progress = 0 if other else 1
+    pod_started = 0 if c.allocated.containers else 1
+    return (
+        in_progress,
+        pod_started,
+        c.pod.metadata.creation_timestamp or "",
+        c.pod.key,
+    )
+
+
+def matching(
+    candidates: list[Candidate], kind: Kind, per_gpu: dict[str, int] | None, size: int
+) -> list[Candidate]:
+    """Unclaimed containers whose `kind` layout equals `per_gpu` (or totals `size`), best first."""
+    found = []
+    for c in candidates:
+        layout = c.slice.devices.get(kind) or {}
+        if sum(layout.values()) == 0 or kind in c.allocated.claimed(c.container):
+            continue
+        if per_gpu is not None and layout != per_gpu:
+            continue
+        if per_gpu is None and sum(layout.values()) != size:
+            continue
+        found.append(c)
+    return sorted(found, key=lambda c: _rank(c, kind))
+
+
+def claimed_match(
+    candidates: list[Candidate], kind: Kind, per_gpu: dict[str, int]
+) -> Candidate | None:
+    """A container that has `kind` claimed with exactly this layout (PreStartContainer)."""
+    for c in candidates:
+        if kind in c.allocated.claimed(c.container) and c.slice.devices.get(kind) == per_gpu:
+            return c
+    return None

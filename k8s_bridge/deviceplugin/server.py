@@ -1,0 +1,413 @@
+"""The qgpu device plugin (kubelet deviceplugin/v1beta1 over gRPC on unix sockets).
+
+Owns the node side of the Kubernetes bridge:
+- two plugins, ``<prefix>/qgpu-core`` (100 IDs per GPU) and ``<prefix>/qgpu-memory`` (one
+  ID per GiB), each served on its own socket in the device-plugin directory and registered
+  with kubelet (``kubelet.sock``);
+- ListAndWatch with each GPU's health (and NUMA node), re-sent when the inventory changes;
+- GetPreferredAllocation steering kubelet to the GPU the extender chose;
+- Allocate: finds the pod container from the assignment annotations
+  (`k8s_bridge.deviceplugin.claims`), claims it on the pod, and answers with the
+  interposer's env and mounts (`k8s_bridge.deviceplugin.allocation`);
+- PreStartContainer: checks the container's claim and limits file are in place;
+- publishing the node's GPU inventory as the Node annotation ``<prefix>/qgpu-inventory``;
+- re-registering when kubelet restarts (its socket is recreated, ours are deleted).
+
+Every failure is a gRPC error with a message; nothing is ever answered with a made-up
+allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+
+from k8s_bridge.deviceplugin.allocation import (
+    AllocationError,
+    AllocationPaths,
+    container_response,
+    k8s_slice_id,
+    limits_file_for,
+)
+from k8s_bridge.deviceplugin.claims import claimed_match, matching, pending_pods
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from k8s_bridge.kube import Conflict, Kube, KubeError
+from k8s_bridge.protocol import (
+    KINDS,
+    Kind,
+    PublishedInventory,
+    device_id,
+    ids_per_gpu,
+    parse_device_id,
+)
+from qgpu.errors import QgpuError, RuleViolation
+from qgpu.model import NodeInventory
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+KUBELET_SOCKET = "kubelet.sock"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+class PluginConfig(BaseModel):
+    """Device plugin settings (CLI flags / chart values)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: str = Field(min_length=1)
+    prefix: str = "tke.cloud.tencent.com"
+    plugin_dir: Path = Path(DEFAULT_PLUGIN_DIR)
+    kubelet_socket: str = KUBELET_SOCKET
+    poll_s: float = Field(default=1.0, gt=0)
+    register_timeout_s: float = Field(default=5.0, gt=0)
+    claim_retries: int = Field(default=8, ge=1)
+    publish_inventory: bool = True
+
+
+class PluginError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Servicer(pb_grpc.DevicePluginServicer):
+    """One resource's DevicePlugin service; the work is done by `QgpuDevicePlugin`."""
+
+    def __init__(self, plugin: QgpuDevicePlugin, kind: Kind, stop: threading.Event) -> None:
+        self.plugin = plugin
+        self.kind = kind
+        self.stop = stop
+
+    def _guard(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except PluginError as exc:
+            log.warning("%s: %s", self.kind, exc)
+            context.abort(exc.code, str(exc))
+        except RuleViolation as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (QgpuError, AllocationError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(
+            pre_start_required=True, get_preferred_allocation_available=True
+        )
+
+    def ListAndWatch(self, request: pb.Empty, context: Any) -> Iterator[pb.ListAndWatchResponse]:
+        seen = -1
+        while not self.stop.is_set() and context.is_active():
+            version, devices = self.plugin.devices(self.kind, seen, timeout=0.5)
+            if version != seen:
+                seen = version
+                yield pb.ListAndWatchResponse(devices=devices)
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: Any
+    ) -> pb.PreferredAllocationResponse:
+        out = []
+        for creq in request.container_requests:
+            ids = self._guard(
+                context,
+                self.plugin.preferred,
+                self.kind,
+                list(creq.available_deviceIDs),
+                list(creq.must_include_deviceIDs),
+                int(creq.allocation_size),
+            )
+            out.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb.PreferredAllocationResponse(container_responses=out)
+
+    def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        out = [
+            self._guard(context, self.plugin.allocate, self.kind, list(creq.devices_ids))
+            for creq in request.container_requests
+        ]
+        return pb.AllocateResponse(container_responses=out)
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: Any
+    ) -> pb.PreStartContainerResponse:
+        self._guard(context, self.plugin.pre_start, self.kind, list(request.devices_ids))
+        return pb.PreStartContainerResponse()
+
+
+class _Endpoint:
+    """A served plugin socket for one resource."""
+
+    def __init__(self, plugin: QgpuDevicePlugin, kind: Kind) -> None:
+        self.kind = kind
+        self.socket = plugin.cfg.plugin_dir / f"qgpu-{kind}.sock"
+        self.stop = threading.Event()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_DevicePluginServicer_to_server(_Servicer(plugin, kind, self.stop), self.server)
+        self.socket.unlink(missing_ok=True)
+        if self.server.add_insecure_port(f"unix://{self.socket}") == 0:
+            raise OSError(f"cannot listen on {self.socket}")
+        self.server.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.stop(grace=0.5).wait(2)
+        self.socket.unlink(missing_ok=True)
+
+
+class QgpuDevicePlugin:
+    """Both resources of one node: serving, registration, allocation and restarts."""
+
+    def __init__(
+        self,
+        cfg: PluginConfig,
+        kube: Kube,
+        inventory: NodeInventory,
+        paths: AllocationPaths,
+    ) -> None:
+        self.cfg = cfg
+        self.kube = kube
+        self.names = kube.names
+        self.paths = paths
+        self._inventory = inventory
+        self._version = 0
+        self._changed = threading.Condition()
+        self._alloc_lock = threading.Lock()
+        self._endpoints: dict[Kind, _Endpoint] = {}
+        self._kubelet_id: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.registrations = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.cfg.plugin_dir / self.cfg.kubelet_socket
+
+    def start(self) -> None:
+        if self.cfg.publish_inventory:
+            self.publish()
+        self._serve_and_register()
+        self._monitor = threading.Thread(target=self._watch_kubelet, daemon=True)
+        self._monitor.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        for ep in self._endpoints.values():
+            ep.close()
+        self._endpoints = {}
+        if self._monitor is not None:
+            self._monitor.join(5)
+
+    def _kubelet_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.kubelet_socket)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_ctime_ns)
+
+    def _serve_and_register(self) -> None:
+        for ep in self._endpoints.values():
+            ep.close()
+        self._endpoints = {kind: _Endpoint(self, kind) for kind in KINDS}
+        self._kubelet_id = self._kubelet_identity()
+        for kind, ep in self._endpoints.items():
+            self._register(kind, ep)
+
+    def _register(self, kind: Kind, ep: _Endpoint) -> None:
+        resource = self.names.core if kind == "core" else self.names.memory
+        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            stub.Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=ep.socket.name,
+                    resource_name=resource,
+                    options=pb.DevicePluginOptions(
+                        pre_start_required=True, get_preferred_allocation_available=True
+                    ),
+                ),
+                timeout=self.cfg.register_timeout_s,
+            )
+        self.registrations += 1
+        log.info("registered %s with kubelet (%s)", resource, ep.socket)
+
+    def _watch_kubelet(self) -> None:
+        """Re-serve and re-register when kubelet restarts (new kubelet.sock, ours deleted)."""
+        while not self._stop.wait(self.cfg.poll_s):
+            ours_gone = any(not ep.socket.exists() for ep in self._endpoints.values())
+            ident = self._kubelet_identity()
+            if ident is None:
+                continue  # kubelet is down; wait for its socket
+            if ours_gone or ident != self._kubelet_id:
+                log.info("kubelet restarted; registering again")
+                try:
+                    self._serve_and_register()
+                except (grpc.RpcError, OSError) as exc:
+                    log.warning("re-registration failed (will retry): %s", exc)
+                    self._kubelet_id = None
+
+    # -- inventory -------------------------------------------------------------------
+
+    @property
+    def inventory(self) -> NodeInventory:
+        return self._inventory
+
+    def set_inventory(self, inventory: NodeInventory) -> None:
+        """A new inventory (health changes): re-publish and re-send ListAndWatch."""
+        with self._changed:
+            self._inventory = inventory
+            self._version += 1
+            self._changed.notify_all()
+        if self.cfg.publish_inventory:
+            self.publish()
+
+    def publish(self) -> None:
+        inv = self._inventory
+        text = PublishedInventory(
+            gpus=inv.gpus, max_slices_per_gpu=inv.max_slices_per_gpu, published_at=time.time()
+        ).model_dump_json()
+        self.kube.publish_node_annotations(
+            self.cfg.node_name, {self.names.inventory_annotation: text}
+        )
+
+    def devices(self, kind: Kind, seen: int, timeout: float) -> tuple[int, list[pb.Device]]:
+        with self._changed:
+            if self._version == seen:
+                self._changed.wait(timeout)
+            version, inv = self._version, self._inventory
+        out = []
+        for g in inv.gpus:
+            count = 100 if kind == "core" else g.memory_gib
+            health = HEALTHY if g.healthy else UNHEALTHY
+            topo = (
+                pb.TopologyInfo(nodes=[pb.NUMANode(ID=g.numa_node)])
+                if g.numa_node is not None
+                else None
+            )
+            for i in range(count):
+                out.append(pb.Device(ID=device_id(g.uuid, kind, i), health=health, topology=topo))
+        return version, out
+
+    def _gpus(self, uuids: list[str]) -> list[Any]:
+        by_uuid = {g.uuid: g for g in self._inventory.gpus}
+        missing = [u for u in uuids if u not in by_uuid]
+        if missing:
+            raise PluginError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"GPU(s) {', '.join(missing)} are not on node {self.cfg.node_name}",
+            )
+        return [by_uuid[u] for u in uuids]
+
+    # -- kubelet calls ---------------------------------------------------------------
+
+    def _candidates(self) -> list[Any]:
+        try:
+            pods = self.kube.assigned_pods(self.cfg.node_name)
+        except KubeError as exc:
+            raise PluginError(grpc.StatusCode.UNAVAILABLE, f"cannot list pods: {exc}") from exc
+        return pending_pods(self.names, self.cfg.node_name, pods)
+
+    def preferred(self, kind: Kind, available: list[str], must: list[str], size: int) -> list[str]:
+        by_gpu: dict[str, list[str]] = {}
+        for dev in available:
+            uuid, k = parse_device_id(dev)
+            if k == kind:
+                by_gpu.setdefault(uuid, []).append(dev)
+        must_by_gpu: dict[str, list[str]] = {}
+        for dev in must:
+            must_by_gpu.setdefault(parse_device_id(dev)[0], []).append(dev)
+        for cand in matching(self._candidates(), kind, None, size):
+            layout = cand.slice.devices[kind]
+            if any(u not in layout or len(ids) > layout[u] for u, ids in must_by_gpu.items()):
+                continue
+            if any(len(by_gpu.get(u, [])) < n for u, n in layout.items()):
+                continue
+            chosen: list[str] = []
+            for u, n in layout.items():
+                first = must_by_gpu.get(u, [])
+                rest = sorted(
+                    (d for d in by_gpu[u] if d not in set(first)),
+                    key=lambda d: int(d.rpartition("_")[2][1:]),
+                )
+                chosen += (first + rest)[:n]
+            return chosen
+        raise PluginError(
+            grpc.StatusCode.NOT_FOUND,
+            f"no pod assigned to node {self.cfg.node_name} waits for {size} {kind} IDs "
+            "available here (was the pod scheduled by the qgpu extender?)",
+        )
+
+    def allocate(self, kind: Kind, ids: list[str]) -> pb.ContainerAllocateResponse:
+        if not ids:
+            raise PluginError(grpc.StatusCode.INVALID_ARGUMENT, "Allocate with no device IDs")
+        kinds, per_gpu = ids_per_gpu(ids)
+        if kinds != {kind}:
+            raise PluginError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the {kind} plugin was asked for IDs of {sorted(kinds)}",
+            )
+        self._gpus(list(per_gpu))
+        with self._alloc_lock:
+            for _ in range(self.cfg.claim_retries):
+                found = matching(self._candidates(), kind, per_gpu, len(ids))
+                if not found:
+                    raise PluginError(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"no pod assigned to node {self.cfg.node_name} waits for {kind} IDs "
+                        f"laid out as {per_gpu}",
+                    )
+                c = found[0]
+                resp = container_response(
+                    self.paths, c.uid, c.container, c.slice, self._gpus(c.slice.gpus), kind
+                )
+                claim = c.allocated.with_claim(c.container, kind)
+                body = {
+                    "metadata": {
+                        "resourceVersion": c.pod.metadata.resource_version,
+                        "annotations": {self.names.allocated_annotation: claim.model_dump_json()},
+                    }
+                }
+                try:
+                    self.kube.patch_pod(c.pod.metadata.namespace, c.pod.metadata.name, body)
+                except Conflict:
+                    continue  # the pod changed (another claim): look again
+                except KubeError as exc:
+                    raise PluginError(
+                        grpc.StatusCode.UNAVAILABLE, f"cannot record the claim: {exc}"
+                    ) from exc
+                log.info("allocated %s of %s/%s to %s", kind, c.pod.key, c.container, c.slice.gpus)
+                return resp
+        raise PluginError(
+            grpc.StatusCode.ABORTED, f"the claim kept conflicting ({self.cfg.claim_retries} tries)"
+        )
+
+    def pre_start(self, kind: Kind, ids: list[str]) -> None:
+        kinds, per_gpu = ids_per_gpu(ids)
+        if kinds != {kind}:
+            raise PluginError(grpc.StatusCode.INVALID_ARGUMENT, f"not {kind} IDs: {sorted(kinds)}")
+        c = claimed_match(self._candidates(), kind, per_gpu)
+        if c is None:
+            raise PluginError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no allocated container on node {self.cfg.node_name} holds these {kind} IDs",
+            )
+        if kind == "core" and c.slice.core < 100:
+            path = limits_file_for(self.paths, k8s_slice_id(c.uid, c.container))
+            if not path.is_file():
+                raise PluginError(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"the limits file {path} is missing"
+                )

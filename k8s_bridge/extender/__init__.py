@@ -1,0 +1,1 @@
+"""Scheduler extender: filter, prioritize and bind over HTTP for kube-scheduler."""

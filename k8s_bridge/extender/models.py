@@ -1,0 +1,60 @@
+"""The extender's HTTP wire types, with kube-scheduler's Go field names as JSON keys.
+
+Mirrors k8s.io/kube-scheduler/extender/v1: `ExtenderArgs`, `ExtenderFilterResult`,
+`HostPriority` (a `HostPriorityList` is a JSON list of them), `ExtenderBindingArgs` and
+`ExtenderBindingResult`. Pods and nodes stay plain JSON objects here; the bridge parses the
+parts it needs with `k8s_bridge.resources.PodModel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Go(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+class NodeList(_Go):
+    items: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ExtenderArgs(_Go):
+    pod: dict[str, Any] = Field(alias="Pod")
+    nodes: NodeList | None = Field(default=None, alias="Nodes")
+    node_names: list[str] | None = Field(default=None, alias="NodeNames")
+
+    def candidate_names(self) -> list[str]:
+        if self.node_names is not None:
+            return list(self.node_names)
+        if self.nodes is not None:
+            return [n["metadata"]["name"] for n in self.nodes.items]
+        return []
+
+
+class ExtenderFilterResult(_Go):
+    nodes: NodeList | None = Field(default=None, alias="Nodes")
+    node_names: list[str] | None = Field(default=None, alias="NodeNames")
+    failed_nodes: dict[str, str] = Field(default_factory=dict, alias="FailedNodes")
+    failed_and_unresolvable_nodes: dict[str, str] = Field(
+        default_factory=dict, alias="FailedAndUnresolvableNodes"
+    )
+    error: str = Field(default="", alias="Error")
+
+
+class HostPriority(_Go):
+    host: str = Field(alias="Host")
+    score: int = Field(alias="Score", ge=0)
+
+
+class ExtenderBindingArgs(_Go):
+    pod_name: str = Field(alias="PodName")
+    pod_namespace: str = Field(alias="PodNamespace")
+    pod_uid: str = Field(alias="PodUID")
+    node: str = Field(alias="Node")
+
+
+class ExtenderBindingResult(_Go):
+    error: str = Field(default="", alias="Error")

@@ -1,0 +1,329 @@
+"""The extender's verbs (filter, prioritize, bind) and its sync with the apiserver.
+
+Owns the bind protocol:
+1. read the pod (must be unbound, same UID); parse its requests;
+2. take the node's lock (`k8s_bridge.kube.NodeLocker`: annotation with holder + expiry,
+   resourceVersion precondition); if the node's epoch moved since our last lock, another
+   writer assigned pods there: re-read that node's assigned pods first;
+3. choose GPU(s) on the node (`ExtenderState.reserve`, the placement engine);
+4. write the assignment as pod annotations (+ the ``<prefix>/qgpu-assigned`` label) with
+   the pod's resourceVersion as precondition;
+5. create the Binding (HTTP 201 checked; a client-side failure is resolved by reading the
+   pod, never by binding again);
+6. release the lock. Any failure after 3 undoes the reservation and the annotations.
+
+`start()` lists nodes and assigned pods (the restart path) and follows both with watches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from kubernetes import watch
+from kubernetes.client.rest import ApiException
+from pydantic import BaseModel, ConfigDict, Field
+
+from k8s_bridge.extender.models import (
+    ExtenderArgs,
+    ExtenderBindingArgs,
+    ExtenderBindingResult,
+    ExtenderFilterResult,
+    HostPriority,
+    NodeList,
+)
+from k8s_bridge.extender.state import ExtenderState
+from k8s_bridge.kube import Kube, KubeError, NodeLocker
+from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
+from qgpu.errors import NoFit, QgpuError, RuleViolation
+from qgpu.model import PlacementPolicy
+
+log = logging.getLogger(__name__)
+
+
+class ExtenderConfig(BaseModel):
+    """Extender settings (CLI flags / chart values)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix: str = "tke.cloud.tencent.com"
+    node_policy: PlacementPolicy = PlacementPolicy.BINPACK
+    gpu_policy: PlacementPolicy | None = None
+    lock_ttl_s: float = Field(default=30.0, gt=0)
+    lock_timeout_s: float = Field(default=5.0, gt=0)
+    holder: str = Field(default_factory=lambda: f"qgpu-extender-{uuid.uuid4().hex[:8]}")
+    watch: bool = True
+    watch_timeout_s: int = Field(default=300, ge=1)
+
+
+class Extender:
+    """kube-scheduler's extender: decisions from `ExtenderState`, writes through `Kube`."""
+
+    def __init__(self, kube: Kube, cfg: ExtenderConfig | None = None) -> None:
+        self.cfg = cfg or ExtenderConfig()
+        self.names: Names = kube.names
+        self.kube = kube
+        self.state = ExtenderState(self.names, self.cfg.node_policy, self.cfg.gpu_policy)
+        self.locker = NodeLocker(kube, self.cfg.holder, self.cfg.lock_ttl_s)
+        self.epochs: dict[str, int] = {}
+        self._node_locks: dict[str, threading.Lock] = {}
+        self._node_locks_guard = threading.Lock()
+        self._requests: OrderedDict[str, list[ContainerRequest]] = OrderedDict()
+        self._requests_guard = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def sync(self) -> tuple[str, str]:
+        """(Re)build all state from the apiserver; returns the lists' resourceVersions."""
+        nodes, nodes_rv = self.kube.list_nodes()
+        pods, pods_rv = self.kube.list_pods(self.names.assigned_label)
+        self.state.load_nodes(nodes)
+        self.state.load_pods(pods)
+        for obj in nodes:
+            self.locker.remember(obj)
+            ann = obj["metadata"].get("annotations") or {}
+            try:
+                self.epochs[obj["metadata"]["name"]] = int(ann.get(self.names.epoch_annotation, 0))
+            except ValueError:
+                self.epochs[obj["metadata"]["name"]] = 0
+        return nodes_rv, pods_rv
+
+    def start(self) -> None:
+        nodes_rv, pods_rv = self.sync()
+        if not self.cfg.watch:
+            return
+        for kind, rv in (("nodes", nodes_rv), ("pods", pods_rv)):
+            t = threading.Thread(
+                target=self._watch_loop, args=(kind, rv), name=f"qgpu-watch-{kind}", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch_loop(self, kind: str, rv: str) -> None:
+        while not self._stop.is_set():
+            try:
+                rv = self._watch_once(kind, rv)
+            except ApiException as exc:
+                if exc.status == 410:
+                    log.info("%s watch expired; relisting", kind)
+                else:
+                    log.warning("%s watch failed: %s; relisting", kind, exc)
+                    self._stop.wait(1.0)
+                rv = self._relist(kind)
+            except Exception as exc:  # the watch must survive any transport error
+                log.warning("%s watch broke: %s; relisting", kind, exc)
+                self._stop.wait(1.0)
+                rv = self._relist(kind)
+
+    def _relist(self, kind: str) -> str:
+        try:
+            if kind == "nodes":
+                nodes, rv = self.kube.list_nodes()
+                self.state.load_nodes(nodes)
+                return rv
+            pods, rv = self.kube.list_pods(self.names.assigned_label)
+            self.state.load_pods(pods)
+            return rv
+        except KubeError as exc:
+            log.warning("relist of %s failed: %s", kind, exc)
+            return ""
+
+    def _watch_once(self, kind: str, rv: str) -> str:
+        w = watch.Watch()
+        if kind == "nodes":
+            func: Any = self.kube.core.list_node
+            kwargs: dict[str, Any] = {}
+        else:
+            func = self.kube.core.list_pod_for_all_namespaces
+            kwargs = {"label_selector": self.names.assigned_label}
+        for event in w.stream(
+            func, resource_version=rv, timeout_seconds=self.cfg.watch_timeout_s, **kwargs
+        ):
+            if self._stop.is_set():
+                w.stop()
+                break
+            obj = event["raw_object"]
+            rv = obj["metadata"].get("resourceVersion", rv)
+            if kind == "nodes":
+                deleted = event["type"] == "DELETED"
+                if not deleted:
+                    self.locker.remember(obj)
+                self.state.update_node(obj, deleted=deleted)
+            elif event["type"] == "DELETED":
+                self.state.release_pod(obj["metadata"]["uid"], int(rv or 0))
+            else:
+                self.state.apply_pod(obj)
+        return rv
+
+    # -- verbs ------------------------------------------------------------------------
+
+    def _pod_requests(self, pod: PodModel) -> list[ContainerRequest]:
+        uid = pod.metadata.uid
+        with self._requests_guard:
+            hit = self._requests.get(uid) if uid else None
+        if hit is not None:
+            return hit
+        reqs = self.state.requests(pod)
+        if uid:
+            with self._requests_guard:
+                self._requests[uid] = reqs
+                while len(self._requests) > 10_000:
+                    self._requests.popitem(last=False)
+        return reqs
+
+    def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
+        names = args.candidate_names()
+        try:
+            pod = parse_pod(args.pod)
+            reqs = self._pod_requests(pod)
+        except RuleViolation as exc:
+            reason = f"pod rejected by qgpu: {exc}"
+            return self._filter_reply(args, [], {}, dict.fromkeys(names, reason))
+        if not reqs:
+            return self._filter_reply(args, names, {}, {})
+        res = self.state.filter_nodes(reqs, names)
+        return self._filter_reply(args, res.nodes, res.failed, res.unresolvable)
+
+    @staticmethod
+    def _filter_reply(
+        args: ExtenderArgs, ok: list[str], failed: dict[str, str], unresolvable: dict[str, str]
+    ) -> ExtenderFilterResult:
+        if args.node_names is not None or args.nodes is None:
+            return ExtenderFilterResult(
+                NodeNames=ok, FailedNodes=failed, FailedAndUnresolvableNodes=unresolvable
+            )
+        keep = set(ok)
+        items = [n for n in args.nodes.items if n["metadata"]["name"] in keep]
+        return ExtenderFilterResult(
+            Nodes=NodeList(items=items),
+            FailedNodes=failed,
+            FailedAndUnresolvableNodes=unresolvable,
+        )
+
+    def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
+        names = args.candidate_names()
+        try:
+            reqs = self._pod_requests(parse_pod(args.pod))
+        except RuleViolation:
+            reqs = []
+        scores = self.state.score_nodes(reqs, names)
+        return [HostPriority(Host=n, Score=scores[n]) for n in names]
+
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._node_locks_guard:
+            lock = self._node_locks.get(node)
+            if lock is None:
+                lock = self._node_locks[node] = threading.Lock()
+            return lock
+
+    def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
+        try:
+            self._bind(args)
+        except (QgpuError, RuleViolation) as exc:
+            log.info(
+                "bind %s/%s -> %s failed: %s", args.pod_namespace, args.pod_name, args.node, exc
+            )
+            return ExtenderBindingResult(Error=str(exc))
+        return ExtenderBindingResult()
+
+    def _bind(self, args: ExtenderBindingArgs) -> None:
+        ns, name, node = args.pod_namespace, args.pod_name, args.node
+        pod_obj = self.kube.get_pod(ns, name)
+        pod = parse_pod(pod_obj)
+        if args.pod_uid and pod.metadata.uid != args.pod_uid:
+            raise KubeError(f"pod {ns}/{name} has UID {pod.metadata.uid}, not {args.pod_uid}")
+        if pod.spec.node_name:
+            if pod.spec.node_name == node:
+                return  # a repeated bind of a bound pod: it is already where it was sent
+            raise KubeError(f"pod {ns}/{name} is already bound to node {pod.spec.node_name}")
+        reqs = self._pod_requests(pod)
+        if not reqs:
+            self.kube.bind(ns, name, pod.metadata.uid, node)
+            return
+        with self._node_lock(node):
+            handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
+            try:
+                if handle.previous_epoch != self.epochs.get(node, handle.previous_epoch):
+                    selector = f"{self.names.assigned_label}={self.names.node_label_value(node)}"
+                    self.state.resync_node(node, self.kube.list_pods(selector)[0])
+                self.epochs[node] = handle.epoch
+                self._write_and_bind(pod, pod_obj, reqs, node)
+            finally:
+                try:
+                    self.locker.release(handle)
+                except KubeError as exc:
+                    log.warning("releasing the lock of node %s: %s", node, exc)
+
+    def _write_and_bind(
+        self, pod: PodModel, pod_obj: dict[str, Any], reqs: list[ContainerRequest], node: str
+    ) -> None:
+        uid, ns, name = pod.metadata.uid, pod.metadata.namespace, pod.metadata.name
+        try:
+            assignment = self.state.reserve(uid, ns, name, reqs, node)
+        except NoFit as exc:
+            raise NoFit(f"node {node} cannot take pod {ns}/{name}: {exc}", exc.reasons) from exc
+        written = False
+        try:
+            patched = self.kube.patch_pod(
+                ns,
+                name,
+                {
+                    "metadata": {
+                        "resourceVersion": pod_obj["metadata"]["resourceVersion"],
+                        "labels": {self.names.assigned_label: self.names.node_label_value(node)},
+                        "annotations": {
+                            self.names.assignment_annotation: assignment.dumps(),
+                            self.names.allocated_annotation: None,
+                        },
+                    }
+                },
+            )
+            written = True
+            self.state.note_written(uid, patched["metadata"].get("resourceVersion"))
+            self._create_binding(ns, name, uid, node)
+        except QgpuError:
+            self.state.unreserve(uid)
+            if written:
+                self._clear_assignment(ns, name)
+            raise
+
+    def _create_binding(self, ns: str, name: str, uid: str, node: str) -> None:
+        try:
+            self.kube.bind(ns, name, uid, node)
+        except KubeError as exc:
+            if exc.status:
+                raise  # the apiserver answered: the bind did not happen
+            # No answer: the bind may have happened. Read the pod instead of binding again.
+            deadline = time.monotonic() + 5.0
+            while True:
+                try:
+                    now = self.kube.get_pod(ns, name)
+                    break
+                except KubeError:
+                    if time.monotonic() > deadline:
+                        raise exc from None
+                    time.sleep(0.1)
+            if (now.get("spec") or {}).get("nodeName") != node:
+                raise
+
+    def _clear_assignment(self, ns: str, name: str) -> None:
+        body = {
+            "metadata": {
+                "labels": {self.names.assigned_label: None},
+                "annotations": {self.names.assignment_annotation: None},
+            }
+        }
+        try:
+            patched = self.kube.patch_pod(ns, name, body)
+            self.state.note_written(patched["metadata"]["uid"], None)
+        except KubeError as exc:
+            log.error("pod %s/%s: could not clear its qgpu assignment: %s", ns, name, exc)

@@ -1,0 +1,401 @@
+"""The extender's in-memory view: nodes' GPUs and every assigned slice, in a ClusterState.
+
+Owns the scheduling decisions the extender makes, all through `qgpu.placement.Engine`:
+- `filter_nodes`: which of the given nodes can take the pod (every container at once),
+  with a reason per node that cannot;
+- `score_nodes`: 0..10 per node from the node-level policy (pod annotation override or
+  the configured default);
+- `reserve` / `unreserve`: choose GPU(s) on the bound node with the GPU-level policy and
+  hold them under the pod's UID until released.
+
+The state of record is the apiserver: node inventories (``<prefix>/qgpu-inventory``) and
+pod assignments (``<prefix>/qgpu-assignment``). `load_nodes` / `load_pods` rebuild
+everything from them after a restart; `apply_pod` / `release_pod` follow the pod watch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k8s_bridge.protocol import (
+    Assignment,
+    ContainerAssignment,
+    load_assignment,
+    node_inventory,
+    split_ids,
+)
+from k8s_bridge.resources import ContainerRequest, Names, PodModel, pod_slice_requests
+from qgpu.errors import NoFit, QgpuError, RuleViolation
+from qgpu.model import (
+    IsolationPolicy,
+    NodeInventory,
+    PlacementPolicy,
+    SliceRequest,
+)
+from qgpu.placement import CandidateView, ClusterState, Engine, Policy, make_policy
+
+log = logging.getLogger(__name__)
+
+MAX_SCORE = 10
+
+
+@dataclass
+class PodRecord:
+    """An assigned pod as the extender holds it."""
+
+    uid: str
+    namespace: str
+    name: str
+    node: str
+    assignment: Assignment
+    resource_version: int = 0
+    applied: bool = True
+
+
+@dataclass
+class FilterResult:
+    nodes: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+
+
+def slice_id(uid: str, container: str) -> str:
+    return f"{uid}/{container}"
+
+
+def _rv(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
+
+
+class ExtenderState:
+    """Nodes, held slices and the placement engine, behind one lock."""
+
+    def __init__(
+        self,
+        names: Names,
+        node_policy: PlacementPolicy | str | None = None,
+        gpu_policy: PlacementPolicy | str | None = None,
+    ) -> None:
+        self.names = names
+        self.node_policy_name = PlacementPolicy.parse(node_policy) if node_policy else None
+        self.gpu_policy_name = PlacementPolicy.parse(gpu_policy) if gpu_policy else None
+        self.lock = threading.RLock()
+        self.inventories: dict[str, NodeInventory] = {}
+        self.pods: dict[str, PodRecord] = {}
+        self._new_engine([])
+        self._policies: dict[str, Policy] = {}
+
+    # -- construction ----------------------------------------------------------------
+
+    def _new_engine(self, nodes: list[NodeInventory]) -> None:
+        self.state = ClusterState(nodes)
+        self.engine = Engine(self.state, self.node_policy_name, self.gpu_policy_name)
+
+    def load_nodes(self, node_objs: list[dict]) -> None:
+        """Replace the node set from Node objects (those publishing an inventory)."""
+        invs: dict[str, NodeInventory] = {}
+        for obj in node_objs:
+            inv = self._inventory_of(obj)
+            if inv is not None:
+                invs[inv.name] = inv
+        with self.lock:
+            self.inventories = invs
+            self._rebuild()
+
+    def update_node(self, obj: dict, deleted: bool = False) -> bool:
+        """Follow one Node event; True when the node set or a node's GPUs changed."""
+        name = obj["metadata"]["name"]
+        inv = None if deleted else self._inventory_of(obj)
+        with self.lock:
+            old = self.inventories.get(name)
+            if inv == old:
+                return False
+            if inv is None:
+                self.inventories.pop(name, None)
+            else:
+                self.inventories[name] = inv
+            self._rebuild()
+            return True
+
+    def _inventory_of(self, obj: dict) -> NodeInventory | None:
+        meta = obj.get("metadata") or {}
+        try:
+            return node_inventory(
+                meta["name"],
+                meta.get("labels") or {},
+                meta.get("annotations") or {},
+                self.names.inventory_annotation,
+                self.names.policy_label,
+            )
+        except QgpuError as exc:
+            log.warning("node %s: ignoring its qgpu inventory: %s", meta.get("name"), exc)
+            return None
+
+    def _rebuild(self) -> None:
+        self._new_engine(list(self.inventories.values()))
+        self._policies = {}
+        for rec in self.pods.values():
+            rec.applied = self._apply(rec)
+
+    def _apply(self, rec: PodRecord) -> bool:
+        if rec.node not in self.state.node_index:
+            return False
+        applied: list[str] = []
+        try:
+            for cname, ca in rec.assignment.containers.items():
+                sid = slice_id(rec.uid, cname)
+                ids = [self.state.uuid_index[u] for u in ca.gpus]
+                self.state.apply(sid, ids, ca.core, ca.memory_gib)
+                applied.append(sid)
+        except (KeyError, ValueError) as exc:
+            for sid in applied:
+                self.state.release(sid)
+            log.error("pod %s/%s: its assignment cannot be held: %s", rec.namespace, rec.name, exc)
+            return False
+        return True
+
+    def load_pods(self, pod_objs: list[dict]) -> None:
+        """Replace all held slices with the assignments found on these pods."""
+        with self.lock:
+            self.pods = {}
+            for obj in pod_objs:
+                rec = self._record_of(obj)
+                if rec is not None:
+                    self.pods[rec.uid] = rec
+            self._rebuild()
+
+    def _record_of(self, obj: dict) -> PodRecord | None:
+        pod = PodModel.model_validate(obj)
+        text = pod.annotations.get(self.names.assignment_annotation)
+        if not text or pod.terminated or not pod.metadata.uid:
+            return None
+        try:
+            assignment = load_assignment(text)
+        except QgpuError as exc:
+            log.error("pod %s: unreadable assignment: %s", pod.key, exc)
+            return None
+        return PodRecord(
+            pod.metadata.uid,
+            pod.metadata.namespace,
+            pod.metadata.name,
+            assignment.node,
+            assignment,
+            _rv(pod.metadata.resource_version),
+        )
+
+    def apply_pod(self, obj: dict) -> None:
+        """Follow a pod event: hold a new assignment, release a finished or cleared one."""
+        pod = PodModel.model_validate(obj)
+        uid = pod.metadata.uid
+        rv = _rv(pod.metadata.resource_version)
+        with self.lock:
+            known = self.pods.get(uid)
+            if known is not None and rv and rv < known.resource_version:
+                return  # an event older than our own last write of this pod
+            rec = self._record_of(obj)
+            if rec is None:
+                self.release_pod(uid)
+                return
+            if known is not None and known.assignment == rec.assignment:
+                known.resource_version = max(known.resource_version, rv)
+                return
+            self.release_pod(uid)
+            rec.applied = self._apply(rec)
+            self.pods[uid] = rec
+
+    def release_pod(self, uid: str, resource_version: int = 0) -> bool:
+        with self.lock:
+            rec = self.pods.get(uid)
+            if rec is None or (resource_version and resource_version < rec.resource_version):
+                return False
+            del self.pods[uid]
+            for cname in rec.assignment.containers:
+                self.state.release(slice_id(uid, cname))
+            return True
+
+    def resync_node(self, node: str, pod_objs: list[dict]) -> None:
+        """Replace what is held on `node` with the assignments of these pods."""
+        with self.lock:
+            for uid in [u for u, r in self.pods.items() if r.node == node]:
+                self.release_pod(uid)
+            for obj in pod_objs:
+                rec = self._record_of(obj)
+                if rec is not None and rec.node == node:
+                    self.release_pod(rec.uid)
+                    rec.applied = self._apply(rec)
+                    self.pods[rec.uid] = rec
+
+    # -- decisions -------------------------------------------------------------------
+
+    def requests(self, pod: PodModel) -> list[ContainerRequest]:
+        return pod_slice_requests(self.names, pod)
+
+    def _node_policy(self, req: SliceRequest) -> Policy:
+        name = req.placement
+        if name is None or name.value == self.engine.node_policy.name:
+            return self.engine.node_policy
+        if name.value not in self._policies:
+            self._policies[name.value] = make_policy(name)
+        return self._policies[name.value]
+
+    def _on_node(self, req: SliceRequest, node: str) -> SliceRequest:
+        """The same request, restricted to the GPUs of one node."""
+        inv = self.inventories[node]
+        mine = [g.uuid for g in inv.gpus]
+        if req.include_uuids:
+            mine = [u for u in mine if u in set(req.include_uuids)]
+        if not mine:
+            raise NoFit(f"no GPU on node {node} is in the pod's include list", {})
+        return req.model_copy(update={"include_uuids": mine})
+
+    def filter_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> FilterResult:
+        out = FilterResult()
+        with self.lock:
+            s = self.state
+            known = [n for n in node_names if n in s.node_index]
+            for n in node_names:
+                if n not in s.node_index:
+                    out.failed[n] = (
+                        "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
+                    )
+            if not known:
+                return out
+            idx = np.asarray([s.node_index[n] for n in known], dtype=np.int64)
+            ok = np.ones(len(known), dtype=bool)
+            why: dict[int, str] = {}
+            for cr in reqs:
+                mask, _mem, _reasons = self.engine.candidates(cr.request)
+                per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
+                fits = per_node[idx] >= cr.request.gpu_count
+                for j in np.flatnonzero(ok & ~fits):
+                    why[int(j)] = self._why(cr, int(idx[j]))
+                ok &= fits
+            if len(reqs) > 1:
+                for j in np.flatnonzero(ok):
+                    problem = self._fits_together(reqs, known[int(j)])
+                    if problem:
+                        ok[j] = False
+                        why[int(j)] = problem
+            for j, name in enumerate(known):
+                if ok[j]:
+                    out.nodes.append(name)
+                else:
+                    out.failed[name] = why[j]
+        return out
+
+    def _why(self, cr: ContainerRequest, node: int) -> str:
+        s = self.state
+        start, count = int(s.node_start[node]), int(s.node_gpu_count[node])
+        req = cr.request
+        what = (
+            f"{req.gpu_count} empty GPU(s)"
+            if req.is_whole_gpu
+            else f"qgpu-core={req.core} qgpu-memory={req.memory_gib}"
+        )
+        if count == 0:
+            return "node has no GPUs"
+        free = ", ".join(
+            f"{s.gpus[i].uuid}: core {int(s.free_core[i])}, {int(s.free_mem[i])} GiB, "
+            f"{int(s.slices[i])}/{int(s.max_slices[i])} slices"
+            + ("" if s.healthy[i] else ", unhealthy")
+            for i in range(start, start + count)
+        )
+        return f"container {cr.container}: no fit for {what} (free: {free})"
+
+    def _fits_together(self, reqs: list[ContainerRequest], node: str) -> str | None:
+        placed: list[str] = []
+        try:
+            for cr in reqs:
+                sid = f"__probe__/{cr.container}"
+                req = self._on_node(cr.request, node)
+                try:
+                    self.state.apply_decision(sid, self.engine.decide(req), req)
+                except NoFit as exc:
+                    return f"containers do not fit together: {cr.container}: {exc}"
+                placed.append(sid)
+            return None
+        finally:
+            for sid in placed:
+                self.state.release(sid)
+
+    def score_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> dict[str, int]:
+        """0..10 per node (nodes we cannot score get 0)."""
+        scores = dict.fromkeys(node_names, 0)
+        if not reqs:
+            return scores
+        with self.lock:
+            s = self.state
+            known = [n for n in node_names if n in s.node_index]
+            if not known:
+                return scores
+            req = reqs[0].request
+            mask, memory, _ = self.engine.candidates(req)
+            ids = np.asarray([s.node_index[n] for n in known], dtype=np.int64)
+            view = CandidateView(s, req, mask, req.core_per_gpu, memory, ids)
+            raw = np.asarray(self._node_policy(req).node_scores(view), dtype=float)
+        lo, hi = float(raw.min()), float(raw.max())
+        if hi - lo <= 1e-12:
+            norm = np.full(len(known), MAX_SCORE)
+        else:
+            norm = np.rint((raw - lo) / (hi - lo) * MAX_SCORE).astype(int)
+        for name, value in zip(known, norm, strict=True):
+            scores[name] = int(value)
+        return scores
+
+    def reserve(
+        self, uid: str, namespace: str, name: str, reqs: list[ContainerRequest], node: str
+    ) -> Assignment:
+        """Choose GPU(s) on `node` for every container and hold them; NoFit when impossible."""
+        with self.lock:
+            if node not in self.inventories:
+                raise NoFit(f"node {node} publishes no qgpu GPU inventory", {})
+            inv = self.inventories[node]
+            containers: dict[str, ContainerAssignment] = {}
+            placed: list[str] = []
+            try:
+                for cr in reqs:
+                    sid = slice_id(uid, cr.container)
+                    decision = self.engine.place(sid, self._on_node(cr.request, node))
+                    placed.append(sid)
+                    gpus = list(decision.gpu_uuids)
+                    devices: dict = {"core": dict.fromkeys(gpus, decision.core_per_gpu)}
+                    if cr.request.memory_gib is not None:
+                        if cr.request.is_whole_gpu:
+                            devices["memory"] = split_ids(cr.request.memory_gib, gpus)
+                        else:
+                            devices["memory"] = {gpus[0]: cr.request.memory_gib}
+                    containers[cr.container] = ContainerAssignment(
+                        gpus=gpus,
+                        core=decision.core_per_gpu,
+                        memory_gib=list(decision.memory_gib_per_gpu),
+                        isolation=cr.request.effective_isolation(inv.default_isolation),
+                        devices=devices,
+                    )
+            except (NoFit, RuleViolation):
+                for sid in placed:
+                    self.state.release(sid)
+                raise
+            assignment = Assignment(node=node, containers=containers, assumed_at=time.time())
+            self.pods[uid] = PodRecord(uid, namespace, name, node, assignment)
+            return assignment
+
+    def unreserve(self, uid: str) -> None:
+        self.release_pod(uid)
+
+    def note_written(self, uid: str, resource_version: str | None) -> None:
+        with self.lock:
+            rec = self.pods.get(uid)
+            if rec is not None:
+                rec.resource_version = max(rec.resource_version, _rv(resource_version))
+
+    def default_isolation(self, node: str) -> IsolationPolicy | None:
+        inv = self.inventories.get(node)
+        return inv.default_isolation if inv else None

@@ -1,0 +1,287 @@
+"""Apiserver access for the bridge: the official `kubernetes` client, raw JSON in and out.
+
+Owns how the bridge talks to the apiserver: building an `ApiClient` (in-cluster, kubeconfig
+or an explicit host), reading objects as plain JSON (``_preload_content=False``, then the
+bridge's own pydantic models — faster than the client's model layer and tolerant of fields
+the client does not know), patches with the right content types, the Binding call (checked
+for HTTP 201, never retried on a client-side error) and the per-node lock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from k8s_bridge.protocol import NodeLock, load_lock
+from k8s_bridge.resources import Names
+from qgpu.errors import QgpuError
+
+Obj = dict[str, Any]
+
+MERGE = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+class KubeError(QgpuError):
+    """An apiserver call failed; `status` is the HTTP code (0 when none came back)."""
+
+    def __init__(self, message: str, status: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class Conflict(KubeError):
+    """HTTP 409: a resourceVersion precondition or an already-bound pod."""
+
+
+def _wrap(exc: ApiException, what: str) -> KubeError:
+    reason, message = exc.reason or "", ""
+    try:
+        body = json.loads(exc.body or "{}")
+        reason = body.get("reason") or reason
+        message = body.get("message") or ""
+    except (json.JSONDecodeError, TypeError):
+        message = str(exc.body or "")[:200]
+    cls = Conflict if exc.status == 409 else KubeError
+    return cls(f"{what}: HTTP {exc.status} {reason}: {message}".strip(), exc.status or 0, reason)
+
+
+def make_api_client(host: str | None = None, kubeconfig: str | None = None) -> client.ApiClient:
+    """An ApiClient for `host` (tests, proxies), a kubeconfig, or the in-cluster account."""
+    if host:
+        cfg = client.Configuration()
+        cfg.host = host
+        return client.ApiClient(cfg)
+    if kubeconfig:
+        return config.new_client_from_config(config_file=kubeconfig)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def _pointer(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+class Kube:
+    """The handful of apiserver calls the bridge makes, as JSON dicts."""
+
+    def __init__(self, api_client: client.ApiClient, names: Names) -> None:
+        self.api_client = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.names = names
+
+    @staticmethod
+    def _json(resp: Any) -> Obj:
+        return json.loads(resp.data)
+
+    # -- reads --
+    def get_node(self, name: str) -> Obj:
+        try:
+            return self._json(self.core.read_node(name, _preload_content=False))
+        except ApiException as exc:
+            raise _wrap(exc, f"get node {name}") from exc
+
+    def list_nodes(self) -> tuple[list[Obj], str]:
+        try:
+            body = self._json(self.core.list_node(_preload_content=False))
+        except ApiException as exc:
+            raise _wrap(exc, "list nodes") from exc
+        return body.get("items") or [], body["metadata"].get("resourceVersion", "")
+
+    def get_pod(self, namespace: str, name: str) -> Obj:
+        try:
+            return self._json(
+                self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            )
+        except ApiException as exc:
+            raise _wrap(exc, f"get pod {namespace}/{name}") from exc
+
+    def list_pods(
+        self, label_selector: str = "", field_selector: str = ""
+    ) -> tuple[list[Obj], str]:
+        try:
+            body = self._json(
+                self.core.list_pod_for_all_namespaces(
+                    label_selector=label_selector,
+                    field_selector=field_selector,
+                    _preload_content=False,
+                )
+            )
+        except ApiException as exc:
+            raise _wrap(exc, "list pods") from exc
+        return body.get("items") or [], body["metadata"].get("resourceVersion", "")
+
+    def assigned_pods(self, node: str | None = None) -> list[Obj]:
+        """Pods carrying a qgpu assignment (optionally only those bound to `node`)."""
+        fields = f"spec.nodeName={node}" if node else ""
+        return self.list_pods(self.names.assigned_label, fields)[0]
+
+    # -- writes --
+    def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
+        try:
+            return self._json(
+                self.core.patch_node(name, body, _content_type=content_type, _preload_content=False)
+            )
+        except ApiException as exc:
+            raise _wrap(exc, f"patch node {name}") from exc
+
+    def patch_pod(self, namespace: str, name: str, body: Any, content_type: str = MERGE) -> Obj:
+        try:
+            return self._json(
+                self.core.patch_namespaced_pod(
+                    name, namespace, body, _content_type=content_type, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            raise _wrap(exc, f"patch pod {namespace}/{name}") from exc
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """Create the Binding; raise KubeError unless the apiserver answered 201.
+
+        Called with ``_preload_content=False``: the client cannot deserialize the Status the
+        apiserver returns, and a bind that raised on the client side may have succeeded on the
+        server, so it is never retried blindly.
+        """
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        try:
+            resp = self.core.create_namespaced_pod_binding(
+                name, namespace, body, _preload_content=False
+            )
+        except ApiException as exc:
+            raise _wrap(exc, f"bind pod {namespace}/{name} to {node}") from exc
+        if resp.status != 201:
+            raise KubeError(f"bind pod {namespace}/{name}: HTTP {resp.status}", resp.status)
+
+    def publish_node_annotations(self, node: str, annotations: dict[str, str | None]) -> Obj:
+        return self.patch_node(node, {"metadata": {"annotations": annotations}})
+
+
+# --- the per-node lock -------------------------------------------------------------------
+
+
+@dataclass
+class LockHandle:
+    node: str
+    lock: NodeLock
+    text: str
+    previous_epoch: int
+    epoch: int
+
+
+class NodeLockError(KubeError):
+    """The node's lock could not be taken before the deadline."""
+
+
+def node_epoch(node_obj: Obj, names: Names) -> int:
+    text = ((node_obj.get("metadata") or {}).get("annotations") or {}).get(names.epoch_annotation)
+    try:
+        return int(text) if text else 0
+    except ValueError:
+        return 0
+
+
+def current_lock(node_obj: Obj, names: Names) -> NodeLock | None:
+    text = ((node_obj.get("metadata") or {}).get("annotations") or {}).get(names.lock_annotation)
+    if not text:
+        return None
+    try:
+        return load_lock(text)
+    except QgpuError:
+        return None  # an unreadable lock is treated as absent: it can never be released
+
+
+class NodeLocker:
+    """Per-node lock: an annotation (holder, expiry) taken with a resourceVersion precondition.
+
+    `acquire` patches the lock in with the node's last-seen resourceVersion (cached from the
+    previous release, so an uncontended bind costs one call) and bumps the node's epoch
+    annotation in the same write; a 409 re-reads the node and retries. The caller compares
+    `LockHandle.previous_epoch` with the epoch it last wrote: a difference means another
+    writer locked the node in between, so its view of that node must be re-read. A lock held
+    by someone else is waited on until it is released or expires (`ttl_s`). `release`
+    removes it with a JSON-patch ``test`` of our own value (a lock that expired and was taken
+    over is left alone).
+    """
+
+    def __init__(self, kube: Kube, holder: str | None = None, ttl_s: float = 30.0) -> None:
+        self.kube = kube
+        self.names = kube.names
+        self.holder = holder or f"qgpu-extender-{uuid.uuid4().hex[:8]}"
+        self.ttl_s = ttl_s
+        self._seen: dict[str, Obj] = {}
+
+    def remember(self, node_obj: Obj) -> None:
+        name = node_obj["metadata"]["name"]
+        self._seen[name] = node_obj
+
+    def acquire(self, node: str, timeout_s: float = 5.0) -> tuple[LockHandle, Obj]:
+        """Take the node's lock; returns the handle and the node as it was when taken."""
+        deadline = time.monotonic() + timeout_s
+        obj = self._seen.get(node)
+        delay = 0.005
+        while True:
+            if obj is None:
+                obj = self.kube.get_node(node)
+            now = time.time()
+            held = current_lock(obj, self.names)
+            if held is not None and held.expires > now and held.holder != self.holder:
+                if time.monotonic() >= deadline:
+                    raise NodeLockError(
+                        f"node {node} is locked by {held.holder} until {held.expires:.0f}",
+                        409,
+                        "Locked",
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+                obj = None
+                continue
+            lock = NodeLock(holder=self.holder, expires=now + self.ttl_s)
+            text = lock.model_dump_json()
+            previous = node_epoch(obj, self.names)
+            body = {
+                "metadata": {
+                    "resourceVersion": obj["metadata"]["resourceVersion"],
+                    "annotations": {
+                        self.names.lock_annotation: text,
+                        self.names.epoch_annotation: str(previous + 1),
+                    },
+                }
+            }
+            try:
+                new = self.kube.patch_node(node, body)
+            except Conflict:
+                if time.monotonic() >= deadline:
+                    raise
+                obj = None
+                continue
+            self._seen[node] = new
+            return LockHandle(node, lock, text, previous, previous + 1), obj
+
+    def release(self, handle: LockHandle) -> None:
+        key = _pointer(self.names.lock_annotation)
+        ops: list[Obj] = [
+            {"op": "test", "path": f"/metadata/annotations/{key}", "value": handle.text},
+            {"op": "remove", "path": f"/metadata/annotations/{key}"},
+        ]
+        try:
+            self._seen[handle.node] = self.kube.patch_node(handle.node, ops, JSON_PATCH)
+        except KubeError:
+            # Our lock expired and was taken over (test failed) or the call failed: forget the
+            # cached node so the next acquire re-reads it. An unreleased lock expires by itself.
+            self._seen.pop(handle.node, None)
+            raise

@@ -1,0 +1,273 @@
+"""A fake kubelet device manager: real gRPC (deviceplugin/v1beta1) over unix sockets.
+
+It does what kubelet's device manager does with a device plugin, and nothing else:
+- serves ``Registration/Register`` on ``<dir>/kubelet.sock`` (checks the API version and
+  the resource name, refuses a second live plugin for one resource);
+- on registration dials the plugin's endpoint, calls ``GetDevicePluginOptions`` and keeps
+  a ``ListAndWatch`` stream open, tracking each device's health;
+- `admit(pod)`: for each container and each extended resource it asks for, picks from the
+  healthy unallocated devices, asks ``GetPreferredAllocation`` when the plugin offers it
+  (and uses the answer only if it is valid, as kubelet does), calls ``Allocate`` with ONE
+  container per call, records the devices (kubelet's checkpoint) and calls
+  ``PreStartContainer`` when the plugin asked for it;
+- `restart()`: kubelet restarting: its server stops, every socket in the directory is
+  deleted, ``kubelet.sock`` is created again; the checkpoint survives.
+Pods are plain v1.Pod JSON (e.g. from the fake apiserver).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+
+SOCKET = "kubelet.sock"
+HEALTHY = "Healthy"
+
+
+class AdmissionError(Exception):
+    """kubelet would fail the pod with UnexpectedAdmissionError; `code` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Plugin:
+    resource: str
+    endpoint: str
+    options: pb.DevicePluginOptions
+    channel: grpc.Channel
+    stub: pb_grpc.DevicePluginStub
+    devices: dict[str, str] = field(default_factory=dict)
+    updates: int = 0
+    stream: Any = None
+    alive: bool = True
+
+
+@dataclass
+class ContainerResult:
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[pb.Mount] = field(default_factory=list)
+    devices: list[pb.DeviceSpec] = field(default_factory=list)
+    ids: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _Registration(pb_grpc.RegistrationServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:
+        if request.version != "v1beta1":
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"
+            )
+        if "/" not in request.resource_name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resource name must be <domain>/<name>")
+        self.kubelet._connect(request)
+        return pb.Empty()
+
+
+class FakeKubelet:
+    def __init__(self, plugin_dir: str | Path, shuffle_resources: bool = False, seed: int = 0):
+        self.dir = Path(plugin_dir)
+        self.plugins: dict[str, _Plugin] = {}
+        self.allocated: dict[tuple[str, str, str], list[str]] = {}  # the checkpoint
+        self.results: dict[tuple[str, str], ContainerResult] = {}
+        self.calls: list[str] = []
+        self.shuffle = shuffle_resources
+        self.rng = random.Random(seed)
+        self.lock = threading.RLock()
+        self.registered = threading.Condition(self.lock)
+        self._server: grpc.Server | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / SOCKET
+
+    # -- lifecycle --
+    def start(self) -> FakeKubelet:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(0).wait(2)
+            self._server = None
+        with self.lock:
+            for p in self.plugins.values():
+                p.alive = False
+                if p.stream is not None:
+                    p.stream.cancel()
+                p.channel.close()
+            self.plugins = {}
+
+    def restart(self) -> None:
+        """kubelet restarts: all sockets in the directory go, kubelet.sock comes back."""
+        self.stop()
+        for sock in self.dir.glob("*.sock"):
+            sock.unlink(missing_ok=True)
+        self.start()
+
+    # -- registration and ListAndWatch --
+    def _connect(self, req: pb.RegisterRequest) -> None:
+        channel = grpc.insecure_channel(f"unix://{self.dir / req.endpoint}")
+        stub = pb_grpc.DevicePluginStub(channel)
+        options = stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+        self.calls.append(f"GetDevicePluginOptions {req.resource_name}")
+        plugin = _Plugin(req.resource_name, req.endpoint, options, channel, stub)
+        with self.lock:
+            old = self.plugins.get(req.resource_name)
+            if old is not None and old.alive:
+                old.alive = False
+                if old.stream is not None:
+                    old.stream.cancel()
+            self.plugins[req.resource_name] = plugin
+        threading.Thread(target=self._list_and_watch, args=(plugin,), daemon=True).start()
+
+    def _list_and_watch(self, plugin: _Plugin) -> None:
+        stream = plugin.stub.ListAndWatch(pb.Empty())
+        plugin.stream = stream
+        try:
+            for resp in stream:
+                with self.registered:
+                    plugin.devices = {d.ID: d.health for d in resp.devices}
+                    plugin.updates += 1
+                    self.registered.notify_all()
+        except grpc.RpcError:
+            pass
+        with self.registered:
+            plugin.alive = False
+            self.registered.notify_all()
+
+    def wait_ready(self, resources: list[str], timeout: float = 10.0) -> None:
+        """Until every resource has a live plugin that has listed its devices."""
+        with self.registered:
+            ok = self.registered.wait_for(
+                lambda: all(
+                    r in self.plugins and self.plugins[r].alive and self.plugins[r].updates > 0
+                    for r in resources
+                ),
+                timeout,
+            )
+        if not ok:
+            raise TimeoutError(f"plugins for {resources} did not register and list devices")
+
+    def capacity(self, resource: str) -> tuple[int, int]:
+        """(healthy devices, allocatable now) of a resource, as kubelet reports it."""
+        with self.lock:
+            p = self.plugins.get(resource)
+            if p is None:
+                return 0, 0
+            healthy = {d for d, h in p.devices.items() if h == HEALTHY}
+            used = {d for (_, _, r), ids in self.allocated.items() if r == resource for d in ids}
+            return len(healthy), len(healthy - used)
+
+    # -- admission --
+    def admit(self, pod: dict[str, Any]) -> dict[str, ContainerResult]:
+        """Allocate every extended resource of every container, as kubelet admits a pod."""
+        uid = pod["metadata"]["uid"]
+        out: dict[str, ContainerResult] = {}
+        for c in pod["spec"]["containers"]:
+            limits = (c.get("resources") or {}).get("limits") or {}
+            resources = [r for r in limits if "/" in r]  # extended resources only
+            if self.shuffle:
+                self.rng.shuffle(resources)
+            result = self.results.setdefault((uid, c["name"]), ContainerResult())
+            for resource in resources:
+                self._allocate(uid, c["name"], resource, int(limits[resource]), result)
+            out[c["name"]] = result
+        return out
+
+    def _allocate(self, uid: str, cname: str, resource: str, n: int, out: ContainerResult) -> None:
+        with self.lock:
+            plugin = self.plugins.get(resource)
+            if plugin is None or not plugin.alive:
+                raise AdmissionError(f"no device plugin for {resource}")
+            key = (uid, cname, resource)
+            if key in self.allocated:  # kubelet re-uses the checkpointed devices
+                ids = self.allocated[key]
+            else:
+                used = {d for k, v in self.allocated.items() if k[2] == resource for d in v}
+                free = sorted(
+                    d for d, h in plugin.devices.items() if h == HEALTHY and d not in used
+                )
+                if len(free) < n:
+                    raise AdmissionError(f"{resource}: requested {n}, available {len(free)}")
+                ids = free[:n]
+                if plugin.options.get_preferred_allocation_available:
+                    ids = self._preferred(plugin, free, n) or ids
+        try:
+            resp = plugin.stub.Allocate(
+                pb.AllocateRequest(
+                    container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]
+                ),
+                timeout=10,
+            )
+            self.calls.append(f"Allocate {resource} {len(ids)}")
+        except grpc.RpcError as exc:
+            raise AdmissionError(f"Allocate {resource}: {exc.details()}", exc.code()) from exc
+        if len(resp.container_responses) != 1:
+            raise AdmissionError(f"Allocate {resource}: {len(resp.container_responses)} answers")
+        with self.lock:
+            self.allocated[(uid, cname, resource)] = list(ids)
+        r = resp.container_responses[0]
+        out.envs.update(dict(r.envs))
+        out.mounts.extend(r.mounts)
+        out.devices.extend(r.devices)
+        out.ids[resource] = list(ids)
+        if plugin.options.pre_start_required:
+            try:
+                plugin.stub.PreStartContainer(
+                    pb.PreStartContainerRequest(devices_ids=ids), timeout=10
+                )
+                self.calls.append(f"PreStartContainer {resource}")
+            except grpc.RpcError as exc:
+                raise AdmissionError(
+                    f"PreStartContainer {resource}: {exc.details()}", exc.code()
+                ) from exc
+
+    def _preferred(self, plugin: _Plugin, free: list[str], n: int) -> list[str] | None:
+        try:
+            resp = plugin.stub.GetPreferredAllocation(
+                pb.PreferredAllocationRequest(
+                    container_requests=[
+                        pb.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=free, must_include_deviceIDs=[], allocation_size=n
+                        )
+                    ]
+                ),
+                timeout=10,
+            )
+            self.calls.append(f"GetPreferredAllocation {plugin.resource} {n}")
+        except grpc.RpcError as exc:
+            raise AdmissionError(
+                f"GetPreferredAllocation {plugin.resource}: {exc.details()}", exc.code()
+            ) from exc
+        ids = list(resp.container_responses[0].deviceIDs) if resp.container_responses else []
+        if len(ids) != n or len(set(ids)) != n or not set(ids) <= set(free):
+            return None  # kubelet ignores an invalid preference
+        return ids
+
+    def release(self, pod_uid: str) -> None:
+        """The pod is gone: its devices return to the pool."""
+        with self.lock:
+            for key in [k for k in self.allocated if k[0] == pod_uid]:
+                del self.allocated[key]
+            for key in [k for k in self.results if k[0] == pod_uid]:
+                del self.results[key]
