@@ -119,6 +119,14 @@ class GpuBackend(Protocol):
     def close(self) -> None: ...
 
 
+class _NoSuchError(Exception):
+    pass
+
+
+# Raised by pynvml's unversioned wrappers when the loaded library lacks the function.
+_LibraryMismatch: type[Exception] = getattr(pynvml, "NVMLLibraryMismatchError", _NoSuchError)
+
+
 def _nvml_str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -138,7 +146,7 @@ def _optional(call: Callable[[], Any]) -> Any:
         ):
             return None
         raise
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, _LibraryMismatch):
         return None
 
 
@@ -386,8 +394,11 @@ def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, st
             f"the simulated backend needs enforcement.sim and its native library ({exc})"
         ) from exc
     sim_dir = state_dir / "sim"
-    sim_dir.mkdir(parents=True, exist_ok=True)
-    config_path = sim.write_sim_config(spec, sim_dir, node=node_name)
+    config_path = sim_dir / "gpus.conf"
+    try:
+        sim.write_sim_config(config_path, spec, node=node_name or "sim-node")
+    except ValueError as exc:
+        raise RuleViolation("sim", spec, str(exc)) from exc
     try:
         sim.load_sim_nvml(config_path)
     except OSError as exc:

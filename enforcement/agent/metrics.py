@@ -191,7 +191,21 @@ class AgentCollector(Collector):
                 per_dev[p.device_uuid] = per_dev.get(p.device_uuid, 0) + 1
             for uuid, n in sorted(per_dev.items()):
                 unowned.add_metric([agent.node, uuid], n)
-        yield from (over, kills, unowned)
+        current = GaugeMetricFamily(
+            "qgpu_watchdog_over_cap_processes",
+            "Processes over their slice's memory cap at the last scan",
+            labels=["node", "device_uuid", "slice"],
+        )
+        if wd is not None and wd.last is not None:
+            per_slice: dict[tuple[str, str], int] = {}
+            for e in wd.last.over_cap:
+                if e.action == "reported":
+                    per_slice[(e.device_uuid, e.slice_id)] = (
+                        per_slice.get((e.device_uuid, e.slice_id), 0) + 1
+                    )
+            for (uuid, sid), n in sorted(per_slice.items()):
+                current.add_metric([agent.node, uuid, sid], n)
+        yield from (over, kills, unowned, current)
 
 
 def build_registry(agent: Agent) -> CollectorRegistry:

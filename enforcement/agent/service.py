@@ -45,6 +45,7 @@ from enforcement.agent.reconcile import (
     pid_namespace,
     proc_start_time,
 )
+from enforcement.agent.slice_stats import BusyRate, read_slice_ledger
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.ledger import Ledger
@@ -115,6 +116,7 @@ class Agent:
         self._stripes = [threading.Lock() for _ in range(64)]
         self._inventory_lock = threading.Lock()
         self._environ_cache: dict[tuple[int, int], str | None] = {}
+        self._busy = BusyRate()
         for path in (config.state_dir, config.limits_dir):
             path.mkdir(parents=True, exist_ok=True)
             os.chmod(path, 0o755)
@@ -342,18 +344,40 @@ class Agent:
         utils = _safe(self.backend.process_utilization, {})
         by_slice, _unowned = self.attribute(allocs, procs)
         out = []
+        self._busy.forget({a.slice_id for a in allocs})
         for alloc in allocs:
             mine = [p for p in by_slice.get(alloc.slice_id, []) if p.device_uuid in alloc.gpu_uuids]
-            mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
-            core = [utils[(p.device_uuid, p.pid)] for p in mine if (p.device_uuid, p.pid) in utils]
-            usage = SliceUsage(
-                memory_used_bytes=sum(mem) if mine else 0,
-                core_used_percent=float(sum(core)) if core or not mine else None,
-                pids=sorted({p.pid for p in mine}),
-                source=self._usage_source(),  # type: ignore[arg-type]
+            out.append(
+                SliceInfo(
+                    **self.reservation(alloc).model_dump(),
+                    usage=self._usage(alloc, mine, utils),
+                )
             )
-            out.append(SliceInfo(**self.reservation(alloc).model_dump(), usage=usage))
         return SliceList(node=self.node, slices=out)
+
+    def _usage(
+        self, alloc: Allocation, mine: list[GpuProcess], utils: dict[tuple[str, int], int]
+    ) -> SliceUsage:
+        """The interposer's shared ledger when the slice has one, with NVML per process."""
+        pids = {p.pid for p in mine}
+        mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
+        if self._enforcement(alloc) == "interposer":
+            led = read_slice_ledger(self.config.slices_dir, alloc.slice_id)
+            if led is not None:
+                # NVML's per-process numbers also see memory that bypassed the interposer.
+                return SliceUsage(
+                    memory_used_bytes=max(led.mem_used, sum(mem)),
+                    core_used_percent=self._busy.update(alloc.slice_id, led.busy_ns),
+                    pids=sorted(pids | set(led.pids)),
+                    source="interposer",
+                )
+        core = [utils[(p.device_uuid, p.pid)] for p in mine if (p.device_uuid, p.pid) in utils]
+        return SliceUsage(
+            memory_used_bytes=sum(mem) if mine else 0,
+            core_used_percent=float(sum(core)) if core or not mine else None,
+            pids=sorted(pids),
+            source=self._usage_source(),  # type: ignore[arg-type]
+        )
 
     def devices(self) -> DeviceList:
         usage = {u.uuid: u for u in self.ledger.usage(self.node)}

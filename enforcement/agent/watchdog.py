@@ -4,11 +4,13 @@ Each scan reads per-process GPU memory from NVML (or the simulated driver, throu
 pynvml calls) and attributes every process to a slice (its ``QGPU_SLICE_ID`` environment
 variable, else the slice's pid owner). A share slice whose processes together hold more
 than its cap on its GPU has escaped the interposer (a bypass: static linking, a raw ioctl,
-an unpreloaded process): each such process is reported as one structured JSON log line and
-counted in ``qgpu_watchdog_over_cap_total``. With ``kill`` enabled, the slice's largest
-processes are SIGKILLed, largest first, until the rest fit the cap (counted in
-``qgpu_watchdog_kills_total``). Processes that belong to no slice are logged once each and
-exposed as ``qgpu_watchdog_unowned_processes``. Whole-GPU slices own their card: no cap.
+an unpreloaded process). Each such process is reported once while it stays over, as one
+structured JSON log line, and counted in ``qgpu_watchdog_over_cap_total``;
+``qgpu_watchdog_over_cap_processes`` is the number over the cap at the last scan.
+With ``kill`` enabled, the slice's largest processes are SIGKILLed, largest first, until
+the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Processes that belong to
+no slice are logged once each and exposed as ``qgpu_watchdog_unowned_processes``.
+Whole-GPU slices own their card: no cap.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Watchdog:
         self.kill = kill
         self._killer = killer
         self._seen_unowned: set[tuple[str, int]] = set()
+        self._seen_over: set[tuple[str, int]] = set()
         self.last: WatchdogReport | None = None
 
     def scan(self) -> WatchdogReport:
@@ -100,6 +103,9 @@ class Watchdog:
                     action,
                 )
                 report.over_cap.append(event)
+                key = (alloc.slice_id, proc.pid)
+                if key in self._seen_over and action == "reported":
+                    continue  # reported at an earlier scan and still running: no new event
                 agent.counters.add("watchdog_over_cap", (uuid, alloc.slice_id))
                 log.warning(
                     json.dumps(
@@ -118,6 +124,7 @@ class Watchdog:
                         sort_keys=True,
                     )
                 )
+        self._seen_over = {(e.slice_id, e.pid) for e in report.over_cap if e.action == "reported"}
         current = {(p.device_uuid, p.pid) for p in unowned}
         for proc in unowned:
             if (proc.device_uuid, proc.pid) not in self._seen_unowned:
