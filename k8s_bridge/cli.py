@@ -1,0 +1,203 @@
+"""``qgpu device-plugin``, ``qgpu extender`` and ``qgpu webhook`` (entry points of `qgpu.cli`).
+
+Each ``register_*(subparsers)`` adds one subcommand whose handler returns an exit code.
+The device plugin discovers its GPUs through `enforcement.discovery` (NVML, or the
+simulated backend with ``--sim 2xH100-80GB``), publishes them on its Node, serves kubelet
+and re-discovers every ``--health-interval`` seconds to report health changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefix",
+        default=os.environ.get("QGPU_RESOURCE_PREFIX", "tke.cloud.tencent.com"),
+        help="resource name prefix: <prefix>/qgpu-core, <prefix>/qgpu-memory",
+    )
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
+    p.add_argument("--apiserver", help="apiserver URL (overrides kubeconfig; for proxies/tests)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _kube(args: argparse.Namespace) -> Any:
+    from k8s_bridge.kube import Kube, make_api_client
+    from k8s_bridge.resources import Names
+
+    return Kube(make_api_client(args.apiserver, args.kubeconfig), Names(args.prefix))
+
+
+def _wait_for_signal() -> None:
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+
+
+# --- device plugin -------------------------------------------------------------------------
+
+
+def run_device_plugin(args: argparse.Namespace) -> int:
+    from enforcement.discovery import discover, open_backend
+    from k8s_bridge.deviceplugin.allocation import AllocationPaths
+    from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
+
+    _logging(args)
+    node = args.node_name or os.environ.get("NODE_NAME")
+    if not node:
+        logging.error("--node-name (or NODE_NAME from the downward API) is required")
+        return EXIT_FAILURE
+    state_dir = Path(args.state_dir)
+    backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
+    inventory = discover(backend, node, max_slices_per_gpu=args.max_slices)
+    paths = AllocationPaths(
+        state_dir=state_dir,
+        hook_library=_hook_library(args.hook_library),
+        workload_env=dict(backend.workload_env),
+    )
+    cfg = PluginConfig(node_name=node, prefix=args.prefix, plugin_dir=Path(args.plugin_dir))
+    plugin = QgpuDevicePlugin(cfg, _kube(args), inventory, paths)
+    plugin.start()
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(args.health_interval):
+            try:
+                now = discover(backend, node, max_slices_per_gpu=args.max_slices)
+            except Exception as exc:  # keep serving the last inventory; say why
+                logging.warning("GPU re-discovery failed: %s", exc)
+                continue
+            if now.gpus != plugin.inventory.gpus:
+                plugin.set_inventory(now)
+
+    threading.Thread(target=refresh, daemon=True).start()
+    try:
+        _wait_for_signal()
+    finally:
+        stop.set()
+        plugin.stop()
+        backend.close()
+    return EXIT_OK
+
+
+def _hook_library(explicit: str | None) -> Path | None:
+    if explicit:
+        return Path(explicit)
+    try:
+        from enforcement.native import NativeLibraryMissing, hook_library_path
+    except ImportError:
+        return None
+    try:
+        return hook_library_path()
+    except NativeLibraryMissing as exc:
+        logging.warning("%s; share slices will be refused at Allocate", exc)
+        return None
+
+
+def register_device_plugin(sub: Any) -> None:
+    p = sub.add_parser("device-plugin", help="run the Kubernetes device plugin on this node")
+    _common(p)
+    p.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
+    p.add_argument("--plugin-dir", default="/var/lib/kubelet/device-plugins")
+    p.add_argument("--state-dir", default="/var/lib/qgpu", help="limits files and ledgers")
+    p.add_argument("--backend", default=None, help="nvml, sim or auto (default: auto)")
+    p.add_argument("--sim", help="simulated GPUs, e.g. 2xH100-80GB")
+    p.add_argument("--hook-library", help="interposer path (default: the built one)")
+    p.add_argument("--max-slices", type=int, default=DEFAULT_MAX_SLICES_PER_GPU)
+    p.add_argument("--health-interval", type=float, default=10.0)
+    p.set_defaults(func=run_device_plugin)
+
+
+# --- extender ------------------------------------------------------------------------------
+
+
+def run_extender(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k8s_bridge.extender.app import create_app
+    from k8s_bridge.extender.service import Extender, ExtenderConfig
+
+    _logging(args)
+    cfg = ExtenderConfig(
+        prefix=args.prefix,
+        node_policy=PlacementPolicy.parse(args.node_policy, "--node-policy"),
+        gpu_policy=PlacementPolicy.parse(args.gpu_policy, "--gpu-policy")
+        if args.gpu_policy
+        else None,
+        lock_ttl_s=args.lock_ttl,
+    )
+    ext = Extender(_kube(args), cfg)
+    ext.start()
+    try:
+        uvicorn.run(create_app(ext), host=args.host, port=args.port, log_level="warning")
+    finally:
+        ext.stop()
+    return EXIT_OK
+
+
+def register_extender(sub: Any) -> None:
+    names = [p.value for p in PlacementPolicy]
+    p = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP)")
+    _common(p)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--node-policy", default="binpack", choices=names)
+    p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
+    p.add_argument("--lock-ttl", type=float, default=30.0, help="node lock expiry, seconds")
+    p.set_defaults(func=run_extender)
+
+
+# --- webhook -------------------------------------------------------------------------------
+
+
+def run_webhook(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k8s_bridge.resources import Names
+    from k8s_bridge.webhook import create_app
+
+    _logging(args)
+    app = create_app(Names(args.prefix), args.scheduler_name)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        ssl_certfile=args.tls_cert,
+        ssl_keyfile=args.tls_key,
+        log_level="warning",
+    )
+    return EXIT_OK
+
+
+def register_webhook(sub: Any) -> None:
+    p = sub.add_parser("webhook", help="run the mutating admission webhook (HTTPS)")
+    p.add_argument(
+        "--prefix", default=os.environ.get("QGPU_RESOURCE_PREFIX", "tke.cloud.tencent.com")
+    )
+    p.add_argument("--scheduler-name", default="qgpu-scheduler")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8443)
+    p.add_argument("--tls-cert", help="server certificate (PEM); plain HTTP without it")
+    p.add_argument("--tls-key", help="server key (PEM)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run_webhook)
