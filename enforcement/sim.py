@@ -53,9 +53,18 @@ MODELS: dict[str, GpuModel] = {
     )
 }
 # short aliases: the model without its memory, when that is unambiguous
-_ALIASES = {"t4": "t4-16gb", "a10": "a10-24gb", "a30": "a30-24gb", "l4": "l4-24gb",
-            "l40s": "l40s-48gb", "rtx4090": "rtx4090-24gb", "h100": "h100-80gb",
-            "h200": "h200-141gb", "v100m32": "v100-32gb", "v100": "v100-16gb"}
+_ALIASES = {
+    "t4": "t4-16gb",
+    "a10": "a10-24gb",
+    "a30": "a30-24gb",
+    "l4": "l4-24gb",
+    "l40s": "l40s-48gb",
+    "rtx4090": "rtx4090-24gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+    "v100m32": "v100-32gb",
+    "v100": "v100-16gb",
+}
 _ITEM_RE = re.compile(r"^(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9._-]+)$")
 
 
@@ -266,15 +275,15 @@ def gpu_memory_used(config: SimConfig | str | os.PathLike[str], gpu: int | str =
     return read_gpu_state(config, gpu).mem_used
 
 
-def process_memory(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> dict[int, int]:
+def process_memory(
+    config: SimConfig | str | os.PathLike[str], gpu: int | str = 0
+) -> dict[int, int]:
     """pid -> bytes held on the simulated GPU (slots of dead processes may linger until the
     next allocation or NVML query reclaims them)."""
     return {p.pid: p.mem_used for p in read_gpu_state(config, gpu).processes}
 
 
-def busy_share(
-    before: SimGpuState, after: SimGpuState, pid: int | None = None
-) -> float:
+def busy_share(before: SimGpuState, after: SimGpuState, pid: int | None = None) -> float:
     """Fraction of the wall time between two snapshots the device spent on ``pid``'s work
     (or on anyone's, when pid is None)."""
     span = after.now_ns - before.now_ns
@@ -288,8 +297,9 @@ def busy_share(
     return (done_b - done_a) / span
 
 
-def utilization(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0,
-                seconds: float = 0.5) -> float:
+def utilization(
+    config: SimConfig | str | os.PathLike[str], gpu: int | str = 0, seconds: float = 0.5
+) -> float:
     """Device utilisation (0..1) over the next ``seconds``."""
     import time
 

@@ -53,7 +53,14 @@ ERROR_NAMES = {
 
 AllocApi = Literal["alloc", "pitch", "managed", "create", "async", "pool", "array", "array3d"]
 ALLOC_APIS: tuple[str, ...] = (
-    "alloc", "pitch", "managed", "create", "async", "pool", "array", "array3d",
+    "alloc",
+    "pitch",
+    "managed",
+    "create",
+    "async",
+    "pool",
+    "array",
+    "array3d",
 )
 LaunchApi = Literal["kernel", "ex", "coop", "graph"]
 BUSY_KERNEL = b"qgpu_sim_busy"
@@ -110,10 +117,31 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuEventQuery": [c_void_p],
     "cuEventElapsedTime": [_P(c_float), c_void_p, c_void_p],
     "cuEventDestroy_v2": [c_void_p],
-    "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
-                       c_void_p, c_void_p, c_void_p],
-    "cuLaunchCooperativeKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
-                                  c_uint, c_void_p, c_void_p],
+    "cuLaunchKernel": [
+        c_void_p,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_void_p,
+        c_void_p,
+        c_void_p,
+    ],
+    "cuLaunchCooperativeKernel": [
+        c_void_p,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_void_p,
+        c_void_p,
+    ],
     "cuLaunchKernelEx": [c_void_p, c_void_p, c_void_p, c_void_p],
     "cuGraphCreate": [_P(c_void_p), c_uint],
     "cuGraphAddKernelNode_v2": [_P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p],
@@ -130,43 +158,86 @@ class _MemLocation(ctypes.Structure):
 
 
 class _AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class MemAllocationProp(ctypes.Structure):
-    _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", _MemLocation),
-                ("win32HandleMetaData", c_void_p), ("allocFlags", _AllocFlags)]
+    _fields_ = [
+        ("type", c_int),
+        ("requestedHandleTypes", c_int),
+        ("location", _MemLocation),
+        ("win32HandleMetaData", c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
 
 
 class MemPoolProps(ctypes.Structure):
-    _fields_ = [("allocType", c_int), ("handleTypes", c_int), ("location", _MemLocation),
-                ("win32SecurityAttributes", c_void_p), ("maxSize", c_size_t),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54)]
+    _fields_ = [
+        ("allocType", c_int),
+        ("handleTypes", c_int),
+        ("location", _MemLocation),
+        ("win32SecurityAttributes", c_void_p),
+        ("maxSize", c_size_t),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 54),
+    ]
 
 
 class ArrayDescriptor(ctypes.Structure):
-    _fields_ = [("Width", c_size_t), ("Height", c_size_t), ("Format", c_int),
-                ("NumChannels", c_uint)]
+    _fields_ = [
+        ("Width", c_size_t),
+        ("Height", c_size_t),
+        ("Format", c_int),
+        ("NumChannels", c_uint),
+    ]
 
 
 class Array3DDescriptor(ctypes.Structure):
-    _fields_ = [("Width", c_size_t), ("Height", c_size_t), ("Depth", c_size_t),
-                ("Format", c_int), ("NumChannels", c_uint), ("Flags", c_uint)]
+    _fields_ = [
+        ("Width", c_size_t),
+        ("Height", c_size_t),
+        ("Depth", c_size_t),
+        ("Format", c_int),
+        ("NumChannels", c_uint),
+        ("Flags", c_uint),
+    ]
 
 
 class LaunchConfig(ctypes.Structure):
-    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
-                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint),
-                ("sharedMemBytes", c_uint), ("hStream", c_void_p), ("attrs", c_void_p),
-                ("numAttrs", c_uint)]
+    _fields_ = [
+        ("gridDimX", c_uint),
+        ("gridDimY", c_uint),
+        ("gridDimZ", c_uint),
+        ("blockDimX", c_uint),
+        ("blockDimY", c_uint),
+        ("blockDimZ", c_uint),
+        ("sharedMemBytes", c_uint),
+        ("hStream", c_void_p),
+        ("attrs", c_void_p),
+        ("numAttrs", c_uint),
+    ]
 
 
 class KernelNodeParams(ctypes.Structure):
-    _fields_ = [("func", c_void_p), ("gridDimX", c_uint), ("gridDimY", c_uint),
-                ("gridDimZ", c_uint), ("blockDimX", c_uint), ("blockDimY", c_uint),
-                ("blockDimZ", c_uint), ("sharedMemBytes", c_uint), ("kernelParams", c_void_p),
-                ("extra", c_void_p), ("kern", c_void_p), ("ctx", c_void_p)]
+    _fields_ = [
+        ("func", c_void_p),
+        ("gridDimX", c_uint),
+        ("gridDimY", c_uint),
+        ("gridDimZ", c_uint),
+        ("blockDimX", c_uint),
+        ("blockDimY", c_uint),
+        ("blockDimZ", c_uint),
+        ("sharedMemBytes", c_uint),
+        ("kernelParams", c_void_p),
+        ("extra", c_void_p),
+        ("kern", c_void_p),
+        ("ctx", c_void_p),
+    ]
 
 
 CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -188,9 +259,12 @@ class Driver:
     """The driver API through ctypes. ``resolve="dlsym"`` looks functions up by name;
     ``resolve="getproc"`` asks ``cuGetProcAddress_v2`` for the base names."""
 
-    def __init__(self, library: str = "libcuda.so.1",
-                 resolve: Literal["dlsym", "getproc"] = "dlsym",
-                 cuda_version: int = 12040) -> None:
+    def __init__(
+        self,
+        library: str = "libcuda.so.1",
+        resolve: Literal["dlsym", "getproc"] = "dlsym",
+        cuda_version: int = 12040,
+    ) -> None:
         self.lib = ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
         self.resolve = resolve
         self.cuda_version = cuda_version
@@ -299,8 +373,9 @@ class Driver:
             pitch = c_size_t()
             # rows of 1 MiB (a multiple of the pitch alignment): exactly `size` bytes
             width = 1 << 20
-            code = self.call("cuMemAllocPitch_v2", byref(out), byref(pitch), width,
-                             max(1, size // width), 4)
+            code = self.call(
+                "cuMemAllocPitch_v2", byref(out), byref(pitch), width, max(1, size // width), 4
+            )
         elif api == "managed":
             code = self.call("cuMemAllocManaged", byref(out), size, CU_MEM_ATTACH_GLOBAL)
         elif api == "create":
@@ -420,8 +495,9 @@ class Driver:
     def _launch_graph(self, fn: int, params: Any, stream: int | None) -> int:
         graph, node, exe = c_void_p(), c_void_p(), c_void_p()
         self.check("cuGraphCreate", byref(graph), 0)
-        p = KernelNodeParams(fn, 1, 1, 1, 1, 1, 1, 0, ctypes.cast(params, c_void_p), None,
-                             None, None)
+        p = KernelNodeParams(
+            fn, 1, 1, 1, 1, 1, 1, 0, ctypes.cast(params, c_void_p), None, None, None
+        )
         self.check("cuGraphAddKernelNode_v2", byref(node), graph, None, 0, byref(p))
         self.check("cuGraphInstantiateWithFlags", byref(exe), graph, 0)
         code = self.call("cuGraphLaunch", exe, stream)
