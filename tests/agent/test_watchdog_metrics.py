@@ -1,0 +1,165 @@
+"""Watchdog (over-cap and unowned GPU processes) and the Prometheus metrics it feeds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from enforcement.agent.app import create_app
+from enforcement.agent.models import ReserveRequest
+from enforcement.agent.service import Agent
+from enforcement.agent.watchdog import Watchdog
+from enforcement.discovery import GpuProcess
+from qgpu.model import Owner, OwnerKind, SliceRequest
+from tests.agent.conftest import FakeBackend
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def spawn(children: list[subprocess.Popen], slice_id: str | None) -> int:
+    env = dict(os.environ)
+    env.pop("QGPU_SLICE_ID", None)
+    if slice_id:
+        env["QGPU_SLICE_ID"] = slice_id
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    children.append(p)
+    return p.pid
+
+
+def share(agent: Agent, core: int = 20, memory: int = 4, owner: Owner | None = None) -> str:
+    req = ReserveRequest(request=SliceRequest(core=core, memory_gib=memory), owner=owner or Owner())
+    return agent.reserve(req).slice_id
+
+
+def samples(agent: Agent) -> dict[str, list]:
+    text = TestClient(create_app(agent)).get("/metrics").text
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def value(found: dict[str, list], name: str, **labels: str) -> float:
+    for s in found[name.removesuffix("_total")]:
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+def test_over_cap_process_is_reported_once_with_a_json_line(
+    agent: Agent, backend: FakeBackend, children: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    sid = share(agent, memory=4)
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    good, bypass = spawn(children, sid), spawn(children, sid)
+    backend.procs = [GpuProcess(uuid, good, 1 * GIB), GpuProcess(uuid, bypass, 5 * GIB)]
+    wd = agent.watchdog
+    assert wd is not None
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        report = wd.scan()
+        wd.scan()
+    assert {(e.pid, e.action) for e in report.over_cap} == {
+        (good, "reported"),
+        (bypass, "reported"),
+    }
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    over = [x for x in lines if x["event"] == "qgpu.watchdog.over_cap"]
+    assert len(over) == 2  # once per process, not once per scan
+    assert over[0]["slice"] == sid and over[0]["limit_bytes"] == 4 * GIB
+    assert over[0]["slice_used_bytes"] == 6 * GIB
+    found = samples(agent)
+    assert value(found, "qgpu_watchdog_over_cap_total", slice=sid, device_uuid=uuid) == 2
+    assert value(found, "qgpu_watchdog_over_cap_processes", slice=sid) == 2
+    assert all(c.poll() is None for c in children)  # not configured to kill
+
+
+def test_kill_removes_the_largest_until_under_the_cap(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    sid = share(agent, memory=4)
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    small, big = spawn(children, sid), spawn(children, sid)
+    backend.procs = [GpuProcess(uuid, small, 2 * GIB), GpuProcess(uuid, big, 3 * GIB)]
+    report = Watchdog(agent, kill=True).scan()
+    actions = {e.pid: e.action for e in report.over_cap}
+    assert actions == {big: "killed", small: "reported"}
+    children[1].wait(timeout=10)
+    assert children[1].returncode == -9
+    assert children[0].poll() is None
+    assert agent.counters.watchdog_kills[(uuid, sid)] == 1
+
+
+def test_processes_within_cap_and_owner_pid_attribution(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    owner_pid = spawn(children, None)
+    sid = share(agent, memory=8, owner=Owner(kind=OwnerKind.PID, id=str(owner_pid)))
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    stranger = spawn(children, None)
+    backend.procs = [GpuProcess(uuid, owner_pid, 3 * GIB), GpuProcess(uuid, stranger, GIB)]
+    backend.util = {(uuid, owner_pid): 17}
+    report = agent.watchdog.scan()
+    assert report.over_cap == []
+    assert [p.pid for p in report.unowned] == [stranger]
+    info = agent.slices().slices[0]
+    assert info.usage.memory_used_bytes == 3 * GIB
+    assert info.usage.pids == [owner_pid]
+    assert info.usage.core_used_percent == 17
+    found = samples(agent)
+    assert value(found, "qgpu_watchdog_unowned_processes", device_uuid=uuid) == 1
+    assert value(found, "qgpu_slice_memory_used_bytes", slice=sid) == 3 * GIB
+    assert value(found, "qgpu_slice_core_used_percent", slice=sid) == 17
+
+
+def test_whole_gpu_slices_have_no_cap(agent: Agent, backend: FakeBackend, children: list) -> None:
+    sid = agent.reserve(ReserveRequest(request=SliceRequest(core=100))).slice_id
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    backend.procs = [GpuProcess(uuid, spawn(children, sid), 70 * GIB)]
+    assert agent.watchdog.scan().over_cap == []
+
+
+def test_metrics_names_labels_and_counters(agent: Agent, backend: FakeBackend) -> None:
+    client = TestClient(create_app(agent))
+    sid = client.post(
+        "/v1/slices",
+        json={"request": {"core": 30, "memory": 8, "isolation": "bs"}, "owner": {"id": "job"}},
+    ).json()["slice_id"]
+    client.post("/v1/slices", json={"request": {"core": 130, "memory": 8}})
+    big = {"request": {"core": 99, "memory": 80}}
+    assert [client.post("/v1/slices", json=big).status_code for _ in range(3)] == [201, 409, 409]
+    client.delete(f"/v1/slices/{sid}")
+    client.delete(f"/v1/slices/{sid}")
+    found = samples(agent)
+    assert all(name.startswith("qgpu_") for name in found)
+    node = "node-a"
+    assert value(found, "qgpu_agent_reservations_total", node=node, result="ok") == 2
+    assert value(found, "qgpu_agent_reservations_total", result="invalid") == 1
+    assert value(found, "qgpu_agent_reservations_total", result="no-fit") == 2
+    assert value(found, "qgpu_agent_releases_total", reason="request") == 1
+    assert value(found, "qgpu_agent_releases_total", reason="already-gone") == 1
+    uuid0, uuid1 = backend.gpus[0].uuid, backend.gpus[1].uuid
+    assert value(found, "qgpu_device_memory_total_bytes", device_uuid=uuid0) == 80 * GIB
+    assert value(found, "qgpu_device_core_committed_percent", device_uuid=uuid0) == 0
+    assert value(found, "qgpu_device_core_committed_percent", device_uuid=uuid1) == 99
+    assert value(found, "qgpu_device_memory_committed_bytes", device_uuid=uuid1) == 80 * GIB
+    assert value(found, "qgpu_device_healthy", device_uuid=uuid0) == 1
+    live = agent.slices().slices[0]
+    labels = {"slice": live.slice_id, "device_uuid": live.device_uuid, "owner": "manual:"}
+    assert value(found, "qgpu_slice_memory_limit_bytes", **labels) == 80 * GIB
+    assert value(found, "qgpu_slice_core_limit_percent", **labels) == 99
+    assert value(found, "qgpu_slice_info", policy="best-effort", enforcement="interposer") == 1
+    assert found["qgpu_agent_errors"] == []
