@@ -1,0 +1,328 @@
+"""The agent as a real process on the simulated GPUs: security, restarts, crashes, load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
+from enforcement.agent.slice_env import parse_limits
+from qgpu.ledger import Ledger
+from tests.agent.conftest import REPO, agent_command, free_port, start_agent, stop_agent
+
+pytestmark = pytest.mark.slow
+GIB = 1 << 30
+
+
+@pytest.fixture
+def live(state_dir: Path) -> Iterator[tuple[subprocess.Popen, AgentClient]]:
+    proc = start_agent(state_dir, "--sim", "2xH100-80GB")
+    client = AgentClient(state_dir / "agent.sock")
+    yield proc, client
+    client.close()
+    stop_agent(proc)
+
+
+# -- security ---------------------------------------------------------------------------
+
+
+def test_socket_is_0600_and_refuses_another_user(
+    live: tuple[subprocess.Popen, AgentClient], state_dir: Path
+) -> None:
+    sock = state_dir / "agent.sock"
+    mode = sock.stat().st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert sock.stat().st_uid == os.geteuid()
+    if os.geteuid() != 0:
+        pytest.skip("trying as another uid needs root")
+    pid = os.fork()
+    if pid == 0:  # child: become nobody, try to talk to the agent
+        code = 3
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(sock))
+                code = 1  # connected: the socket is open to other users
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_tcp_needs_the_bearer_token(state_dir: Path) -> None:
+    token = "t0k3n-" + "x" * 26
+    token_file = state_dir / "token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    port = free_port()
+    proc = start_agent(
+        state_dir, "--sim", "1xH100-80GB", "--tcp-port", str(port), "--token-file", str(token_file)
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for path in ("/v1/health", "/v1/slices", "/metrics", "/openapi.json"):
+            bare = httpx.get(url + path)
+            assert bare.status_code == 401, path
+            assert bare.json()["field"] == "Authorization"
+            wrong = httpx.get(url + path, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+        no_token = httpx.post(url + "/v1/slices", json={"request": {"core": 10, "memory": 4}})
+        assert no_token.status_code == 401
+        with AgentClient(url=url, token=token) as client:
+            assert client.health().status in ("ok", "degraded")
+            res = client.reserve({"core": 10, "memory": 4})
+            assert client.release(res.slice_id).released
+        # the unix socket needs no token (its file mode guards it)
+        with AgentClient(state_dir / "agent.sock") as local:
+            assert local.health().node == "node-a"
+    finally:
+        stop_agent(proc)
+
+
+def test_refuses_non_loopback_tcp_and_loose_token_files(state_dir: Path) -> None:
+    token_file = state_dir / "token"
+    token_file.write_text("x" * 32)
+    token_file.chmod(0o600)
+    common = ["--sim", "1xH100-80GB", "--tcp-port", str(free_port())]
+    bad_host = subprocess.run(
+        [
+            *agent_command(state_dir, *common, "--token-file", str(token_file)),
+            "--tcp-host",
+            "0.0.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert bad_host.returncode == 2
+    assert "tcp_host" in bad_host.stderr and "loopback" in bad_host.stderr
+    token_file.chmod(0o644)
+    loose = subprocess.run(
+        agent_command(state_dir, *common, "--token-file", str(token_file)),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert loose.returncode == 2 and "chmod 600" in loose.stderr
+    no_token = subprocess.run(
+        agent_command(state_dir, *common), capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert no_token.returncode == 2 and "token_file" in no_token.stderr
+
+
+# -- restarts ---------------------------------------------------------------------------
+
+
+def workload(env: dict[str, str], *gib: float) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", _WORKLOAD],
+        env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(" ".join(str(g) for g in gib) + "\n")
+    proc.stdin.flush()
+    return proc
+
+
+# Allocates the sizes given on each stdin line; answers one word per allocation.
+_WORKLOAD = """
+import sys
+from enforcement.simcuda import Driver
+d = Driver(); d.init(); d.context(0); held = []
+for line in sys.stdin:
+    out = []
+    for g in line.split():
+        code, a = d.try_mem_alloc(int(float(g) * (1 << 30)))
+        out.append("ok" if a is not None else "oom")
+        if a is not None:
+            held.append(a)
+    print(" ".join(out), flush=True)
+"""
+
+
+def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "2xH100-80GB")
+    with AgentClient(state_dir / "agent.sock") as client:
+        res = [
+            client.reserve({"core": c, "memory": m}, {"id": f"job-{c}"})
+            for c, m in ((30, 4), (50, 8), (20, 6))
+        ]
+        before = {s.slice_id: s for s in client.slices().slices}
+        limits = {r.slice_id: Path(r.limits_file).read_text() for r in res if r.limits_file}
+    capped = res[0]
+    running = workload(capped.env, 3)
+    assert running.stdout is not None and running.stdout.readline().split() == ["ok"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc = start_agent(state_dir, "--sim", "2xH100-80GB")
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            after = {s.slice_id: s for s in client.slices().slices}
+            assert after.keys() == before.keys()
+            for sid, s in after.items():
+                assert s.env == before[sid].env
+                assert s.device_uuids == before[sid].device_uuids
+                assert (s.core, s.memory_gib, s.owner) == (
+                    before[sid].core,
+                    before[sid].memory_gib,
+                    before[sid].owner,
+                )
+            for sid, text in limits.items():
+                assert Path(before[sid].limits_file).read_text() == text
+            # the running process kept its 4 GiB cap across the restart ...
+            assert running.stdin is not None
+            running.stdin.write("2\n")
+            running.stdin.flush()
+            assert running.stdout.readline().split() == ["oom"]
+            # ... shared with a new process of the same slice
+            second = workload(capped.env, 1, 1)
+            assert second.stdout is not None
+            assert second.stdout.readline().split() == ["ok", "oom"]
+            second.kill()
+            usage = next(s for s in client.slices().slices if s.slice_id == capped.slice_id).usage
+            assert usage.source == "interposer"
+    finally:
+        running.kill()
+        stop_agent(proc)
+
+
+def test_restart_repairs_limits_files(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    with AgentClient(state_dir / "agent.sock") as client:
+        kept = client.reserve({"core": 10, "memory": 4})
+    stop_agent(proc)
+    assert kept.limits_file is not None
+    Path(kept.limits_file).unlink()
+    stray = state_dir / "limits" / "s-gone.limits"
+    stray.write_text("QGPU_SLICE_ID=s-gone\n")
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    try:
+        assert parse_limits(Path(kept.limits_file).read_text())["QGPU_SLICE_ID"] == kept.slice_id
+        assert not stray.exists()
+    finally:
+        stop_agent(proc)
+
+
+def test_crash_during_a_burst_keeps_every_acknowledged_reservation(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "4xH100-80GB")
+    acked: list[str] = []
+    kill_after = 40
+
+    async def burst() -> None:
+        async with AsyncAgentClient(state_dir / "agent.sock", max_connections=32) as client:
+
+            async def one(i: int) -> None:
+                try:
+                    res = await client.reserve(
+                        {"core": 1 + i % 5, "memory": 4}, {"id": f"b{i}"}, slice_id=f"b-{i}"
+                    )
+                except (AgentUnavailable, AgentError):
+                    return
+                acked.append(res.slice_id)
+                if len(acked) == kill_after:
+                    proc.send_signal(signal.SIGKILL)
+
+            await asyncio.gather(*(one(i) for i in range(200)))
+
+    asyncio.run(burst())
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(acked) >= kill_after
+    proc = start_agent(state_dir, "--sim", "4xH100-80GB")
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            held = {s.slice_id for s in client.slices().slices}
+            assert set(acked) <= held
+            for d in client.devices().devices:
+                assert d.core_committed <= 100 and d.slices <= d.max_slices
+                assert d.memory_committed_gib <= d.memory_mib // 1024
+        files = {p.name.removesuffix(".limits") for p in (state_dir / "limits").iterdir()}
+        assert files == held
+        ledger = Ledger(state_dir / "ledger.sqlite")
+        ledger.state().check_invariants()
+        assert {a.slice_id for a in ledger.allocations()} == held
+        ledger.close()
+    finally:
+        stop_agent(proc)
+
+
+# -- load -------------------------------------------------------------------------------
+
+
+def test_1000_concurrent_reserve_and_release_calls(
+    live: tuple[subprocess.Popen, AgentClient],
+) -> None:
+    _proc, sync = live
+    pre = [sync.reserve({"core": 5, "memory": 4}, {"id": "pre"}).slice_id for _ in range(16)]
+    rng = random.Random(7)
+    sizes = [(rng.choice([3, 5, 10, 20, 40]), rng.choice([4, 4, 6, 10, 20])) for _ in range(984)]
+    results: dict[str, int] = {}
+    releases: dict[str, bool] = {}
+    errors: list[str] = []
+
+    async def run() -> None:
+        async with AsyncAgentClient(sync.where, max_connections=1000) as client:
+
+            async def reserve(i: int, core: int, mem: int) -> None:
+                sid = f"load-{i}"
+                try:
+                    await client.reserve({"core": core, "memory": mem}, {"id": sid}, slice_id=sid)
+                    results[sid] = 201
+                except AgentError as exc:
+                    results[sid] = exc.status
+                    if exc.status != 409:
+                        errors.append(str(exc))
+
+            async def release(sid: str) -> None:
+                releases[sid] = (await client.release(sid)).released
+
+            calls = [reserve(i, c, m) for i, (c, m) in enumerate(sizes)]
+            calls += [release(s) for s in pre]
+            rng.shuffle(calls)
+            await asyncio.gather(*calls)
+
+    asyncio.run(run())
+    assert errors == []
+    assert len(results) == 984 and set(results.values()) <= {201, 409}
+    assert releases == {s: True for s in pre}
+    acked = {sid for sid, code in results.items() if code == 201}
+    held = [s.slice_id for s in sync.slices().slices]
+    assert len(held) == len(set(held))  # no duplicates
+    assert set(held) == acked  # none lost, none extra
+    devices = sync.devices().devices
+    assert sum(d.slices for d in devices) == len(acked)
+    for d in devices:  # no over-commit
+        assert d.core_committed <= 100
+        assert d.memory_committed_gib <= 80
+        assert d.slices <= d.max_slices
+
+    async def release_all() -> list[bool]:
+        async with AsyncAgentClient(sync.where, max_connections=200) as client:
+            ids = sorted(acked) * 2
+            return [r.released for r in await asyncio.gather(*(client.release(s) for s in ids))]
+
+    flags = asyncio.run(release_all())
+    assert flags.count(True) == len(acked) and flags.count(False) == len(acked)
+    assert sync.slices().slices == []
