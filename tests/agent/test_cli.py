@@ -1,0 +1,52 @@
+"""`qgpu status` against a live agent, and its failure when no agent answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from enforcement.agent.client import AgentClient
+from tests.agent.conftest import REPO, start_agent, stop_agent
+
+pytestmark = pytest.mark.slow
+
+
+def qgpu(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "qgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_status_shows_devices_and_slices(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "2xH100-80GB")
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            res = client.reserve({"core": 30, "memory": 8, "isolation": "fs"}, {"id": "nb-1"})
+        table = qgpu("status", "--state-dir", str(state_dir))
+        assert table.returncode == 0, table.stderr
+        assert "node node-a" in table.stdout and "backend sim" in table.stdout
+        assert res.slice_id in table.stdout and "fixed-share" in table.stdout
+        assert res.device_uuid in table.stdout and "30/100" in table.stdout
+        as_json = qgpu("status", "--socket", str(state_dir / "agent.sock"), "--json")
+        data = json.loads(as_json.stdout)
+        assert [s["slice_id"] for s in data["slices"]["slices"]] == [res.slice_id]
+        assert len(data["devices"]["devices"]) == 2
+    finally:
+        stop_agent(proc)
+
+
+def test_status_without_an_agent_fails_clearly(state_dir: Path) -> None:
+    out = qgpu("status", "--state-dir", str(state_dir))
+    assert out.returncode == 1
+    assert "cannot reach the qgpu agent" in out.stderr
