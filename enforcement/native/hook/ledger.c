@@ -181,6 +181,8 @@ int ledger_region_open(const char *state_dir, const char *uuid, const hook_limit
         snprintf(mine->slice_id, sizeof mine->slice_id, "%s", lim->slice_id);
     }
     if (mine) {
+        /* registered counts as active: a fresh entry is never mistaken for a stale one */
+        __atomic_store_n(&mine->last_launch_ns, qgpu_now_coarse_ns(), __ATOMIC_RELAXED);
         mine->policy = lim->policy;
         mine->core = lim->core;
         mine->pid = getpid();
@@ -240,7 +242,8 @@ static int others_active(int64_t now) {
     if (!R) return 1; /* unknown GPU: assume contention (never over the share) */
     for (int i = 0; i < MAX_REGION; i++) {
         region_entry_t *e = &R->entries[i];
-        if (e == my_entry || !e->slice_id[0]) continue;
+        if (!e->slice_id[0] || strncmp(e->slice_id, g_lim.slice_id, sizeof e->slice_id) == 0)
+            continue;
         if (now - __atomic_load_n(&e->last_launch_ns, __ATOMIC_RELAXED) < ACTIVE_WINDOW_NS)
             return 1;
     }

@@ -1,0 +1,213 @@
+"""Fixtures for the enforcement tests: simulated GPUs in a short /tmp directory, slice
+environments for the real compiled interposer, and workload processes (worker.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from enforcement.native import hook_library_path, sim_library_dir
+from enforcement.sim import SimConfig, busy_share, read_gpu_state, write_sim_config
+
+GIB = 1 << 30
+WORKER = Path(__file__).with_name("worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Sim:
+    """Simulated GPUs plus the environment helpers a test needs."""
+
+    config: SimConfig
+    state_dir: Path
+
+    def uuid(self, gpu: int = 0) -> str:
+        return self.config.gpus[gpu].uuid
+
+    def base_env(self, gpu: int = 0) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("QGPU_") and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+        }
+        env["LD_LIBRARY_PATH"] = str(sim_library_dir())
+        env["QGPU_SIM_CONFIG"] = str(self.config.path)
+        env["CUDA_VISIBLE_DEVICES"] = self.uuid(gpu)
+        env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def slice_env(
+        self,
+        slice_id: str,
+        gpu: int = 0,
+        memory: int | None = 4 * GIB,
+        core: int = 100,
+        policy: str = "best-effort",
+        hook: bool = True,
+    ) -> dict[str, str]:
+        env = self.base_env(gpu)
+        env.update(
+            QGPU_SLICE_ID=slice_id,
+            QGPU_DEVICE_UUID=self.uuid(gpu),
+            QGPU_CORE_LIMIT=str(core),
+            QGPU_ISOLATION=policy,
+            QGPU_STATE_DIR=str(self.state_dir),
+        )
+        if memory is not None:
+            env["QGPU_MEMORY_LIMIT"] = str(memory)
+        if hook:
+            env["LD_PRELOAD"] = str(hook_library_path())
+        return env
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="qe-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def sim(short_tmp: Path) -> Sim:
+    """Five simulated H100s (separate timelines for tests that run side by side)."""
+    cfg = write_sim_config(short_tmp / "sim.conf", "5xH100-80GB", node=f"test-{short_tmp.name}")
+    return Sim(cfg, short_tmp / "ledgers")
+
+
+class Worker:
+    """An interactive worker.py process (``serve`` mode)."""
+
+    def __init__(self, env: dict[str, str], resolve: str = "dlsym") -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "--resolve", resolve, "serve"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def ask(self, line: str) -> list[str]:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"worker died on {line!r}: {self.stderr()}"
+        return reply.split()
+
+    def start(self) -> Worker:
+        """cuInit (must succeed) and a context."""
+        assert self.ask("init") == ["ok", "0"], self.stderr()
+        assert self.ask("ctx") == ["ok"]
+        return self
+
+    def alloc(self, api: str, size: int) -> tuple[str, int]:
+        status, value = self.ask(f"alloc {api} {size}")
+        return status, int(value)
+
+    def meminfo(self) -> tuple[int, int]:
+        _, free, total = self.ask("meminfo")
+        return int(free), int(total)
+
+    def quit(self) -> tuple[int, str]:
+        """Ends the worker; returns (exit code, stderr)."""
+        self.ask("quit")
+        assert self.proc.stdin
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout=30)
+        return code, self.stderr()
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None or not self.proc.stderr:
+            return ""
+        return self.proc.stderr.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """Workers started by a test; all killed at the end."""
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        w.kill()
+
+
+def start_burn(
+    env: dict[str, str],
+    ns: int = 2_000_000,
+    depth: int = 4,
+    seconds: float = 3.0,
+    api: str = "kernel",
+    resolve: str = "dlsym",
+) -> subprocess.Popen[str]:
+    """A saturating workload (worker.py burn); prints 'ready' once its context exists."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(WORKER),
+            "--resolve",
+            resolve,
+            "burn",
+            "--ns",
+            str(ns),
+            "--depth",
+            str(depth),
+            "--seconds",
+            str(seconds),
+            "--api",
+            api,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_ready(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line.strip() == "ready", p.stderr.read() if p.stderr else ""
+
+
+def measure_shares(
+    sim: Sim, placements: list[tuple[int, subprocess.Popen[str]]], warmup: float = 0.5,
+    window: float = 1.5,
+) -> list[float]:
+    """Share of device time (percent, on each process's simulated GPU) over ``window``
+    seconds, after ``warmup``. Measured on the simulated timeline."""
+    time.sleep(warmup)
+    gpus = sorted({g for g, _ in placements})
+    before = {g: read_gpu_state(sim.config, g) for g in gpus}
+    time.sleep(window)
+    after = {g: read_gpu_state(sim.config, g) for g in gpus}
+    return [100 * busy_share(before[g], after[g], p.pid) for g, p in placements]
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        try:
+            _out, err = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, err

@@ -1,0 +1,127 @@
+"""Compute caps, measured as each process's share of its simulated GPU's device timeline
+(not CPU time): fixed-share alone and under contention, burst-share, best-effort, and every
+gated launch API. Workloads keep up to 4 kernels of 2 ms in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import Sim, finish, measure_shares, start_burn, wait_ready
+
+TOLERANCE = 5.0
+
+
+def test_fixed_share_alone_reaches_its_share(sim: Sim) -> None:
+    """10/30/50/70/90 % slices, each alone on its own simulated GPU (run side by side)."""
+    shares = [10, 30, 50, 70, 90]
+    procs = [
+        start_burn(sim.slice_env(f"fs-{s}", gpu=i, core=s, policy="fixed-share"))
+        for i, s in enumerate(shares)
+    ]
+    wait_ready(procs)
+    got = measure_shares(sim, list(enumerate(procs)))
+    finish(procs)
+    for target, achieved in zip(shares, got, strict=True):
+        assert abs(achieved - target) <= TOLERANCE, f"target {target}%, got {achieved:.1f}%"
+
+
+def test_fixed_share_30_70_under_contention(sim: Sim) -> None:
+    procs = [
+        start_burn(sim.slice_env("fs-a", gpu=0, core=30, policy="fixed-share")),
+        start_burn(sim.slice_env("fs-b", gpu=0, core=70, policy="fs")),
+    ]
+    wait_ready(procs)
+    a, b = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
+    finish(procs)
+    assert abs(a - 30) <= TOLERANCE, (a, b)
+    assert abs(b - 70) <= TOLERANCE, (a, b)
+
+
+def test_fixed_share_never_exceeds_its_share_next_to_best_effort(sim: Sim) -> None:
+    procs = [
+        start_burn(sim.slice_env("fs-c", gpu=0, core=20, policy="fixed-share")),
+        start_burn(sim.slice_env("be-c", gpu=0, core=100, policy="best-effort")),
+    ]
+    wait_ready(procs)
+    fs, be = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
+    finish(procs)
+    assert abs(fs - 20) <= TOLERANCE, (fs, be)
+    assert be >= 100 - 20 - TOLERANCE, (fs, be)
+
+
+def test_burst_share_bursts_alone_and_falls_back_to_its_share(sim: Sim) -> None:
+    burst = start_burn(sim.slice_env("bs-a", gpu=0, core=30, policy="burst-share"), seconds=6)
+    wait_ready([burst])
+    (alone,) = measure_shares(sim, [(0, burst)], warmup=0.3, window=1.0)
+    other = start_burn(sim.slice_env("be-b", gpu=0, core=100, policy="best-effort"), seconds=3)
+    wait_ready([other])
+    shared, busy = measure_shares(sim, [(0, burst), (0, other)])
+    finish([burst, other])
+    assert alone > 90, alone
+    assert abs(shared - 30) <= TOLERANCE, (shared, busy)
+    assert busy >= 70 - TOLERANCE, (shared, busy)
+
+
+def test_burst_share_keeps_its_guarantee_against_a_fixed_share_neighbour(sim: Sim) -> None:
+    procs = [
+        start_burn(sim.slice_env("bs-g", gpu=0, core=40, policy="bs")),
+        start_burn(sim.slice_env("fs-g", gpu=0, core=60, policy="fs")),
+    ]
+    wait_ready(procs)
+    bs, fs = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
+    finish(procs)
+    assert abs(bs - 40) <= TOLERANCE, (bs, fs)
+    assert abs(fs - 60) <= TOLERANCE, (bs, fs)
+
+
+def test_best_effort_two_slices_share_evenly(sim: Sim) -> None:
+    procs = [
+        start_burn(sim.slice_env("be-x", gpu=0, core=30, policy="best-effort")),
+        start_burn(sim.slice_env("be-y", gpu=0, core=70, policy="best-effort")),
+    ]
+    wait_ready(procs)
+    x, y = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
+    finish(procs)
+    assert abs(x - 50) <= TOLERANCE, (x, y)
+    assert abs(y - 50) <= TOLERANCE, (x, y)
+    assert x + y > 95
+
+
+@pytest.mark.parametrize("resolve", ["dlsym", "getproc"])
+def test_every_launch_api_is_gated(sim: Sim, resolve: str) -> None:
+    """cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel and cuGraphLaunch, each in
+    a 40 % fixed-share slice on its own GPU, found by dlsym or by cuGetProcAddress."""
+    apis = ["kernel", "ex", "coop", "graph"]
+    procs = [
+        start_burn(
+            sim.slice_env(f"api-{api}-{resolve}", gpu=i, core=40, policy="fixed-share"),
+            api=api,
+            resolve=resolve,
+        )
+        for i, api in enumerate(apis)
+    ]
+    wait_ready(procs)
+    got = measure_shares(sim, list(enumerate(procs)))
+    finish(procs)
+    for api, achieved in zip(apis, got, strict=True):
+        assert abs(achieved - 40) <= TOLERANCE, f"{api} via {resolve}: {achieved:.1f}%"
+
+
+def test_a_slice_of_two_processes_shares_one_cap(sim: Sim) -> None:
+    env = sim.slice_env("fs-pair", gpu=0, core=40, policy="fixed-share")
+    procs = [start_burn(env), start_burn(env)]
+    wait_ready(procs)
+    a, b = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
+    finish(procs)
+    assert abs(a + b - 40) <= TOLERANCE, (a, b)
+
+
+def test_uncapped_slice_is_not_slowed(sim: Sim) -> None:
+    procs = [
+        start_burn(sim.slice_env("be-solo", gpu=0, core=100, policy="fixed-share")),
+        start_burn(sim.slice_env("raw", gpu=1, hook=False)),
+    ]
+    wait_ready(procs)
+    hooked, raw = measure_shares(sim, [(0, procs[0]), (1, procs[1])])
+    finish(procs)
+    assert hooked > 95 and raw > 95, (hooked, raw)

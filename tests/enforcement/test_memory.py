@@ -1,0 +1,122 @@
+"""Memory hard cap per slice, on real processes with the compiled interposer and the
+simulated driver: one test per allocation API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from enforcement.simcuda import ALLOC_APIS, CUDA_ERROR_OUT_OF_MEMORY
+
+from .conftest import GIB, Sim, Worker
+
+MIB = 1 << 20
+OOM = CUDA_ERROR_OUT_OF_MEMORY
+
+
+@pytest.mark.parametrize("api", ALLOC_APIS)
+def test_slice_cap_shared_by_processes_and_reclaimed_after_sigkill(
+    sim: Sim, workers: list[Worker], api: str
+) -> None:
+    env = sim.slice_env(f"mem-{api}", memory=4 * GIB)
+    a = Worker(env)
+    b = Worker(env)
+    workers += [a, b]
+    a.start()
+    b.start()
+
+    status, _ = a.alloc(api, 3 * GIB)
+    assert status == "ok"
+
+    # B, same slice: 1 GiB is left, anything above is refused with CUDA_ERROR_OUT_OF_MEMORY
+    assert b.alloc(api, GIB + 2 * MIB) == ("err", OOM)
+    assert b.meminfo() == (GIB, 4 * GIB)
+    status, one = b.alloc(api, GIB)
+    assert status == "ok"
+    assert b.alloc(api, 2 * MIB) == ("err", OOM)
+    assert b.ask(f"free {one}") == ["ok"]
+
+    # A dies without freeing: its 3 GiB comes back to the slice
+    os.kill(a.pid, signal.SIGKILL)
+    a.proc.wait(timeout=30)
+    assert b.meminfo() == (4 * GIB, 4 * GIB)
+    status, _ = b.alloc(api, 3 * GIB)
+    assert status == "ok"
+    assert b.meminfo() == (GIB, 4 * GIB)
+    code, err = b.quit()
+    assert code == 0, err
+
+
+def test_free_releases_and_device_total_mem_is_the_cap(sim: Sim, workers: list[Worker]) -> None:
+    w = Worker(sim.slice_env("mem-free", memory=4 * GIB))
+    workers.append(w)
+    w.start()
+    assert w.ask("totalmem") == ["ok", str(4 * GIB)]
+    for _ in range(3):
+        status, handle = w.alloc("alloc", 3 * GIB)
+        assert status == "ok"
+        assert w.meminfo() == (GIB, 4 * GIB)
+        assert w.ask(f"free {handle}") == ["ok"]
+        assert w.meminfo() == (4 * GIB, 4 * GIB)
+
+
+def test_cap_holds_through_cu_get_proc_address(sim: Sim, workers: list[Worker]) -> None:
+    """A runtime that resolves everything through cuGetProcAddress gets the same caps."""
+    w = Worker(sim.slice_env("mem-getproc", memory=2 * GIB), resolve="getproc")
+    workers.append(w)
+    w.start()
+    assert w.alloc("alloc", 2 * GIB + MIB) == ("err", OOM)
+    assert w.alloc("async", 2 * GIB)[0] == "ok"
+    assert w.alloc("pool", MIB) == ("err", OOM)
+    assert w.meminfo() == (0, 2 * GIB)
+
+
+def test_slices_are_independent(sim: Sim, workers: list[Worker]) -> None:
+    a = Worker(sim.slice_env("mem-a", memory=4 * GIB))
+    b = Worker(sim.slice_env("mem-b", memory=8 * GIB))
+    workers += [a, b]
+    a.start()
+    b.start()
+    assert a.alloc("alloc", 4 * GIB)[0] == "ok"
+    assert b.alloc("alloc", 8 * GIB)[0] == "ok"
+    assert a.alloc("alloc", MIB) == ("err", OOM)
+    assert b.meminfo() == (0, 8 * GIB)
+
+
+def test_without_hook_the_card_is_visible(sim: Sim, workers: list[Worker]) -> None:
+    """Control: the same workload without the interposer sees the whole simulated card."""
+    w = Worker(sim.slice_env("mem-nohook", memory=4 * GIB, hook=False))
+    workers.append(w)
+    w.start()
+    assert w.alloc("alloc", 10 * GIB)[0] == "ok"
+    assert w.meminfo()[1] == 80 * GIB
+
+
+NVML_SCRIPT = """
+import pynvml
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByUUID(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+from enforcement.simcuda import open_driver
+drv = open_driver()
+drv.mem_alloc(1 << 30)
+m = pynvml.nvmlDeviceGetMemoryInfo(h)
+m2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+other = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
+print(m.total, m.used, m.free, m2.total, m2.used, m2.free, other.total)
+"""
+
+
+def test_nvml_memory_info_reports_the_slice(sim: Sim) -> None:
+    env = sim.slice_env("mem-nvml", gpu=0, memory=4 * GIB)
+    out = subprocess.run(
+        [sys.executable, "-c", NVML_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    total, used, free, total2, used2, free2, other = map(int, out.stdout.split())
+    assert (total, used, free) == (4 * GIB, GIB, 3 * GIB)
+    assert (total2, used2, free2) == (4 * GIB, GIB, 3 * GIB)
+    assert other == 80 * GIB  # another GPU of the node is not the slice's
