@@ -21,7 +21,12 @@ static void *next_after(const void *caller, const char *name) {
     if (!dladdr1(caller, &info, (void **)&self, RTLD_DL_LINKMAP) || !self)
         return hook_real_dlsym(RTLD_NEXT, name);
     for (struct link_map *l = self->l_next; l; l = l->l_next) {
-        void *p = hook_real_dlsym(l, name);
+        if (!l->l_name || !l->l_name[0]) continue;
+        /* a link_map of a startup object is not a usable handle: ask for a real one */
+        void *h = dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue; /* the vDSO */
+        void *p = hook_real_dlsym(h, name);
+        dlclose(h);
         if (!p) continue;
         struct link_map *owner = NULL;
         if (dladdr1(p, &info, (void **)&owner, RTLD_DL_LINKMAP) && owner == l) return p;
