@@ -161,7 +161,7 @@ class _Endpoint:
 
     def close(self) -> None:
         self.stop.set()
-        self.server.stop(grace=0.5).wait(2)
+        self.server.stop(grace=0).wait(2)
         self.socket.unlink(missing_ok=True)
 
 

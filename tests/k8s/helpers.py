@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import shutil
 import socket
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,7 +20,7 @@ import uvicorn
 from k8s_bridge.protocol import PublishedInventory
 from k8s_bridge.resources import Names
 from qgpu.model import GpuDevice
-from tests.fakes.apiserver import FakeApiserver, node_object
+from tests.fakes.apiserver import FakeApiserver, json_patch, node_object
 
 NAMES = Names()
 
@@ -137,3 +143,132 @@ class MiniScheduler:
 
     def close(self) -> None:
         self.http.close()
+
+
+class Cluster:
+    """Fake apiserver + per node a fake kubelet and the real device plugin, the extender and
+    the webhook served over HTTP, and a MiniScheduler: the whole path a pod takes."""
+
+    def __init__(
+        self,
+        srv: FakeApiserver,
+        nodes: dict[str, list[GpuDevice]],
+        node_policy: str = "binpack",
+        gpu_policy: str | None = None,
+        policies: dict[str, str] | None = None,
+        shuffle_resources: bool = False,
+        watch: bool = True,
+    ) -> None:
+        from k8s_bridge.deviceplugin.allocation import AllocationPaths
+        from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
+        from k8s_bridge.extender.app import create_app as extender_app
+        from k8s_bridge.extender.service import Extender, ExtenderConfig
+        from k8s_bridge.kube import Kube
+        from k8s_bridge.webhook import create_app as webhook_app
+        from qgpu.model import NodeInventory
+        from tests.fakes.kubelet import FakeKubelet
+
+        self.srv = srv
+        self.tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qk"))
+        self.hook = self.tmp / "libqgpu_hook.so"
+        self.hook.write_bytes(b"\x7fELF test stand-in")
+        self.kubelets: dict[str, FakeKubelet] = {}
+        self.plugins: dict[str, QgpuDevicePlugin] = {}
+        self.served: list[ServedApp] = []
+        for i, (name, gpus) in enumerate(nodes.items()):
+            labels = {}
+            if policies and name in policies:
+                labels[NAMES.policy_label] = policies[name]
+            srv.store.create("nodes", node_object(name, labels))
+            kl = FakeKubelet(self.tmp / f"dp{i}", shuffle_resources=shuffle_resources, seed=i)
+            self.kubelets[name] = kl.start()
+            plugin = QgpuDevicePlugin(
+                PluginConfig(node_name=name, plugin_dir=kl.dir, poll_s=0.05),
+                Kube(srv.client(), NAMES),
+                NodeInventory(name=name, gpus=gpus),
+                AllocationPaths(state_dir=self.tmp / f"state{i}", hook_library=self.hook),
+            )
+            plugin.start()
+            self.plugins[name] = plugin
+            kl.wait_ready([NAMES.core, NAMES.memory])
+        self.extender = Extender(
+            Kube(srv.client(), NAMES),
+            ExtenderConfig(node_policy=node_policy, gpu_policy=gpu_policy, watch=watch),
+        )
+        self.extender.start()
+        ext = ServedApp(extender_app(self.extender)).start()
+        hook = ServedApp(webhook_app(NAMES, "qgpu-scheduler")).start()
+        self.served += [ext, hook]
+        self.webhook = httpx.Client(base_url=hook.url, timeout=30)
+        self.scheduler = MiniScheduler(ext.url, srv, list(nodes))
+
+    def submit(self, pod: dict[str, Any]) -> dict[str, Any]:
+        """Send the pod through the webhook (applying its patch), then create it."""
+        review = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {"uid": str(uuid.uuid4()), "operation": "CREATE", "object": pod},
+        }
+        resp = self.webhook.post("/mutate", json=review).json()["response"]
+        if not resp["allowed"]:
+            raise PodDenied(resp["status"]["message"])
+        if resp.get("patch"):
+            assert resp["patchType"] == "JSONPatch"
+            pod = json_patch(pod, json.loads(base64.b64decode(resp["patch"])))
+        return self.srv.store.create("pods", pod)
+
+    def run(self, pod: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """submit -> filter -> prioritize -> bind -> kubelet admission; (node, results)."""
+        created = self.submit(pod)
+        ns, name = created["metadata"]["namespace"], created["metadata"]["name"]
+        node, why = self.scheduler.schedule(ns, name)
+        if node is None:
+            raise Unschedulable(why)
+        bound = self.srv.store.get("pods", ns, name)
+        return node, self.kubelets[node].admit(bound)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.webhook.close()
+        for s in self.served:
+            s.stop()
+        self.extender.stop()
+        for p in self.plugins.values():
+            p.stop()
+        for k in self.kubelets.values():
+            k.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class PodDenied(Exception):
+    pass
+
+
+class Unschedulable(Exception):
+    pass
+
+
+def assignment_of(srv: FakeApiserver, name: str, namespace: str = "default") -> Any:
+    from k8s_bridge.protocol import load_assignment
+
+    pod = srv.store.get("pods", namespace, name)
+    return load_assignment(pod["metadata"]["annotations"][NAMES.assignment_annotation])
+
+
+def gpu_usage(srv: FakeApiserver) -> dict[str, dict[str, int]]:
+    """Per GPU: core, memory and slices held by live pods' assignments (from annotations)."""
+    from k8s_bridge.protocol import load_assignment
+
+    use: dict[str, dict[str, int]] = {}
+    items, _ = srv.store.list("pods", None, NAMES.assigned_label, None)
+    for pod in items:
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        a = load_assignment(pod["metadata"]["annotations"][NAMES.assignment_annotation])
+        for ca in a.containers.values():
+            for u, mem in zip(ca.gpus, ca.memory_gib, strict=True):
+                row = use.setdefault(u, {"core": 0, "memory": 0, "slices": 0})
+                row["core"] += ca.core
+                row["memory"] += mem
+                row["slices"] += 1
+    return use
