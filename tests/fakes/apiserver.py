@@ -406,8 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> Any:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
+        raw = self._raw
         if not raw:
             return None
         try:
@@ -430,6 +429,9 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def _dispatch(self, method: str) -> None:
+        # Read the whole body first, so an early error leaves the keep-alive stream clean.
+        n = int(self.headers.get("Content-Length") or 0)
+        self._raw = self.rfile.read(n) if n else b""
         try:
             self.server.owner.count(method)
             fault = self.server.owner.take_fault(method, self.path)

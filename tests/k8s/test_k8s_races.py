@@ -1,0 +1,257 @@
+"""Races: concurrent binds to one node (one extender and two replicas), two equal pods
+pending at once, stale node locks, a device plugin restarted mid-allocation, a failed
+Binding rolled back."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from k8s_bridge.deviceplugin.allocation import AllocationPaths
+from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
+from k8s_bridge.extender.app import create_app
+from k8s_bridge.extender.models import ExtenderBindingArgs
+from k8s_bridge.extender.service import Extender, ExtenderConfig
+from k8s_bridge.kube import Kube
+from k8s_bridge.protocol import NodeLock, load_allocated
+from qgpu.model import NodeInventory
+from tests.fakes.apiserver import FakeApiserver
+from tests.fakes.kubelet import FakeKubelet
+from tests.k8s.helpers import (
+    NAMES,
+    ServedApp,
+    assignment_of,
+    gpu,
+    gpu_usage,
+    pod_object,
+    publish_node,
+)
+
+
+def _extender(srv: FakeApiserver, **cfg) -> Extender:
+    ext = Extender(Kube(srv.client(), NAMES), ExtenderConfig(**cfg))
+    ext.start()
+    return ext
+
+
+def _bind_args(srv: FakeApiserver, name: str, node: str) -> ExtenderBindingArgs:
+    pod = srv.store.get("pods", "default", name)
+    return ExtenderBindingArgs(
+        PodName=name, PodNamespace="default", PodUID=pod["metadata"]["uid"], Node=node
+    )
+
+
+def _assert_within_capacity(srv: FakeApiserver, gib: int = 16) -> None:
+    for u, row in gpu_usage(srv).items():
+        assert row["core"] <= 100 and row["memory"] <= gib and row["slices"] <= gib // 4, (u, row)
+
+
+def test_concurrent_binds_to_one_node_over_http(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "n0", [gpu("n0", 0), gpu("n0", 1)])
+    ext = _extender(apiserver, watch=False)
+    served = ServedApp(create_app(ext)).start()
+    names = [f"p{i}" for i in range(12)]
+    for n in names:
+        apiserver.store.create("pods", pod_object(n, [(30, 4)]))
+    bodies = [_bind_args(apiserver, n, "n0").model_dump(by_alias=True) for n in names]
+    try:
+        with httpx.Client(base_url=served.url, timeout=30) as http, ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda b: http.post("/bind", json=b).json(), bodies))
+    finally:
+        served.stop()
+    ok = [r for r in results if not r.get("Error")]
+    failed = [r["Error"] for r in results if r.get("Error")]
+    assert len(ok) == 6  # 3 x 30% per GPU, two GPUs
+    assert all("cannot take" in e for e in failed), failed
+    _assert_within_capacity(apiserver)
+    bound = [apiserver.store.get("pods", "default", n)["spec"].get("nodeName") for n in names]
+    assert bound.count("n0") == 6
+    # failed binds left no assignment behind
+    for n in names:
+        pod = apiserver.store.get("pods", "default", n)
+        has = NAMES.assignment_annotation in (pod["metadata"].get("annotations") or {})
+        assert has == (pod["spec"].get("nodeName") == "n0")
+    lock = apiserver.store.get("nodes", "", "n0")["metadata"]["annotations"]
+    assert NAMES.lock_annotation not in lock
+    ext.state.state.check_invariants()
+
+
+def test_two_extender_replicas_never_overcommit_a_node(apiserver: FakeApiserver) -> None:
+    """Replicas do not see each other's binds in memory (no watch): the node lock and the
+    epoch it carries make each re-read the node's pods before choosing."""
+    publish_node(apiserver, "n0", [gpu("n0", 0), gpu("n0", 1)])
+    a = _extender(apiserver, watch=False)
+    b = _extender(apiserver, watch=False)
+    names = [f"p{i}" for i in range(12)]
+    for n in names:
+        apiserver.store.create("pods", pod_object(n, [(30, 4)]))
+    jobs = [((a, b)[i % 2], _bind_args(apiserver, n, "n0")) for i, n in enumerate(names)]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda j: j[0].bind(j[1]), jobs))
+    assert sum(1 for r in results if not r.error) == 6
+    _assert_within_capacity(apiserver)
+    usage = gpu_usage(apiserver)
+    assert sorted(r["core"] for r in usage.values()) == [90, 90]
+
+
+def test_stale_lock_expires_and_live_lock_blocks(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "n0", [gpu("n0", 0)])
+    ext = _extender(apiserver, watch=False, lock_timeout_s=0.6)
+    kube = Kube(apiserver.client(), NAMES)
+
+    def lock_by_other(expires_in: float) -> None:
+        text = NodeLock(holder="dead-extender", expires=time.time() + expires_in)
+        kube.publish_node_annotations("n0", {NAMES.lock_annotation: text.model_dump_json()})
+
+    for n in ("stale", "short", "long"):
+        apiserver.store.create("pods", pod_object(n, [(10, 1)]))
+    lock_by_other(-1.0)  # expired a second ago: taken over at once
+    assert ext.bind(_bind_args(apiserver, "stale", "n0")).error == ""
+    lock_by_other(0.3)  # expires while we wait
+    t0 = time.monotonic()
+    assert ext.bind(_bind_args(apiserver, "short", "n0")).error == ""
+    assert time.monotonic() - t0 >= 0.2
+    lock_by_other(60.0)  # live: the bind gives up with the holder's name
+    err = ext.bind(_bind_args(apiserver, "long", "n0")).error
+    assert "locked by dead-extender" in err
+    assert apiserver.store.get("pods", "default", "long")["spec"].get("nodeName") is None
+
+
+def test_failed_binding_is_rolled_back(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "n0", [gpu("n0", 0)])
+    ext = _extender(apiserver, watch=False)
+    apiserver.store.create("pods", pod_object("p", [(50, 8)]))
+    apiserver.fail_next("POST", r"/binding$", 500, "InternalError", "etcd timeout")
+    err = ext.bind(_bind_args(apiserver, "p", "n0")).error
+    assert "500" in err
+    pod = apiserver.store.get("pods", "default", "p")
+    assert NAMES.assignment_annotation not in (pod["metadata"].get("annotations") or {})
+    assert not ext.state.pods
+    assert int(ext.state.state.free_core[0]) == 100
+    # the retry that kube-scheduler makes then succeeds
+    assert ext.bind(_bind_args(apiserver, "p", "n0")).error == ""
+    # and a repeated bind of the bound pod is a no-op, not a second assignment
+    assert ext.bind(_bind_args(apiserver, "p", "n0")).error == ""
+    assert int(ext.state.state.free_core[0]) == 50
+
+
+@pytest.fixture
+def node_with_plugin(apiserver: FakeApiserver) -> Iterator[dict]:
+    tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qr"))
+    hook = tmp / "hook.so"
+    hook.write_bytes(b"stand-in")
+    apiserver.store.create("nodes", {"metadata": {"name": "n0"}})
+    kl = FakeKubelet(tmp / "dp").start()
+    inv = NodeInventory(name="n0", gpus=[gpu("n0", 0), gpu("n0", 1)])
+
+    def new_plugin() -> QgpuDevicePlugin:
+        p = QgpuDevicePlugin(
+            PluginConfig(node_name="n0", plugin_dir=kl.dir, poll_s=0.05),
+            Kube(apiserver.client(), NAMES),
+            inv,
+            AllocationPaths(state_dir=tmp / "state", hook_library=hook),
+        )
+        p.start()
+        kl.wait_ready([NAMES.core, NAMES.memory])
+        return p
+
+    env = {"kubelet": kl, "new_plugin": new_plugin, "plugins": []}
+    env["plugins"].append(new_plugin())
+    env["extender"] = _extender(apiserver, watch=False, gpu_policy="spread")
+    yield env
+    for p in env["plugins"]:
+        p.stop()
+    kl.stop()
+
+
+def test_plugin_restart_in_the_middle_of_an_allocation(apiserver, node_with_plugin) -> None:
+    kl, ext = node_with_plugin["kubelet"], node_with_plugin["extender"]
+    apiserver.store.create("pods", pod_object("p", [(30, 4)]))
+    assert ext.bind(_bind_args(apiserver, "p", "n0")).error == ""
+    pod = apiserver.store.get("pods", "default", "p")
+    uid = pod["metadata"]["uid"]
+    from tests.fakes.kubelet import ContainerResult
+
+    out = ContainerResult()
+    kl._allocate(uid, "c0", NAMES.core, 30, out)  # kubelet allocated the core resource...
+    node_with_plugin["plugins"].pop().stop()  # ...then the plugin died
+    node_with_plugin["plugins"].append(node_with_plugin["new_plugin"]())
+    kl._allocate(uid, "c0", NAMES.memory, 4, out)  # the new plugin finishes the container
+    gpu_uuid = assignment_of(apiserver, "p").containers["c0"].gpus[0]
+    assert out.envs["CUDA_VISIBLE_DEVICES"] == gpu_uuid
+    assert {d.rpartition("_")[0] for d in out.ids[NAMES.memory]} == {gpu_uuid}
+    ann = apiserver.store.get("pods", "default", "p")["metadata"]["annotations"]
+    assert load_allocated(ann[NAMES.allocated_annotation]).claimed("c0") == {"core", "memory"}
+
+
+def test_kubelet_restart_reregisters_and_keeps_allocations(apiserver, node_with_plugin) -> None:
+    kl, ext = node_with_plugin["kubelet"], node_with_plugin["extender"]
+    apiserver.store.create("pods", pod_object("a", [(30, 4)]))
+    assert ext.bind(_bind_args(apiserver, "a", "n0")).error == ""
+    kl.admit(apiserver.store.get("pods", "default", "a"))
+    plugin = node_with_plugin["plugins"][0]
+    before = plugin.registrations
+    kl.restart()
+    kl.wait_ready([NAMES.core, NAMES.memory])
+    assert plugin.registrations >= before + 2
+    assert kl.capacity(NAMES.core) == (200, 170)
+    apiserver.store.create("pods", pod_object("b", [(30, 4)]))
+    assert ext.bind(_bind_args(apiserver, "b", "n0")).error == ""
+    res = kl.admit(apiserver.store.get("pods", "default", "b"))
+    assert res["c0"].envs["CUDA_VISIBLE_DEVICES"] == assignment_of(apiserver, "b").containers[
+        "c0"
+    ].gpus[0]
+
+
+def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
+    """Both bound before kubelet admits either; each container is claimed exactly once,
+    kubelet's device IDs and the env always name the same GPU, nothing is over-committed;
+    admitted in creation order, each pod gets exactly its own assignment."""
+    kl, ext = node_with_plugin["kubelet"], node_with_plugin["extender"]
+    for n in ("first", "second"):
+        apiserver.store.create("pods", pod_object(n, [(60, 8)]))
+        time.sleep(1.05)  # creationTimestamp has one-second resolution
+    for n in ("first", "second"):
+        assert ext.bind(_bind_args(apiserver, n, "n0")).error == ""
+    gpus = {n: assignment_of(apiserver, n).containers["c0"].gpus[0] for n in ("first", "second")}
+    assert gpus["first"] != gpus["second"]  # 60 + 60 > 100: two GPUs
+    envs = {}
+    for n in ("first", "second"):
+        res = kl.admit(apiserver.store.get("pods", "default", n))["c0"]
+        envs[n] = res.envs["CUDA_VISIBLE_DEVICES"]
+        for ids in res.ids.values():
+            assert {d.rpartition("_")[0] for d in ids} == {envs[n]}
+    assert envs == gpus
+    for n in ("first", "second"):
+        ann = apiserver.store.get("pods", "default", n)["metadata"]["annotations"]
+        assert json.loads(ann[NAMES.allocated_annotation]) == {
+            "containers": {"c0": ["core", "memory"]}
+        }
+    # a third equal pod has nowhere to go on this node
+    apiserver.store.create("pods", pod_object("third", [(60, 8)]))
+    assert "cannot take" in ext.bind(_bind_args(apiserver, "third", "n0")).error
+
+
+def test_allocate_without_assignment_is_a_grpc_error(apiserver, node_with_plugin) -> None:
+    """A pod that bypassed the extender gets an error from the plugin, never devices."""
+    from tests.fakes.kubelet import AdmissionError
+
+    kl = node_with_plugin["kubelet"]
+    pod = apiserver.store.create("pods", pod_object("rogue", [(30, 4)]))
+    apiserver.store.update(
+        "pods", "default", "rogue", lambda o: {**o, "spec": {**o["spec"], "nodeName": "n0"}}
+    )
+    with pytest.raises(AdmissionError, match="no pod assigned to node n0") as info:
+        kl.admit(apiserver.store.get("pods", "default", "rogue"))
+    assert info.value.code is not None and info.value.code.name == "NOT_FOUND"
+    assert not kl.allocated
+    assert pod["metadata"]["uid"]
+
+
