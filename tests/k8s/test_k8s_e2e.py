@@ -44,10 +44,7 @@ def make_cluster(apiserver: FakeApiserver) -> Iterator:
 
 # 20 pods: one whole GPU, one two-container pod, 18 single-container shares.
 MIXED: list[list[tuple[int, int | None]]] = (
-    [[(100, None)], [(10, 2), (10, 2)]]
-    + [[(10, 2)]] * 6
-    + [[(15, 2)]] * 6
-    + [[(5, 1)]] * 6
+    [[(100, None)], [(10, 2), (10, 2)]] + [[(10, 2)]] * 6 + [[(15, 2)]] * 6 + [[(5, 1)]] * 6
 )
 
 

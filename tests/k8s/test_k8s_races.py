@@ -205,9 +205,10 @@ def test_kubelet_restart_reregisters_and_keeps_allocations(apiserver, node_with_
     apiserver.store.create("pods", pod_object("b", [(30, 4)]))
     assert ext.bind(_bind_args(apiserver, "b", "n0")).error == ""
     res = kl.admit(apiserver.store.get("pods", "default", "b"))
-    assert res["c0"].envs["CUDA_VISIBLE_DEVICES"] == assignment_of(apiserver, "b").containers[
-        "c0"
-    ].gpus[0]
+    assert (
+        res["c0"].envs["CUDA_VISIBLE_DEVICES"]
+        == assignment_of(apiserver, "b").containers["c0"].gpus[0]
+    )
 
 
 def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
@@ -253,5 +254,3 @@ def test_allocate_without_assignment_is_a_grpc_error(apiserver, node_with_plugin
     assert info.value.code is not None and info.value.code.name == "NOT_FOUND"
     assert not kl.allocated
     assert pod["metadata"]["uid"]
-
-

@@ -1,0 +1,197 @@
+"""The device plugin over real gRPC (unix sockets), driven by the fake kubelet or by stubs:
+registration, ListAndWatch and health, steering, Allocate/PreStart errors, published
+inventory, limits files and device nodes."""
+
+from __future__ import annotations
+
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from k8s_bridge.deviceplugin.allocation import AllocationPaths
+from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
+from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from k8s_bridge.extender.models import ExtenderBindingArgs
+from k8s_bridge.extender.service import Extender, ExtenderConfig
+from k8s_bridge.kube import Kube
+from k8s_bridge.protocol import load_inventory
+from qgpu.model import GpuDevice, GpuHealth, NodeInventory
+from tests.fakes.apiserver import FakeApiserver
+from tests.fakes.kubelet import AdmissionError, FakeKubelet
+from tests.k8s.helpers import NAMES, assignment_of, gpu, pod_object
+
+
+class Node:
+    def __init__(self, srv: FakeApiserver, hook: bool = True, devices: bool = False) -> None:
+        self.srv = srv
+        self.tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qd"))
+        self.hook = self.tmp / "hook.so"
+        if hook:
+            self.hook.write_bytes(b"stand-in")
+        dev = self.tmp / "dev"
+        dev.mkdir()
+        if devices:
+            for name in ("nvidia0", "nvidia1", "nvidiactl"):
+                (dev / name).write_text("")
+        srv.store.create("nodes", {"metadata": {"name": "n0"}})
+        self.kubelet = FakeKubelet(self.tmp / "dp").start()
+        g0 = GpuDevice(uuid="GPU-n0-0", index=0, model="T4", memory_mib=16 * 1024, numa_node=0)
+        self.inventory = NodeInventory(name="n0", gpus=[g0, gpu("n0", 1)])
+        self.paths = AllocationPaths(
+            state_dir=self.tmp / "state", hook_library=self.hook, dev_dir=dev
+        )
+        self.plugin = QgpuDevicePlugin(
+            PluginConfig(node_name="n0", plugin_dir=self.kubelet.dir, poll_s=0.05),
+            Kube(srv.client(), NAMES),
+            self.inventory,
+            self.paths,
+        )
+        self.plugin.start()
+        self.kubelet.wait_ready([NAMES.core, NAMES.memory])
+        self.extender = Extender(Kube(srv.client(), NAMES), ExtenderConfig(watch=False))
+        self.extender.start()
+
+    def stub(self, kind: str) -> pb_grpc.DevicePluginStub:
+        channel = grpc.insecure_channel(f"unix://{self.kubelet.dir / f'qgpu-{kind}.sock'}")
+        return pb_grpc.DevicePluginStub(channel)
+
+    def bound_pod(self, name: str, containers: list) -> dict:
+        pod = self.srv.store.create("pods", pod_object(name, containers))
+        args = ExtenderBindingArgs(
+            PodName=name, PodNamespace="default", PodUID=pod["metadata"]["uid"], Node="n0"
+        )
+        assert self.extender.bind(args).error == ""
+        return self.srv.store.get("pods", "default", name)
+
+    def close(self) -> None:
+        self.plugin.stop()
+        self.kubelet.stop()
+
+
+@pytest.fixture
+def node(apiserver: FakeApiserver) -> Iterator[Node]:
+    n = Node(apiserver)
+    yield n
+    n.close()
+
+
+def test_registers_both_resources_with_options(node: Node) -> None:
+    plugins = node.kubelet.plugins
+    assert plugins[NAMES.core].endpoint == "qgpu-core.sock"
+    assert plugins[NAMES.memory].endpoint == "qgpu-memory.sock"
+    for p in plugins.values():
+        assert p.options.pre_start_required and p.options.get_preferred_allocation_available
+    assert node.kubelet.capacity(NAMES.core) == (200, 200)
+    assert node.kubelet.capacity(NAMES.memory) == (32, 32)
+
+
+def test_list_and_watch_carries_topology_and_health(node: Node) -> None:
+    stream = node.stub("core").ListAndWatch(pb.Empty(), timeout=5)
+    first = next(stream)
+    by_id = {d.ID: d for d in first.devices}
+    assert by_id["GPU-n0-0_c0"].topology.nodes[0].ID == 0
+    assert by_id["GPU-n0-1_c99"].health == "Healthy"
+    sick = node.inventory.gpus[1].model_copy(update={"health": GpuHealth.UNHEALTHY})
+    node.plugin.set_inventory(
+        node.inventory.model_copy(update={"gpus": [node.inventory.gpus[0], sick]})
+    )
+    second = next(stream)
+    stream.cancel()
+    assert {d.health for d in second.devices if d.ID.startswith("GPU-n0-1")} == {"Unhealthy"}
+    # the kubelet's own stream saw it too, and the Node annotation says so
+    import time
+
+    deadline = time.monotonic() + 5
+    while node.kubelet.capacity(NAMES.core)[0] != 100 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert node.kubelet.capacity(NAMES.core) == (100, 100)
+    ann = node.srv.store.get("nodes", "", "n0")["metadata"]["annotations"]
+    inv = load_inventory(ann[NAMES.inventory_annotation])
+    assert [g.healthy for g in inv.gpus] == [True, False]
+
+
+def test_preferred_allocation_steers_to_the_assigned_gpu(node: Node) -> None:
+    node.bound_pod("a", [(60, 8)])  # binpack: GPU-n0-0
+    node.bound_pod("b", [(60, 8)])  # no room left there: GPU-n0-1
+    target = assignment_of(node.srv, "b").containers["c0"].gpus[0]
+    assert target == "GPU-n0-1"
+    available = [f"GPU-n0-{g}_c{i}" for g in (0, 1) for i in range(100)]
+    req = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available, must_include_deviceIDs=[], allocation_size=60
+            )
+        ]
+    )
+    ids = node.stub("core").GetPreferredAllocation(req, timeout=5).container_responses[0].deviceIDs
+    # the oldest pending pod ("a") is served first: GPU-n0-0
+    assert len(ids) == 60 and {d.rpartition("_")[0] for d in ids} == {"GPU-n0-0"}
+
+
+def test_allocate_ids_from_the_wrong_gpu_is_an_error(node: Node) -> None:
+    node.bound_pod("a", [(30, 4)])
+    wrong = [f"GPU-n0-1_c{i}" for i in range(30)]
+    with pytest.raises(grpc.RpcError) as info:
+        node.stub("core").Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=wrong)]),
+            timeout=5,
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    mixed = ["GPU-n0-0_c0", "GPU-n0-0_m0"]
+    with pytest.raises(grpc.RpcError) as info:
+        node.stub("core").Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=mixed)]),
+            timeout=5,
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prestart_without_claim_is_an_error(node: Node) -> None:
+    node.bound_pod("a", [(30, 4)])
+    ids = [f"GPU-n0-0_c{i}" for i in range(30)]
+    with pytest.raises(grpc.RpcError) as info:
+        node.stub("core").PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids), timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_limits_file_is_read_only_and_matches(node: Node) -> None:
+    pod = node.bound_pod("a", [(30, 4)])
+    res = node.kubelet.admit(pod)["c0"]
+    mounts = {m.container_path: m for m in res.mounts}
+    host = Path(mounts["/etc/qgpu/limits"].host_path)
+    assert stat.S_IMODE(host.stat().st_mode) == 0o444
+    text = host.read_text()
+    assert "QGPU_MEMORY_LIMIT=4294967296\n" in text and "QGPU_DEVICE_UUID=GPU-n0-0\n" in text
+    assert Path(mounts["/etc/ld.so.preload"].host_path).read_text().strip() == (
+        "/usr/local/qgpu/lib/libqgpu_hook.so"
+    )
+    assert mounts["/usr/local/qgpu/lib/libqgpu_hook.so"].host_path == str(node.hook)
+    assert not mounts["/run/qgpu/slices"].read_only
+
+
+def test_share_without_interposer_is_refused(apiserver: FakeApiserver) -> None:
+    n = Node(apiserver, hook=False)
+    try:
+        pod = n.bound_pod("a", [(30, 4)])
+        with pytest.raises(AdmissionError, match="interposer library is not available") as info:
+            n.kubelet.admit(pod)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        whole = n.bound_pod("w", [(100, None)])  # whole GPUs need no interposer
+        assert n.kubelet.admit(whole)["c0"].envs["CUDA_VISIBLE_DEVICES"] == "GPU-n0-1"
+    finally:
+        n.close()
+
+
+def test_device_nodes_are_passed_when_present(apiserver: FakeApiserver) -> None:
+    n = Node(apiserver, devices=True)
+    try:
+        res = n.kubelet.admit(n.bound_pod("a", [(30, 4)]))["c0"]
+        paths = sorted(d.container_path for d in res.devices)
+        assert paths == ["/dev/nvidia0", "/dev/nvidiactl"]
+    finally:
+        n.close()

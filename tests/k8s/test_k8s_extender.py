@@ -1,0 +1,203 @@
+"""The scheduler extender over HTTP: Go field names, filter reasons, scores, policies,
+nodeCacheCapable and full-Nodes modes, rebuild after restart, and following the watches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from k8s_bridge.extender.app import create_app
+from k8s_bridge.extender.models import ExtenderBindingArgs
+from k8s_bridge.extender.service import Extender, ExtenderConfig
+from k8s_bridge.kube import Kube
+from qgpu.model import GpuDevice, GpuHealth
+from tests.fakes.apiserver import FakeApiserver
+from tests.k8s.helpers import (
+    NAMES,
+    ServedApp,
+    assignment_of,
+    gpu,
+    pod_object,
+    publish_node,
+    wait_until,
+)
+
+
+@pytest.fixture
+def three(apiserver: FakeApiserver) -> FakeApiserver:
+    for n in ("n0", "n1", "n2"):
+        publish_node(apiserver, n, [gpu(n, 0), gpu(n, 1)])
+    return apiserver
+
+
+@pytest.fixture
+def http_ext(three: FakeApiserver) -> Iterator[tuple[httpx.Client, Extender]]:
+    ext = Extender(Kube(three.client(), NAMES), ExtenderConfig())
+    ext.start()
+    served = ServedApp(create_app(ext)).start()
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        yield client, ext
+    served.stop()
+    ext.stop()
+
+
+def _bind(srv: FakeApiserver, ext: Extender, name: str, node: str) -> str:
+    uid = srv.store.get("pods", "default", name)["metadata"]["uid"]
+    args = ExtenderBindingArgs(PodName=name, PodNamespace="default", PodUID=uid, Node=node)
+    return ext.bind(args).error
+
+
+def test_filter_speaks_go_field_names(three, http_ext) -> None:
+    http, _ = http_ext
+    pod = three.store.create("pods", pod_object("p", [(30, 4)]))
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1", "nx"]}).json()
+    assert set(body) >= {"NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert body["NodeNames"] == ["n0", "n1"]
+    assert "no qgpu GPU inventory" in body["FailedNodes"]["nx"]
+    assert body["Error"] == ""
+
+
+def test_filter_with_full_node_objects_returns_nodes(three, http_ext) -> None:
+    http, _ = http_ext
+    pod = three.store.create("pods", pod_object("p", [(30, 4)]))
+    nodes = {"items": [three.store.get("nodes", "", n) for n in ("n0", "n2")]}
+    body = http.post("/filter", json={"Pod": pod, "Nodes": nodes}).json()
+    assert [n["metadata"]["name"] for n in body["Nodes"]["items"]] == ["n0", "n2"]
+
+
+def test_filter_reason_names_the_free_capacity(three, http_ext) -> None:
+    http, ext = http_ext
+    three.store.create("pods", pod_object("big", [(90, 15)]))
+    assert _bind(three, ext, "big", "n0") == ""
+    three.store.create("pods", pod_object("big2", [(90, 15)]))
+    assert _bind(three, ext, "big2", "n0") == ""
+    pod = three.store.create("pods", pod_object("p", [(30, 4)]))
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
+    assert body["NodeNames"] == ["n1"]
+    reason = body["FailedNodes"]["n0"]
+    assert "qgpu-core=30 qgpu-memory=4" in reason and "GPU-n0-0: core 10, 1 GiB" in reason
+
+
+def test_invalid_pod_is_unresolvable_everywhere_with_the_rule(three, http_ext) -> None:
+    http, _ = http_ext
+    pod = pod_object("p", [(30, 0)])
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
+    assert body["NodeNames"] == []
+    assert set(body["FailedAndUnresolvableNodes"]) == {"n0", "n1"}
+    assert "qgpu-memory" in body["FailedAndUnresolvableNodes"]["n0"]
+    assert "GiB >= 1" in body["FailedAndUnresolvableNodes"]["n0"]
+
+
+def test_pod_without_qgpu_passes_every_node(three, http_ext) -> None:
+    http, _ = http_ext
+    pod = pod_object("plain")
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
+    assert body["NodeNames"] == ["n0", "n1"]
+
+
+def test_containers_must_fit_together(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "one", [gpu("one", 0)])
+    publish_node(apiserver, "two", [gpu("two", 0), gpu("two", 1)])
+    ext = Extender(Kube(apiserver.client(), NAMES), ExtenderConfig(watch=False))
+    ext.start()
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    pod = pod_object("p", [(60, 4), (60, 4)])
+    res = ext.filter(ExtenderArgs(Pod=pod, NodeNames=["one", "two"]))
+    assert res.node_names == ["two"]
+    assert "do not fit together" in res.failed_nodes["one"]
+
+
+def test_prioritize_scores_0_to_10_by_policy(three, http_ext) -> None:
+    http, ext = http_ext
+    three.store.create("pods", pod_object("a", [(50, 8)]))
+    assert _bind(three, ext, "a", "n1") == ""
+    pod = three.store.create("pods", pod_object("p", [(30, 4)]))
+    args = {"Pod": pod, "NodeNames": ["n0", "n1", "n2"]}
+    scores = {h["Host"]: h["Score"] for h in http.post("/prioritize", json=args).json()}
+    assert scores == {"n0": 0, "n1": 10, "n2": 0}  # binpack: the used node first
+    spread = pod_object("q", [(30, 4)], annotations={NAMES.placement_annotation: "spread"})
+    args = {"Pod": three.store.create("pods", spread), "NodeNames": ["n0", "n1", "n2"]}
+    scores = {h["Host"]: h["Score"] for h in http.post("/prioritize", json=args).json()}
+    assert scores == {"n0": 10, "n1": 0, "n2": 10}
+
+
+def test_whole_gpus_take_empty_cards_on_one_node(three, http_ext) -> None:
+    _, ext = http_ext
+    three.store.create("pods", pod_object("w", [(200, None)]))
+    assert _bind(three, ext, "w", "n2") == ""
+    ca = assignment_of(three, "w").containers["c0"]
+    assert ca.gpus == ["GPU-n2-0", "GPU-n2-1"] and ca.core == 100
+    assert ca.devices == {"core": {"GPU-n2-0": 100, "GPU-n2-1": 100}}
+    three.store.create("pods", pod_object("s", [(10, 1)]))
+    assert "cannot take" in _bind(three, ext, "s", "n2")
+
+
+def test_restarted_extender_rebuilds_from_annotations(three, http_ext) -> None:
+    _, ext = http_ext
+    for i, node in enumerate(["n0", "n0", "n1", "n2"]):
+        three.store.create("pods", pod_object(f"p{i}", [(20 + 10 * i, 2 + i)]))
+        assert _bind(three, ext, f"p{i}", node) == ""
+    fresh = Extender(Kube(three.client(), NAMES), ExtenderConfig(watch=False))
+    fresh.start()
+    old, new = ext.state.state, fresh.state.state
+    assert np.array_equal(old.free_core, new.free_core)
+    assert np.array_equal(old.free_mem, new.free_mem)
+    assert np.array_equal(old.slices, new.slices)
+    assert set(fresh.state.pods) == set(ext.state.pods)
+
+
+def test_watch_releases_deleted_and_finished_pods(three, http_ext) -> None:
+    _, ext = http_ext
+    for n in ("a", "b"):
+        three.store.create("pods", pod_object(n, [(40, 4)]))
+        assert _bind(three, ext, n, "n0") == ""
+    s = ext.state.state
+    assert int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 20
+    three.store.delete("pods", "default", "a")
+    wait_until(lambda: int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 60, what="release")
+    three.store.set_phase("default", "b", "Succeeded")
+    wait_until(lambda: int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 100, what="release")
+    assert not ext.state.pods
+
+
+def test_watch_follows_node_inventory_and_health(three, http_ext) -> None:
+    from k8s_bridge.protocol import PublishedInventory
+
+    http, ext = http_ext
+    publish_node(three, "n3", [gpu("n3", 0, 32)])
+    wait_until(lambda: "n3" in ext.state.inventories, what="new node")
+    sick = GpuDevice(
+        uuid="GPU-n0-0", index=0, model="T4", memory_mib=16 * 1024, health=GpuHealth.UNHEALTHY
+    )
+    inv = PublishedInventory(gpus=[sick, gpu("n0", 1)], max_slices_per_gpu=16, published_at=0)
+    Kube(three.client(), NAMES).publish_node_annotations(
+        "n0", {NAMES.inventory_annotation: inv.model_dump_json()}
+    )
+    wait_until(lambda: not ext.state.inventories["n0"].gpus[0].healthy, what="health")
+    pod = three.store.create("pods", pod_object("p", [(100, None), (100, None)]))
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
+    assert body["NodeNames"] == ["n1"]
+    assert "unhealthy" in body["FailedNodes"]["n0"]
+
+
+def test_every_configured_policy_binds(apiserver: FakeApiserver) -> None:
+    from qgpu.model import PlacementPolicy
+
+    for n in ("n0", "n1"):
+        publish_node(apiserver, n, [gpu(n, 0), gpu(n, 1)])
+    for policy in PlacementPolicy:
+        ext = Extender(
+            Kube(apiserver.client(), NAMES), ExtenderConfig(node_policy=policy, watch=False)
+        )
+        ext.start()
+        for i in range(3):
+            name = f"{policy.value}-{i}"
+            apiserver.store.create("pods", pod_object(name, [(20, 2)]))
+            assert _bind(apiserver, ext, name, "n1") == "", policy
+        ext.state.state.check_invariants()
+        for i in range(3):
+            apiserver.store.delete("pods", "default", f"{policy.value}-{i}")
