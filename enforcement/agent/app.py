@@ -24,6 +24,7 @@ import hmac
 import logging
 from typing import Annotated, Any
 
+import anyio
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -56,6 +57,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     422: {"model": ErrorBody, "description": "invalid input: field, value and rule"},
     500: {"model": ErrorBody, "description": "internal error"},
 }
+
+WRITE_THREADS = 1
 
 SliceId = Annotated[str, Path(pattern=SLICE_ID_PATTERN, description="slice id")]
 
@@ -180,10 +183,14 @@ def create_app(agent: Agent) -> FastAPI:
         """The node's GPUs: inventory, health, committed slices and live memory/utilisation."""
         return agent.devices()
 
+    # Mutations are serialised by the ledger anyway; a small limiter keeps them from
+    # crowding the shared thread pool (40 threads fighting over the GIL and one lock).
+    writes = anyio.CapacityLimiter(WRITE_THREADS)
+
     @app.post("/v1/slices", response_model=Reservation, status_code=201, tags=["slices"])
-    def reserve(body: ReserveRequest) -> Reservation:
+    async def reserve(body: ReserveRequest) -> Reservation:
         """Reserve a slice. The answer carries the environment the workload must apply."""
-        return agent.reserve(body)
+        return await anyio.to_thread.run_sync(agent.reserve, body, limiter=writes)
 
     @app.get("/v1/slices", response_model=SliceList, tags=["slices"])
     def slices() -> SliceList:
@@ -196,14 +203,14 @@ def create_app(agent: Agent) -> FastAPI:
         return agent.get(slice_id)
 
     @app.delete("/v1/slices/{slice_id}", response_model=ReleaseResult, tags=["slices"])
-    def release(slice_id: SliceId) -> ReleaseResult:
+    async def release(slice_id: SliceId) -> ReleaseResult:
         """Release a slice; releasing one that is already gone answers released=false."""
-        return agent.release(slice_id)
+        return await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes)
 
     @app.post("/v1/slices/{slice_id}/release", response_model=ReleaseResult, tags=["slices"])
-    def release_post(slice_id: SliceId) -> ReleaseResult:
+    async def release_post(slice_id: SliceId) -> ReleaseResult:
         """Release a slice (POST form of DELETE)."""
-        return agent.release(slice_id)
+        return await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes)
 
     @app.get("/v1/health", response_model=Health, tags=["health"])
     def health() -> Health:

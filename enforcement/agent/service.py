@@ -114,6 +114,9 @@ class Agent:
         self.watchdog: Watchdog | None = None
         self.hook_path = config.hook_path or default_hook_path()
         self._stripes = [threading.Lock() for _ in range(64)]
+        # The agent is its ledger's only writer: serialising writes here is cheaper than
+        # letting threads meet SQLite's busy handler (which sleeps up to 100 ms per retry).
+        self._write_lock = threading.Lock()
         self._inventory_lock = threading.Lock()
         self._environ_cache: dict[tuple[int, int], str | None] = {}
         self._busy = BusyRate()
@@ -181,18 +184,20 @@ class Agent:
         owner = self._checked_owner(body.owner)
         slice_id = body.slice_id or _new_id()
         with self._stripe(slice_id):
-            alloc = self.ledger.reserve(
-                body.request,
-                owner,
-                slice_id=slice_id,
-                node=self.node,
-                policy=self.config.placement,
-                gpu_policy=self.config.gpu_placement,
-            )
+            with self._write_lock:
+                alloc = self.ledger.reserve(
+                    body.request,
+                    owner,
+                    slice_id=slice_id,
+                    node=self.node,
+                    policy=self.config.placement,
+                    gpu_policy=self.config.gpu_placement,
+                )
             try:
                 self._write_limits(alloc)
             except BaseException:
-                self.ledger.release(alloc.slice_id)
+                with self._write_lock:
+                    self.ledger.release(alloc.slice_id)
                 raise
         self.counters.add("reservations", "ok")
         log.info(
@@ -231,7 +236,8 @@ class Agent:
 
     def release(self, slice_id: str, reason: str = "request") -> ReleaseResult:
         with self._stripe(slice_id):
-            released = self.ledger.release(slice_id)
+            with self._write_lock:
+                released = self.ledger.release(slice_id)
             slice_env.remove_limits_file(self._limits_path(slice_id))
         self.counters.add("releases", reason if released else "already-gone")
         if released:

@@ -5,7 +5,7 @@ The contract with the interposer (enforcement/native, read at ``cuInit``):
 (1..100), ``QGPU_ISOLATION``, ``QGPU_STATE_DIR`` (the shared per-slice ledgers),
 ``QGPU_LIMITS_FILE``, ``QGPU_REAL_LIBCUDA`` and ``QGPU_SIM_CONFIG`` (simulation), plus
 ``CUDA_VISIBLE_DEVICES=<uuid>`` and ``LD_PRELOAD=<hook>``. The limits file holds the same
-keys as ``KEY=VALUE`` lines; it is written atomically (temp file, fsync, rename), mode
+keys as ``KEY=VALUE`` lines; it is written atomically (temp file, rename), mode
 0444 and owned by root in production, so a workload can read but not loosen its caps.
 
 The MPS backend hands out ``CUDA_MPS_*`` variables instead of the interposer's.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -82,22 +83,18 @@ def write_limits_file(path: Path, values: Mapping[str, str], *, root_owned: bool
                 return
         except OSError:
             pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, text.encode())
-        os.fsync(fd)
         if root_owned:
             os.fchown(fd, 0, 0)
         os.fchmod(fd, 0o444)
     finally:
         os.close(fd)
+    # No fsync: the ledger (fsynced at commit) is the source of truth and the agent
+    # rewrites every limits file from it when it starts, so a file lost in a crash returns.
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _owned_ok(path: Path, root_owned: bool) -> bool:
