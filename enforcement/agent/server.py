@@ -135,13 +135,20 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     """Run the agent until SIGINT/SIGTERM. Returns the exit code."""
     if config.tcp_port is not None and not config.token:
         raise RuleViolation("token_file", None, "is required with --tcp-port")
-    agent = build_agent(config, backend)
+    # Bind first: a second agent on the same socket stops here, before touching the state.
+    sockets = [bind_unix(config.socket)]
+    try:
+        if config.tcp_port is not None:
+            sockets.append(bind_tcp(config.tcp_host, config.tcp_port))
+        agent = build_agent(config, backend)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        config.socket.unlink(missing_ok=True)
+        raise
     assert agent.watchdog is not None
     app = create_app(agent)
     asgi = TokenGuard(app, config.token) if config.token else app
-    sockets = [bind_unix(config.socket)]
-    if config.tcp_port is not None:
-        sockets.append(bind_tcp(config.tcp_host, config.tcp_port))
     maintenance = Maintenance(agent, agent.watchdog)
     server = uvicorn.Server(
         uvicorn.Config(

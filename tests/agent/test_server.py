@@ -326,3 +326,19 @@ def test_1000_concurrent_reserve_and_release_calls(
     flags = asyncio.run(release_all())
     assert flags.count(True) == len(acked) and flags.count(False) == len(acked)
     assert sync.slices().slices == []
+
+
+def test_a_second_agent_on_the_same_socket_refuses_to_start(
+    live: tuple[subprocess.Popen, AgentClient], state_dir: Path
+) -> None:
+    second = subprocess.run(
+        agent_command(state_dir, "--sim", "2xH100-80GB"),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert second.returncode == 2
+    assert "already listening" in second.stderr
+    _proc, client = live
+    assert client.health().node == "node-a"  # the first one is untouched
