@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from enforcement.agent.app import create_app
 from enforcement.agent.service import Agent
 from enforcement.agent.slice_env import parse_limits
+from qgpu.model import GpuHealth
 from tests.agent.conftest import FakeBackend, make_agent
 
 GIB = 1024**3
@@ -194,7 +195,7 @@ def test_unknown_routes_and_methods_are_json_errors(client: TestClient) -> None:
 
 def test_unhealthy_gpu_is_reported_and_not_used(state_dir: Path, backend: FakeBackend) -> None:
     sick = backend.gpus[1].model_copy(
-        update={"health": "unhealthy", "health_reason": "critical Xid 79"}
+        update={"health": GpuHealth.UNHEALTHY, "health_reason": "critical Xid 79"}
     )
     backend.gpus[1] = sick
     agent = make_agent(state_dir, backend)
@@ -207,3 +208,13 @@ def test_unhealthy_gpu_is_reported_and_not_used(state_dir: Path, backend: FakeBa
         res = reserve(client, request={"core": 30, "memory": 8}).json()
         assert res["device_uuid"] == backend.gpus[0].uuid
     agent.close()
+
+
+def test_refresh_picks_up_a_gpu_that_turned_unhealthy(agent: Agent, backend: FakeBackend) -> None:
+    assert agent.refresh_inventory() is False
+    update = {"health": GpuHealth.UNHEALTHY, "health_reason": "critical Xid 48"}
+    backend.gpus[0] = backend.gpus[0].model_copy(update=update)
+    assert agent.refresh_inventory() is True
+    assert agent.ledger.node("node-a").gpus[0].health is GpuHealth.UNHEALTHY
+    health = agent.health()
+    assert health.status == "degraded" and health.unhealthy_devices == [backend.gpus[0].uuid]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from enforcement.agent.client import AgentClient
+from enforcement.agent.client import AgentClient, AgentError
+from qgpu.model import Owner, OwnerKind, SliceRequest
 from tests.agent.conftest import REPO, start_agent, stop_agent
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,17 @@ def test_status_shows_devices_and_slices(state_dir: Path) -> None:
     try:
         with AgentClient(state_dir / "agent.sock") as client:
             res = client.reserve({"core": 30, "memory": 8, "isolation": "fs"}, {"id": "nb-1"})
+            typed = client.reserve(
+                SliceRequest(core=20, memory_gib=4, isolation="bs"),
+                Owner(kind=OwnerKind.MANUAL, id="typed"),
+            )
+            assert (typed.core, typed.memory_gib, typed.isolation.value) == (20, 4, "burst-share")
+            with pytest.raises(AgentError) as refused:
+                client.reserve({"core": 150, "memory": 8})
+            assert refused.value.status == 422
+            assert (refused.value.field, refused.value.value) == ("qgpu-core", 150)
+            assert "multiple of 100" in refused.value.rule
+            assert client.release(typed.slice_id).released
         table = qgpu("status", "--state-dir", str(state_dir))
         assert table.returncode == 0, table.stderr
         assert "node node-a" in table.stdout and "backend sim" in table.stdout
