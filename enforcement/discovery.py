@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import pynvml
 
+from enforcement.native import NativeLibraryMissing
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.model import (
     DEFAULT_MAX_SLICES_PER_GPU,
@@ -401,9 +402,10 @@ def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, st
         raise RuleViolation("sim", spec, str(exc)) from exc
     try:
         sim.load_sim_nvml(config_path)
-    except OSError as exc:
+        env = sim.sim_environment(config_path)
+    except (OSError, NativeLibraryMissing) as exc:
         raise BackendUnavailable(f"the simulated libnvidia-ml could not be loaded: {exc}") from exc
-    return {k: str(v) for k, v in sim.sim_environment(config_path).items()}
+    return {k: str(v) for k, v in env.items()}
 
 
 def discover(

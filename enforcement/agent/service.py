@@ -47,6 +47,7 @@ from enforcement.agent.reconcile import (
 )
 from enforcement.agent.slice_stats import BusyRate, read_slice_ledger
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
+from enforcement.native import HOOK_LIBRARY
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.ledger import Ledger
 from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind
@@ -87,10 +88,8 @@ class Counters:
 
 
 def default_hook_path() -> Path:
-    """Where `pip install` builds the interposer: next to the native sources."""
-    import enforcement.native as native
-
-    return Path(native.__file__).resolve().parent / "libqgpu_hook.so"
+    """Where `pip install` builds the interposer (it may be missing: health says so)."""
+    return HOOK_LIBRARY
 
 
 class Agent:

@@ -5,8 +5,9 @@ The contract with the interposer (enforcement/native, read at ``cuInit``):
 (1..100), ``QGPU_ISOLATION``, ``QGPU_STATE_DIR`` (the shared per-slice ledgers),
 ``QGPU_LIMITS_FILE``, ``QGPU_REAL_LIBCUDA`` and ``QGPU_SIM_CONFIG`` (simulation), plus
 ``CUDA_VISIBLE_DEVICES=<uuid>`` and ``LD_PRELOAD=<hook>``. The limits file holds the same
-keys as ``KEY=VALUE`` lines; it is written atomically (temp file, rename), mode
-0444 and owned by root in production, so a workload can read but not loosen its caps.
+keys as ``KEY=VALUE`` lines (`enforcement.limits` renders and validates them); it is
+written atomically (temp file, rename), mode 0444 and owned by root in production, so a
+workload can read but not loosen its caps (the interposer trusts only such a file).
 
 The MPS backend hands out ``CUDA_MPS_*`` variables instead of the interposer's.
 Whole-GPU slices need no cap: they get the device and the slice id only.
@@ -15,16 +16,36 @@ Whole-GPU slices need no cap: they get the device and the slice id only.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
+from enforcement.limits import (
+    SliceLimits,
+    allocation_env,
+    limits_for_allocation,
+    render_limits,
+)
 from qgpu.model import Allocation
-from qgpu.units import BYTES_PER_GIB
 
 LIMITS_SUFFIX = ".limits"
-_SAFE_VALUE = re.compile(r"^[^\n\r=\x00]*$")
+
+
+def slice_limits(
+    alloc: Allocation,
+    *,
+    state_dir: Path,
+    real_libcuda: Path | None = None,
+    sim_config: str | None = None,
+) -> SliceLimits:
+    """The interposer's limits for a share slice (`enforcement.limits` owns the rules)."""
+    limits = limits_for_allocation(alloc, state_dir=str(state_dir))
+    return replace(
+        limits,
+        real_libcuda=str(real_libcuda) if real_libcuda is not None else None,
+        sim_config=sim_config,
+    )
 
 
 def limits_values(
@@ -36,53 +57,23 @@ def limits_values(
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The QGPU_* limits of one share slice (what goes in its limits file)."""
-    values = {
-        "QGPU_SLICE_ID": alloc.slice_id,
-        "QGPU_DEVICE_UUID": alloc.gpu_uuids[0],
-        "QGPU_MEMORY_LIMIT": str(alloc.memory_gib * BYTES_PER_GIB),
-        "QGPU_CORE_LIMIT": str(min(alloc.core, 100)),
-        "QGPU_ISOLATION": alloc.isolation.value,
-        "QGPU_STATE_DIR": str(state_dir),
-        "QGPU_LIMITS_FILE": str(limits_file),
-    }
-    if real_libcuda is not None:
-        values["QGPU_REAL_LIBCUDA"] = str(real_libcuda)
-    for key, value in (extra or {}).items():
-        if key.startswith("QGPU_"):
-            values[key] = value
+    sim_config = (extra or {}).get("QGPU_SIM_CONFIG")
+    values = slice_limits(
+        alloc, state_dir=state_dir, real_libcuda=real_libcuda, sim_config=sim_config
+    ).to_env()
+    values["QGPU_LIMITS_FILE"] = str(limits_file)
     return values
-
-
-def render_limits(values: Mapping[str, str]) -> str:
-    lines = []
-    for key in sorted(values):
-        value = values[key]
-        if not _SAFE_VALUE.match(value):
-            raise ValueError(f"limits value of {key} contains a newline, '=' or NUL")
-        lines.append(f"{key}={value}")
-    return "\n".join(lines) + "\n"
-
-
-def parse_limits(text: str) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            out[key.strip()] = value.strip()
-    return out
 
 
 def write_limits_file(path: Path, values: Mapping[str, str], *, root_owned: bool) -> None:
     """Atomically (re)write a limits file: mode 0444, owner root:root when `root_owned`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = render_limits(values)
-    if path.exists():
-        try:
-            if path.read_text() == text and _owned_ok(path, root_owned):
-                return
-        except OSError:
-            pass
+    try:
+        if path.read_text() == text and _owned_ok(path, root_owned):
+            return
+    except OSError:
+        pass
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -125,6 +116,5 @@ def interposer_env(
 def whole_gpu_env(alloc: Allocation, workload_env: Mapping[str, str]) -> dict[str, str]:
     """Environment of whole GPUs: the devices and the slice id, no caps."""
     env = dict(workload_env)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(alloc.gpu_uuids)
-    env["QGPU_SLICE_ID"] = alloc.slice_id
+    env.update(allocation_env(alloc))
     return env

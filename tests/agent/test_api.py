@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from enforcement.agent.app import create_app
 from enforcement.agent.service import Agent
-from enforcement.agent.slice_env import parse_limits
+from enforcement.limits import is_trusted_limits_file, read_limits_file
 from qgpu.model import GpuHealth
 from tests.agent.conftest import FakeBackend, make_agent
 
@@ -61,7 +61,9 @@ def test_reserve_returns_device_limits_and_environment(client: TestClient, agent
     # the limits file holds the same QGPU_* values, read-only
     path = Path(res["limits_file"])
     assert stat.S_IMODE(path.stat().st_mode) == 0o444
-    limits = parse_limits(path.read_text())
+    if os.geteuid() == 0:
+        assert is_trusted_limits_file(path)  # the interposer's own rule
+    limits = read_limits_file(path)
     assert limits == {k: v for k, v in env.items() if k.startswith("QGPU_")}
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
-from enforcement.agent.slice_env import parse_limits
+from enforcement.limits import read_limits_file
 from qgpu.ledger import Ledger
 from tests.agent.conftest import REPO, agent_command, free_port, start_agent, stop_agent
 
@@ -219,7 +219,7 @@ def test_restart_repairs_limits_files(state_dir: Path) -> None:
     stray.write_text("QGPU_SLICE_ID=s-gone\n")
     proc = start_agent(state_dir, "--sim", "1xH100-80GB")
     try:
-        assert parse_limits(Path(kept.limits_file).read_text())["QGPU_SLICE_ID"] == kept.slice_id
+        assert read_limits_file(kept.limits_file)["QGPU_SLICE_ID"] == kept.slice_id
         assert not stray.exists()
     finally:
         stop_agent(proc)
