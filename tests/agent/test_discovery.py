@@ -139,3 +139,50 @@ def test_bad_sim_spec_is_a_rule_violation(state_dir: Path) -> None:
     )
     assert out.returncode == 2
     assert "sim=" in out.stderr and "unknown model" in out.stderr
+
+
+# The simulator has no ECC counters or events: patch those pynvml calls, keep the rest real.
+_HEALTH = """
+import json, sys, time, types
+import pynvml
+from enforcement.discovery import open_backend
+
+events = [13, 79]  # 13 (application error) is ignored, 79 (fell off the bus) is critical
+
+def wait(event_set, timeout_ms):
+    if not events:
+        time.sleep(timeout_ms / 1000)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+    gpu0 = pynvml.nvmlDeviceGetHandleByIndex(0)
+    return types.SimpleNamespace(eventData=events.pop(0), device=gpu0)
+
+def ecc(handle, kind, counter):
+    return 3 if pynvml.nvmlDeviceGetIndex(handle) == 1 else 0
+
+pynvml.nvmlEventSetCreate = lambda: object()
+pynvml.nvmlDeviceRegisterEvents = lambda handle, types_, event_set: None
+pynvml.nvmlEventSetWait_v2 = wait
+pynvml.nvmlDeviceGetTotalEccErrors = ecc
+b = open_backend("sim", sim_spec="3xH100-80GB", state_dir=sys.argv[1], node_name="node-h")
+deadline = time.time() + 10
+while events and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(0.2)
+print(json.dumps([(d.health.value, d.health_reason) for d in b.devices()]))
+b.close()
+"""
+
+
+def test_health_from_xid_events_and_ecc(state_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _HEALTH, str(state_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    health = json.loads(out.stdout)
+    assert health[0] == ["unhealthy", "critical Xid 79"]
+    assert health[1][0] == "unhealthy" and "3 uncorrectable ECC errors" in health[1][1]
+    assert health[2] == ["healthy", None]

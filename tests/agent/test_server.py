@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,6 +150,7 @@ def workload(env: dict[str, str], *gib: float) -> subprocess.Popen:
 # Allocates the sizes given on each stdin line; answers one word per allocation.
 _WORKLOAD = """
 import sys
+import time
 from enforcement.simcuda import Driver
 d = Driver(); d.init(); d.context(0); held = []
 for line in sys.stdin:
@@ -342,3 +344,43 @@ def test_a_second_agent_on_the_same_socket_refuses_to_start(
     assert "already listening" in second.stderr
     _proc, client = live
     assert client.health().node == "node-a"  # the first one is untouched
+
+
+def test_live_agent_reconciles_and_watchdog_kills_a_bypass(state_dir: Path) -> None:
+    proc = start_agent(
+        state_dir,
+        "--sim",
+        "1xH100-80GB",
+        "--reconcile-interval",
+        "0.3",
+        "--watchdog-interval",
+        "0.3",
+        "--watchdog-kill",
+    )
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    bypass: subprocess.Popen | None = None
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            mine = client.reserve({"core": 20, "memory": 4}, {"kind": "pid", "id": str(owner.pid)})
+            keep = client.reserve(
+                {"core": 20, "memory": 4}, {"kind": "pid", "id": str(os.getpid())}
+            )
+            # a process of the slice that skips the interposer and takes 6 GiB of a 4 GiB cap
+            env = {k: v for k, v in keep.env.items() if k != "LD_PRELOAD"}
+            bypass = workload(env, 6)
+            assert bypass.stdout is not None and bypass.stdout.readline().split() == ["ok"]
+            assert bypass.wait(timeout=20) == -signal.SIGKILL
+            metrics = client.metrics()
+            assert f'qgpu_watchdog_kills_total{{device_uuid="{keep.device_uuid}"' in metrics
+            owner.kill()
+            owner.wait()
+            deadline = time.monotonic() + 20
+            while any(s.slice_id == mine.slice_id for s in client.slices().slices):
+                assert time.monotonic() < deadline, "the dead owner's slice was not released"
+                time.sleep(0.1)
+            assert [s.slice_id for s in client.slices().slices] == [keep.slice_id]
+    finally:
+        owner.kill()
+        if bypass is not None:
+            bypass.kill()
+        stop_agent(proc)
