@@ -1,14 +1,15 @@
 """What a container receives from Allocate: env, mounts and devices for the interposer.
 
 `container_response()` is the ONE mapping from a container's assignment to kubelet's
-`ContainerAllocateResponse`. It takes the limits themselves from the node agent's
-`enforcement.agent.slice_env` (the interposer's contract: ``QGPU_SLICE_ID``,
-``QGPU_DEVICE_UUID``, ``QGPU_MEMORY_LIMIT`` in bytes, ``QGPU_CORE_LIMIT``,
-``QGPU_ISOLATION``, ``QGPU_STATE_DIR``, ``QGPU_LIMITS_FILE``) and adds what only a
-container needs:
+`ContainerAllocateResponse`. The limits themselves come from `enforcement.limits` (the
+interposer's contract: ``QGPU_SLICE_ID``, ``QGPU_DEVICE_UUID``, ``QGPU_MEMORY_LIMIT`` in
+bytes, ``QGPU_CORE_LIMIT``, ``QGPU_ISOLATION``, ``QGPU_STATE_DIR``, ``QGPU_LIMITS_FILE``,
+and in simulation ``QGPU_REAL_LIBCUDA`` / ``QGPU_SIM_CONFIG``); this module adds what only
+a container needs:
 
-- the limits file, written on the host (root-owned, 0444 when the plugin runs as root) and
-  bind-mounted read-only at ``/etc/qgpu/limits``;
+- the limits file, written on the host by `enforcement.limits.write_limits_file` (mode
+  0444; root-owned as the plugin runs as root, which the interposer requires to trust it)
+  and bind-mounted read-only at ``/etc/qgpu/limits.conf``;
 - ``/etc/ld.so.preload`` bind-mounted read-only from a host file naming the interposer, and
   the interposer itself mounted read-only at ``/usr/local/qgpu/lib/libqgpu_hook.so``, so
   ``env -u LD_PRELOAD`` cannot escape the caps;
@@ -23,15 +24,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from enforcement.agent.slice_env import limits_values, write_limits_file
+from enforcement.limits import (
+    allocation_env,
+    limits_for_allocation,
+    write_limits_file,
+)
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.protocol import ContainerAssignment, Kind
+from qgpu.errors import RuleViolation
 from qgpu.model import Allocation, GpuDevice, Owner, OwnerKind
 
-CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits")
+CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits.conf")
 CONTAINER_PRELOAD = Path("/etc/ld.so.preload")
 CONTAINER_HOOK = Path("/usr/local/qgpu/lib/libqgpu_hook.so")
 CONTAINER_STATE_DIR = Path("/run/qgpu/slices")
@@ -45,7 +51,6 @@ class AllocationPaths:
     state_dir: Path
     hook_library: Path | None
     dev_dir: Path = Path("/dev")
-    root_owned: bool = field(default_factory=lambda: os.geteuid() == 0)
     workload_env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -98,20 +103,6 @@ def container_response(
 ) -> pb.ContainerAllocateResponse:
     """Env, mounts and devices of one container's slice (writes its limits file)."""
     sid = k8s_slice_id(pod_uid, container)
-    visible = ",".join(ca.gpus)
-    env = dict(paths.workload_env)
-    env.update({"CUDA_VISIBLE_DEVICES": visible, "NVIDIA_VISIBLE_DEVICES": visible})
-    if ca.core >= 100:
-        env["QGPU_SLICE_ID"] = sid
-        if kind != "core":
-            return pb.ContainerAllocateResponse(envs=env)
-        return pb.ContainerAllocateResponse(envs=env, devices=_device_specs(paths, gpus))
-    if paths.hook_library is None or not paths.hook_library.is_file():
-        raise AllocationError(
-            f"the interposer library is not available on this node ({paths.hook_library}); "
-            "a share slice cannot be enforced without it"
-        )
-    host_limits = limits_file_for(paths, sid)
     alloc = Allocation(
         slice_id=sid,
         node="",
@@ -121,19 +112,37 @@ def container_response(
         isolation=ca.isolation,
         owner=Owner(kind=OwnerKind.POD, id=pod_uid, meta={"container": container}),
     )
-    values = limits_values(
-        alloc,
-        state_dir=CONTAINER_STATE_DIR,
-        limits_file=CONTAINER_LIMITS_FILE,
-        extra=paths.workload_env,
-    )
+    env = dict(paths.workload_env)
+    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ca.gpus)
+    if ca.core >= 100:
+        env.update(allocation_env(alloc))  # the device(s) and the slice id: nothing to cap
+        if kind != "core":
+            return pb.ContainerAllocateResponse(envs=env)
+        return pb.ContainerAllocateResponse(envs=env, devices=_device_specs(paths, gpus))
+    if paths.hook_library is None or not paths.hook_library.is_file():
+        raise AllocationError(
+            f"the interposer library is not available on this node ({paths.hook_library}); "
+            "a share slice cannot be enforced without it"
+        )
+    host_limits = limits_file_for(paths, sid)
+    try:
+        limits = replace(
+            limits_for_allocation(alloc, state_dir=str(CONTAINER_STATE_DIR)),
+            real_libcuda=paths.workload_env.get("QGPU_REAL_LIBCUDA"),
+            sim_config=paths.workload_env.get("QGPU_SIM_CONFIG"),
+        )
+    except RuleViolation as exc:
+        raise AllocationError(f"the slice's limits are invalid: {exc}") from exc
+    values = limits.to_env()
+    values["QGPU_LIMITS_FILE"] = str(CONTAINER_LIMITS_FILE)
     env.update(values)
+    env["CUDA_VISIBLE_DEVICES"] = ca.gpus[0]
     if kind != "core":
         # Mounts and devices come once per container, with the core resource (kubelet
         # merges the two plugins' answers; a mount given twice would clash).
         return pb.ContainerAllocateResponse(envs=env)
     try:
-        write_limits_file(host_limits, values, root_owned=paths.root_owned)
+        write_limits_file(host_limits, values)
         paths.slices_dir.mkdir(parents=True, exist_ok=True)
         preload = paths.preload_file
         preload.parent.mkdir(parents=True, exist_ok=True)

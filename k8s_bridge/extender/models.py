@@ -8,9 +8,10 @@ parts it needs with `k8s_bridge.resources.PodModel`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from typing_extensions import TypedDict
 
 
 class _Go(BaseModel):
@@ -44,9 +45,15 @@ class ExtenderFilterResult(_Go):
     error: str = Field(default="", alias="Error")
 
 
-class HostPriority(_Go):
-    host: str = Field(alias="Host")
-    score: int = Field(alias="Score", ge=0)
+class HostPriority(TypedDict):
+    """One ``HostPriority`` (a TypedDict: validating 1,000 of them creates no objects)."""
+
+    Host: str
+    Score: Annotated[int, Field(ge=0, le=10)]
+
+
+HostPriorityList = TypeAdapter(list[HostPriority])
+"""A ``HostPriorityList``: validated and serialized in one call."""
 
 
 class ExtenderBindingArgs(_Go):

@@ -34,15 +34,20 @@ from k8s_bridge.extender.models import (
     ExtenderBindingResult,
     ExtenderFilterResult,
     HostPriority,
+    HostPriorityList,
     NodeList,
 )
 from k8s_bridge.extender.state import ExtenderState
-from k8s_bridge.kube import Kube, KubeError, NodeLocker
+from k8s_bridge.kube import Conflict, Kube, KubeError, NodeLocker
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import PlacementPolicy
 
 log = logging.getLogger(__name__)
+
+
+class PodChanged(Conflict):
+    """The pod changed since kube-scheduler read it (our write's precondition failed)."""
 
 
 class ExtenderConfig(BaseModel):
@@ -72,7 +77,7 @@ class Extender:
         self.epochs: dict[str, int] = {}
         self._node_locks: dict[str, threading.Lock] = {}
         self._node_locks_guard = threading.Lock()
-        self._requests: OrderedDict[str, list[ContainerRequest]] = OrderedDict()
+        self._requests: OrderedDict[str, tuple[PodModel, list[ContainerRequest]]] = OrderedDict()
         self._requests_guard = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -139,12 +144,21 @@ class Extender:
 
     def _watch_once(self, kind: str, rv: str) -> str:
         w = watch.Watch()
+        core = self.kube.core
+        kwargs: dict[str, Any] = {}
+        # Plain wrappers (no return annotation or docstring): the client's watch then skips
+        # building model objects and hands out the raw JSON, which is all we read.
         if kind == "nodes":
-            func: Any = self.kube.core.list_node
-            kwargs: dict[str, Any] = {}
+
+            def func(**kw: Any) -> Any:
+                return core.list_node(**kw)
+
         else:
-            func = self.kube.core.list_pod_for_all_namespaces
             kwargs = {"label_selector": self.names.assigned_label}
+
+            def func(**kw: Any) -> Any:
+                return core.list_pod_for_all_namespaces(**kw)
+
         for event in w.stream(
             func, resource_version=rv, timeout_seconds=self.cfg.watch_timeout_s, **kwargs
         ):
@@ -167,18 +181,24 @@ class Extender:
     # -- verbs ------------------------------------------------------------------------
 
     def _pod_requests(self, pod: PodModel) -> list[ContainerRequest]:
+        """The pod's requests, cached by UID with the pod as kube-scheduler sent it."""
         uid = pod.metadata.uid
         with self._requests_guard:
             hit = self._requests.get(uid) if uid else None
         if hit is not None:
-            return hit
+            return hit[1]
         reqs = self.state.requests(pod)
         if uid:
             with self._requests_guard:
-                self._requests[uid] = reqs
+                self._requests[uid] = (pod, reqs)
                 while len(self._requests) > 10_000:
                     self._requests.popitem(last=False)
         return reqs
+
+    def _scheduled_pod(self, uid: str) -> PodModel | None:
+        with self._requests_guard:
+            hit = self._requests.get(uid)
+        return hit[0] if hit is not None else None
 
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         names = args.candidate_names()
@@ -216,7 +236,7 @@ class Extender:
         except RuleViolation:
             reqs = []
         scores = self.state.score_nodes(reqs, names)
-        return [HostPriority(Host=n, Score=scores[n]) for n in names]
+        return HostPriorityList.validate_python([{"Host": n, "Score": scores[n]} for n in names])
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._node_locks_guard:
@@ -236,15 +256,34 @@ class Extender:
         return ExtenderBindingResult()
 
     def _bind(self, args: ExtenderBindingArgs) -> None:
+        # The pod kube-scheduler filtered (unbound then) saves a read; its resourceVersion
+        # is the precondition of our write, so a pod changed since is read again.
+        pod = self._scheduled_pod(args.pod_uid) if args.pod_uid else None
+        held = args.pod_uid in self.state.pods  # bound before: read it, never assign twice
+        if pod is not None and pod.metadata.resource_version and not held:
+            try:
+                self._bind_pod(pod, args.node)
+                return
+            except PodChanged:
+                pass
+        pod = self._read_pod(args)
+        if pod is not None:
+            self._bind_pod(pod, args.node)
+
+    def _read_pod(self, args: ExtenderBindingArgs) -> PodModel | None:
+        """The pod as it is now; None when it is already bound where it was sent."""
         ns, name, node = args.pod_namespace, args.pod_name, args.node
-        pod_obj = self.kube.get_pod(ns, name)
-        pod = parse_pod(pod_obj)
+        pod = parse_pod(self.kube.get_pod(ns, name))
         if args.pod_uid and pod.metadata.uid != args.pod_uid:
             raise KubeError(f"pod {ns}/{name} has UID {pod.metadata.uid}, not {args.pod_uid}")
         if pod.spec.node_name:
             if pod.spec.node_name == node:
-                return  # a repeated bind of a bound pod: it is already where it was sent
+                return None  # a repeated bind of a bound pod: it is already where it was sent
             raise KubeError(f"pod {ns}/{name} is already bound to node {pod.spec.node_name}")
+        return pod
+
+    def _bind_pod(self, pod: PodModel, node: str) -> None:
+        ns, name = pod.metadata.namespace, pod.metadata.name
         reqs = self._pod_requests(pod)
         if not reqs:
             self.kube.bind(ns, name, pod.metadata.uid, node)
@@ -256,16 +295,14 @@ class Extender:
                     selector = f"{self.names.assigned_label}={self.names.node_label_value(node)}"
                     self.state.resync_node(node, self.kube.list_pods(selector)[0])
                 self.epochs[node] = handle.epoch
-                self._write_and_bind(pod, pod_obj, reqs, node)
+                self._write_and_bind(pod, reqs, node)
             finally:
                 try:
                     self.locker.release(handle)
                 except KubeError as exc:
                     log.warning("releasing the lock of node %s: %s", node, exc)
 
-    def _write_and_bind(
-        self, pod: PodModel, pod_obj: dict[str, Any], reqs: list[ContainerRequest], node: str
-    ) -> None:
+    def _write_and_bind(self, pod: PodModel, reqs: list[ContainerRequest], node: str) -> None:
         uid, ns, name = pod.metadata.uid, pod.metadata.namespace, pod.metadata.name
         try:
             assignment = self.state.reserve(uid, ns, name, reqs, node)
@@ -278,7 +315,7 @@ class Extender:
                 name,
                 {
                     "metadata": {
-                        "resourceVersion": pod_obj["metadata"]["resourceVersion"],
+                        "resourceVersion": pod.metadata.resource_version,
                         "labels": {self.names.assigned_label: self.names.node_label_value(node)},
                         "annotations": {
                             self.names.assignment_annotation: assignment.dumps(),
@@ -290,10 +327,12 @@ class Extender:
             written = True
             self.state.note_written(uid, patched["metadata"].get("resourceVersion"))
             self._create_binding(ns, name, uid, node)
-        except QgpuError:
+        except QgpuError as exc:
             self.state.unreserve(uid)
             if written:
                 self._clear_assignment(ns, name)
+            if isinstance(exc, Conflict) and not written:
+                raise PodChanged(str(exc), exc.status, exc.reason) from exc
             raise
 
     def _create_binding(self, ns: str, name: str, uid: str, node: str) -> None:

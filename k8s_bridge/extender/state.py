@@ -357,6 +357,8 @@ class ExtenderState:
         with self.lock:
             if node not in self.inventories:
                 raise NoFit(f"node {node} publishes no qgpu GPU inventory", {})
+            if uid in self.pods:
+                raise NoFit(f"pod {namespace}/{name} already holds GPUs on {self.pods[uid].node}")
             inv = self.inventories[node]
             containers: dict[str, ContainerAssignment] = {}
             placed: list[str] = []

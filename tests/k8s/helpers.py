@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import shutil
 import socket
@@ -25,8 +26,13 @@ from tests.fakes.apiserver import FakeApiserver, json_patch, node_object
 NAMES = Names()
 
 
+def U(node: str, i: int) -> str:
+    """A well-formed, deterministic GPU UUID for GPU `i` of `node` (what NVML reports)."""
+    return f"GPU-{hashlib.sha1(node.encode()).hexdigest()[:8]}-0000-4000-8000-{i:012x}"
+
+
 def gpu(node: str, i: int, gib: int = 16, model: str = "T4") -> GpuDevice:
-    return GpuDevice(uuid=f"GPU-{node}-{i}", index=i, model=model, memory_mib=gib * 1024)
+    return GpuDevice(uuid=U(node, i), index=i, model=model, memory_mib=gib * 1024)
 
 
 def publish_node(

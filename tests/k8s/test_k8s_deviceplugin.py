@@ -23,7 +23,7 @@ from k8s_bridge.protocol import load_inventory
 from qgpu.model import GpuDevice, GpuHealth, NodeInventory
 from tests.fakes.apiserver import FakeApiserver
 from tests.fakes.kubelet import AdmissionError, FakeKubelet
-from tests.k8s.helpers import NAMES, assignment_of, gpu, pod_object
+from tests.k8s.helpers import NAMES, U, assignment_of, gpu, pod_object
 
 
 class Node:
@@ -40,7 +40,7 @@ class Node:
                 (dev / name).write_text("")
         srv.store.create("nodes", {"metadata": {"name": "n0"}})
         self.kubelet = FakeKubelet(self.tmp / "dp").start()
-        g0 = GpuDevice(uuid="GPU-n0-0", index=0, model="T4", memory_mib=16 * 1024, numa_node=0)
+        g0 = GpuDevice(uuid=U("n0", 0), index=0, model="T4", memory_mib=16 * 1024, numa_node=0)
         self.inventory = NodeInventory(name="n0", gpus=[g0, gpu("n0", 1)])
         self.paths = AllocationPaths(
             state_dir=self.tmp / "state", hook_library=self.hook, dev_dir=dev
@@ -94,15 +94,15 @@ def test_list_and_watch_carries_topology_and_health(node: Node) -> None:
     stream = node.stub("core").ListAndWatch(pb.Empty(), timeout=5)
     first = next(stream)
     by_id = {d.ID: d for d in first.devices}
-    assert by_id["GPU-n0-0_c0"].topology.nodes[0].ID == 0
-    assert by_id["GPU-n0-1_c99"].health == "Healthy"
+    assert by_id[f"{U('n0', 0)}_c0"].topology.nodes[0].ID == 0
+    assert by_id[f"{U('n0', 1)}_c99"].health == "Healthy"
     sick = node.inventory.gpus[1].model_copy(update={"health": GpuHealth.UNHEALTHY})
     node.plugin.set_inventory(
         node.inventory.model_copy(update={"gpus": [node.inventory.gpus[0], sick]})
     )
     second = next(stream)
     stream.cancel()
-    assert {d.health for d in second.devices if d.ID.startswith("GPU-n0-1")} == {"Unhealthy"}
+    assert {d.health for d in second.devices if d.ID.startswith(U("n0", 1))} == {"Unhealthy"}
     # the kubelet's own stream saw it too, and the Node annotation says so
     import time
 
@@ -119,8 +119,8 @@ def test_preferred_allocation_steers_to_the_assigned_gpu(node: Node) -> None:
     node.bound_pod("a", [(60, 8)])  # binpack: GPU-n0-0
     node.bound_pod("b", [(60, 8)])  # no room left there: GPU-n0-1
     target = assignment_of(node.srv, "b").containers["c0"].gpus[0]
-    assert target == "GPU-n0-1"
-    available = [f"GPU-n0-{g}_c{i}" for g in (0, 1) for i in range(100)]
+    assert target == U("n0", 1)
+    available = [f"{U('n0', g)}_c{i}" for g in (0, 1) for i in range(100)]
     req = pb.PreferredAllocationRequest(
         container_requests=[
             pb.ContainerPreferredAllocationRequest(
@@ -130,19 +130,19 @@ def test_preferred_allocation_steers_to_the_assigned_gpu(node: Node) -> None:
     )
     ids = node.stub("core").GetPreferredAllocation(req, timeout=5).container_responses[0].deviceIDs
     # the oldest pending pod ("a") is served first: GPU-n0-0
-    assert len(ids) == 60 and {d.rpartition("_")[0] for d in ids} == {"GPU-n0-0"}
+    assert len(ids) == 60 and {d.rpartition("_")[0] for d in ids} == {U("n0", 0)}
 
 
 def test_allocate_ids_from_the_wrong_gpu_is_an_error(node: Node) -> None:
     node.bound_pod("a", [(30, 4)])
-    wrong = [f"GPU-n0-1_c{i}" for i in range(30)]
+    wrong = [f"{U('n0', 1)}_c{i}" for i in range(30)]
     with pytest.raises(grpc.RpcError) as info:
         node.stub("core").Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=wrong)]),
             timeout=5,
         )
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    mixed = ["GPU-n0-0_c0", "GPU-n0-0_m0"]
+    mixed = [f"{U('n0', 0)}_c0", f"{U('n0', 0)}_m0"]
     with pytest.raises(grpc.RpcError) as info:
         node.stub("core").Allocate(
             pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=mixed)]),
@@ -153,7 +153,7 @@ def test_allocate_ids_from_the_wrong_gpu_is_an_error(node: Node) -> None:
 
 def test_prestart_without_claim_is_an_error(node: Node) -> None:
     node.bound_pod("a", [(30, 4)])
-    ids = [f"GPU-n0-0_c{i}" for i in range(30)]
+    ids = [f"{U('n0', 0)}_c{i}" for i in range(30)]
     with pytest.raises(grpc.RpcError) as info:
         node.stub("core").PreStartContainer(pb.PreStartContainerRequest(devices_ids=ids), timeout=5)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -163,10 +163,10 @@ def test_limits_file_is_read_only_and_matches(node: Node) -> None:
     pod = node.bound_pod("a", [(30, 4)])
     res = node.kubelet.admit(pod)["c0"]
     mounts = {m.container_path: m for m in res.mounts}
-    host = Path(mounts["/etc/qgpu/limits"].host_path)
+    host = Path(mounts["/etc/qgpu/limits.conf"].host_path)
     assert stat.S_IMODE(host.stat().st_mode) == 0o444
     text = host.read_text()
-    assert "QGPU_MEMORY_LIMIT=4294967296\n" in text and "QGPU_DEVICE_UUID=GPU-n0-0\n" in text
+    assert "QGPU_MEMORY_LIMIT=4294967296\n" in text and f"QGPU_DEVICE_UUID={U('n0', 0)}\n" in text
     assert Path(mounts["/etc/ld.so.preload"].host_path).read_text().strip() == (
         "/usr/local/qgpu/lib/libqgpu_hook.so"
     )
@@ -182,7 +182,7 @@ def test_share_without_interposer_is_refused(apiserver: FakeApiserver) -> None:
             n.kubelet.admit(pod)
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
         whole = n.bound_pod("w", [(100, None)])  # whole GPUs need no interposer
-        assert n.kubelet.admit(whole)["c0"].envs["CUDA_VISIBLE_DEVICES"] == "GPU-n0-1"
+        assert n.kubelet.admit(whole)["c0"].envs["CUDA_VISIBLE_DEVICES"] == U("n0", 1)
     finally:
         n.close()
 

@@ -15,6 +15,7 @@ from tests.k8s.helpers import (
     NAMES,
     Cluster,
     PodDenied,
+    U,
     assignment_of,
     gpu,
     gpu_usage,
@@ -63,11 +64,11 @@ def check_pod(cluster: Cluster, name: str, node: str, results: dict) -> None:
             assert int(env["QGPU_CORE_LIMIT"]) == ca.core
             assert int(env["QGPU_MEMORY_LIMIT"]) == ca.memory_gib[0] * BYTES_PER_GIB
             assert env["QGPU_ISOLATION"] == ca.isolation.value
-            assert env["QGPU_LIMITS_FILE"] == "/etc/qgpu/limits"
+            assert env["QGPU_LIMITS_FILE"] == "/etc/qgpu/limits.conf"
             mounts = {m.container_path: m for m in results[cname].mounts}
             assert mounts["/etc/ld.so.preload"].read_only
-            assert mounts["/etc/qgpu/limits"].read_only
-            limits = Path(mounts["/etc/qgpu/limits"].host_path).read_text()
+            assert mounts["/etc/qgpu/limits.conf"].read_only
+            limits = Path(mounts["/etc/qgpu/limits.conf"].host_path).read_text()
             assert f"QGPU_CORE_LIMIT={ca.core}\n" in limits
             assert {d.rpartition("_")[0] for d in ids[NAMES.memory]} == set(ca.gpus)
         else:
@@ -90,9 +91,10 @@ def check_no_overcommit(cluster: Cluster) -> None:
 
 
 def node_core(cluster: Cluster) -> dict[str, int]:
+    owner = {U(n, i): n for n in NODES for i in (0, 1)}
     out = dict.fromkeys(NODES, 0)
     for u, row in gpu_usage(cluster.srv).items():
-        out[u.split("-")[1]] += row["core"]
+        out[owner[u]] += row["core"]
     return out
 
 
@@ -128,7 +130,7 @@ def test_layout_binpack(make_cluster, apiserver: FakeApiserver) -> None:
     for i in range(6):
         packed.run(pod_object(f"b{i}", [(30, 4)]))
     layout = {u: r["core"] for u, r in gpu_usage(apiserver).items()}
-    assert layout == {"GPU-n0-0": 90, "GPU-n0-1": 90}
+    assert layout == {U("n0", 0): 90, U("n0", 1): 90}
 
 
 def test_layout_spread(make_cluster, apiserver: FakeApiserver) -> None:
@@ -136,7 +138,7 @@ def test_layout_spread(make_cluster, apiserver: FakeApiserver) -> None:
     for i in range(6):
         spread.run(pod_object(f"s{i}", [(30, 4)]))
     layout = {u: r["core"] for u, r in gpu_usage(apiserver).items()}
-    assert layout == {f"GPU-{n}-{i}": 30 for n in NODES for i in (0, 1)}
+    assert layout == {U(n, i): 30 for n in NODES for i in (0, 1)}
 
 
 def test_per_pod_policy_annotation_overrides_the_default(make_cluster, apiserver) -> None:
@@ -147,7 +149,7 @@ def test_per_pod_policy_annotation_overrides_the_default(make_cluster, apiserver
     assert node != "n0"  # spread leaves the node binpack just started on
     gpu_level = {NAMES.gpu_placement_annotation: "spread"}
     cluster.run(pod_object("c", [(30, 4)], annotations=gpu_level))
-    assert assignment_of(apiserver, "c").containers["c0"].gpus == ["GPU-n0-1"]
+    assert assignment_of(apiserver, "c").containers["c0"].gpus == [U("n0", 1)]
 
 
 def test_isolation_from_node_label_and_pod_annotation(make_cluster, apiserver) -> None:

@@ -18,6 +18,7 @@ from tests.fakes.apiserver import FakeApiserver
 from tests.k8s.helpers import (
     NAMES,
     ServedApp,
+    U,
     assignment_of,
     gpu,
     pod_object,
@@ -78,7 +79,7 @@ def test_filter_reason_names_the_free_capacity(three, http_ext) -> None:
     body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
     assert body["NodeNames"] == ["n1"]
     reason = body["FailedNodes"]["n0"]
-    assert "qgpu-core=30 qgpu-memory=4" in reason and "GPU-n0-0: core 10, 1 GiB" in reason
+    assert "qgpu-core=30 qgpu-memory=4" in reason and f"{U('n0', 0)}: core 10, 1 GiB" in reason
 
 
 def test_invalid_pod_is_unresolvable_everywhere_with_the_rule(three, http_ext) -> None:
@@ -130,8 +131,8 @@ def test_whole_gpus_take_empty_cards_on_one_node(three, http_ext) -> None:
     three.store.create("pods", pod_object("w", [(200, None)]))
     assert _bind(three, ext, "w", "n2") == ""
     ca = assignment_of(three, "w").containers["c0"]
-    assert ca.gpus == ["GPU-n2-0", "GPU-n2-1"] and ca.core == 100
-    assert ca.devices == {"core": {"GPU-n2-0": 100, "GPU-n2-1": 100}}
+    assert ca.gpus == [U("n2", 0), U("n2", 1)] and ca.core == 100
+    assert ca.devices == {"core": {U("n2", 0): 100, U("n2", 1): 100}}
     three.store.create("pods", pod_object("s", [(10, 1)]))
     assert "cannot take" in _bind(three, ext, "s", "n2")
 
@@ -156,11 +157,11 @@ def test_watch_releases_deleted_and_finished_pods(three, http_ext) -> None:
         three.store.create("pods", pod_object(n, [(40, 4)]))
         assert _bind(three, ext, n, "n0") == ""
     s = ext.state.state
-    assert int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 20
+    assert int(s.free_core[s.uuid_index[U("n0", 0)]]) == 20
     three.store.delete("pods", "default", "a")
-    wait_until(lambda: int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 60, what="release")
+    wait_until(lambda: int(s.free_core[s.uuid_index[U("n0", 0)]]) == 60, what="release")
     three.store.set_phase("default", "b", "Succeeded")
-    wait_until(lambda: int(s.free_core[s.uuid_index["GPU-n0-0"]]) == 100, what="release")
+    wait_until(lambda: int(s.free_core[s.uuid_index[U("n0", 0)]]) == 100, what="release")
     assert not ext.state.pods
 
 
@@ -171,7 +172,7 @@ def test_watch_follows_node_inventory_and_health(three, http_ext) -> None:
     publish_node(three, "n3", [gpu("n3", 0, 32)])
     wait_until(lambda: "n3" in ext.state.inventories, what="new node")
     sick = GpuDevice(
-        uuid="GPU-n0-0", index=0, model="T4", memory_mib=16 * 1024, health=GpuHealth.UNHEALTHY
+        uuid=U("n0", 0), index=0, model="T4", memory_mib=16 * 1024, health=GpuHealth.UNHEALTHY
     )
     inv = PublishedInventory(gpus=[sick, gpu("n0", 1)], max_slices_per_gpu=16, published_at=0)
     Kube(three.client(), NAMES).publish_node_annotations(

@@ -1,0 +1,202 @@
+"""Scheduler-extender throughput: filter + prioritize + bind over HTTP, nodeCacheCapable.
+
+Three processes, as in a cluster: the fake apiserver (tests/fakes/apiserver.py, real HTTP,
+seeded with N nodes x G GPUs and the pending pods), the extender (``k8s_bridge`` served by
+uvicorn, watches on), and this driver playing kube-scheduler: for each pod, ``/filter``
+with all node names, ``/prioritize`` with the survivors, pick the best score, and hand the
+``/bind`` to a pool of binding workers (kube-scheduler binds asynchronously, one goroutine
+per pod). Prints pods/s (first filter to last bind) and p50/p99 per verb. No assertions.
+
+    .venv/bin/python bench/extender_throughput.py [--nodes 1000] [--gpus 8] [--pods 1000]
+        [--policy binpack|spread|frag] [--bind-workers 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SHAPES: list[tuple[int, int | None]] = [
+    (10, 2),
+    (20, 4),
+    (25, 8),
+    (30, 8),
+    (50, 16),
+    (15, 4),
+    (100, None),
+    (40, 10),
+]
+
+
+def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
+    from k8s_bridge.protocol import PublishedInventory
+    from k8s_bridge.resources import Names
+    from qgpu.model import GpuDevice
+    from tests.fakes.apiserver import FakeApiserver, node_object
+    from tests.k8s.helpers import pod_object
+
+    names = Names()
+    srv = FakeApiserver()
+    for n in range(nodes):
+        name = f"node-{n:04d}"
+        inv = PublishedInventory(
+            gpus=[
+                GpuDevice(
+                    uuid=f"GPU-{n:08x}-0000-4000-8000-{g:012x}",
+                    index=g,
+                    model="H100-80GB",
+                    memory_mib=81920,
+                )
+                for g in range(gpus)
+            ],
+            max_slices_per_gpu=16,
+            published_at=0,
+        )
+        ann = {names.inventory_annotation: inv.model_dump_json()}
+        srv.store.create("nodes", node_object(name, None, **ann))
+    for i in range(pods):
+        pod = pod_object(f"pod-{i:05d}", [SHAPES[i % len(SHAPES)]])
+        pod["spec"]["schedulerName"] = "qgpu-scheduler"
+        srv.store.create("pods", pod)
+    srv.start()
+    out.put(srv.url)
+    while True:
+        time.sleep(3600)
+
+
+def _extender(api_url: str, policy: str, port: int, ready: Any) -> None:
+    import logging
+
+    import uvicorn
+
+    from k8s_bridge.extender.app import create_app
+    from k8s_bridge.extender.service import Extender, ExtenderConfig
+    from k8s_bridge.kube import Kube, make_api_client
+    from k8s_bridge.resources import Names
+
+    logging.basicConfig(level=logging.WARNING)
+    ext = Extender(Kube(make_api_client(api_url), Names()), ExtenderConfig(node_policy=policy))
+    ext.start()
+    ready.put(len(ext.state.inventories))
+    uvicorn.run(create_app(ext), host="127.0.0.1", port=port, log_level="warning")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import httpx
+
+    from tests.k8s.helpers import free_port
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--pods", type=int, default=1000)
+    ap.add_argument("--policy", default="spread")
+    ap.add_argument("--bind-workers", type=int, default=16)
+    args = ap.parse_args(argv)
+
+    ctx = mp.get_context("spawn")
+    q: Any = ctx.Queue()
+    t0 = time.perf_counter()
+    api = ctx.Process(target=_apiserver, args=(args.nodes, args.gpus, args.pods, q), daemon=True)
+    api.start()
+    api_url = q.get(timeout=300)
+    port = free_port()
+    ext = ctx.Process(target=_extender, args=(api_url, args.policy, port, q), daemon=True)
+    ext.start()
+    n_nodes = q.get(timeout=300)
+    url = f"http://127.0.0.1:{port}"
+    http = httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=64))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            http.get("/healthz")
+            break
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    setup_s = time.perf_counter() - t0
+    node_names = [f"node-{n:04d}" for n in range(args.nodes)]
+    pods = [
+        http.get(f"{api_url}/api/v1/namespaces/default/pods/pod-{i:05d}").json()
+        for i in range(args.pods)
+    ]
+
+    lat: dict[str, list[float]] = {"filter": [], "prioritize": [], "bind": []}
+    failures: list[str] = []
+
+    def bind(pod: dict[str, Any], node: str) -> None:
+        t = time.perf_counter()
+        r = http.post(
+            "/bind",
+            json={
+                "PodName": pod["metadata"]["name"],
+                "PodNamespace": "default",
+                "PodUID": pod["metadata"]["uid"],
+                "Node": node,
+            },
+        ).json()
+        lat["bind"].append(time.perf_counter() - t)
+        if r.get("Error"):
+            failures.append(r["Error"])
+
+    start = time.perf_counter()
+    unschedulable = 0
+    with ThreadPoolExecutor(args.bind_workers) as pool:
+        for pod in pods:
+            body = {"Pod": pod, "NodeNames": node_names}
+            t = time.perf_counter()
+            fr = http.post("/filter", json=body).json()
+            lat["filter"].append(time.perf_counter() - t)
+            ok = fr.get("NodeNames") or []
+            if not ok:
+                unschedulable += 1
+                continue
+            t = time.perf_counter()
+            pr = http.post("/prioritize", json={"Pod": pod, "NodeNames": ok}).json()
+            lat["prioritize"].append(time.perf_counter() - t)
+            best = max(pr, key=lambda h: h["Score"])["Host"]
+            pool.submit(bind, pod, best)
+    wall = time.perf_counter() - start
+    http.close()
+    ext.terminate()
+    api.terminate()
+
+    bound = args.pods - unschedulable - len(failures)
+    print(
+        f"extender throughput: {args.pods} pods, {n_nodes} nodes x {args.gpus} GPUs, "
+        f"policy {args.policy}, nodeCacheCapable, {args.bind_workers} binding workers"
+    )
+    print(f"  setup (seed apiserver, extender list+watch): {setup_s:.1f} s")
+    print(f"  bound {bound}, unschedulable {unschedulable}, bind errors {len(failures)}")
+    print(f"  wall {wall:.2f} s -> {args.pods / wall:.0f} pods/s (goal >= 500)")
+    for verb, values in lat.items():
+        print(
+            f"  {verb:<10} n={len(values):5d}  p50 {_pct(values, 0.5) * 1e3:6.2f} ms  "
+            f"p99 {_pct(values, 0.99) * 1e3:6.2f} ms  mean "
+            f"{(statistics.fmean(values) if values else float('nan')) * 1e3:6.2f} ms"
+        )
+    if failures:
+        print(f"  first bind error: {failures[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
