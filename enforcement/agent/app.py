@@ -237,6 +237,9 @@ class TokenGuard:
         self._expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and not _is_unix(scope) and not self._authorised(scope):
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] == "http" and not _is_unix(scope) and not self._authorised(scope):
             response = error_response(
                 401,

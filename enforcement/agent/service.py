@@ -125,6 +125,10 @@ class Agent:
         config.slices_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.slices_dir, 0o1777)
         self.ledger = Ledger(config.ledger_path)
+        for suffix in ("", "-wal", "-shm"):  # owners and slices are the agent's business
+            path = config.ledger_path.with_name(config.ledger_path.name + suffix)
+            if path.exists():
+                os.chmod(path, 0o600)
         self.inventory = self._discover()
         self.ledger.put_node(self.inventory)
         if self.mps is not None:

@@ -63,6 +63,7 @@ def test_reserve_returns_device_limits_and_environment(client: TestClient, agent
     assert stat.S_IMODE(path.stat().st_mode) == 0o444
     if os.geteuid() == 0:
         assert is_trusted_limits_file(path)  # the interposer's own rule
+    assert stat.S_IMODE(agent.config.ledger_path.stat().st_mode) == 0o600
     limits = read_limits_file(path)
     assert limits == {k: v for k, v in env.items() if k.startswith("QGPU_")}
 
