@@ -114,9 +114,7 @@ def load_nodes(path: str | Path, memory_mib: dict[str, int] | None = None) -> li
             if count and model not in table:
                 raise ValueError(f"{path}: GPU model {model!r} has no memory size in the table")
             gpus = [
-                GpuDevice(
-                    uuid=f"{row['sn']}-gpu{i}", index=i, model=model, memory_mib=table[model]
-                )
+                GpuDevice(uuid=f"{row['sn']}-gpu{i}", index=i, model=model, memory_mib=table[model])
                 for i in range(count)
             ]
             nodes.append(

@@ -7,24 +7,38 @@ imported (``qgpu.placement`` imports it, so every entry point knows the name).
 The idea is FGD's (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing Workloads
 with Fragmentation Gradient Descent", USENIX ATC'23), implemented here from the paper's
 description. Free GPU capacity on a node is *fragmented for a request type* when that type
-could not use it: the node lacks host CPU/memory for the type (then all of the node's free
-GPU capacity is lost to it), or a GPU has less free core / memory / slice room than the type
-needs (that GPU's free core is lost to it; a whole-GPU type can only use fully free GPUs, and
-only when the node has as many as it asks for). The *expected* fragmentation of a node is
-the average over the request mix seen so far, weighted by how often each type arrived.
+cannot use it; the *expected* fragmentation of a node averages this over the request mix
+seen so far (`observe`), weighted by each type's share of the demand. A candidate (node, GPU)
+is scored by how much placing the request there grows the node's expected fragmentation --
+equivalently, how much expected *usable* capacity it destroys beyond the request's own
+share -- and the smallest growth wins. A node is scored by its best GPU, so node and GPU are
+chosen jointly. Exact ties (common: many empty nodes) go to binpack's choice, the fuller node
+and GPU; before any request has been observed frag behaves like binpack.
 
-A candidate (node, GPU) is scored by how much placing the request there grows the node's
-expected fragmentation, i.e. by how much expected *usable* capacity it destroys beyond the
-request's own share; the smallest growth wins. A node is scored by its best GPU, so node and
-GPU are chosen jointly. Exact ties (common: many empty nodes) go to binpack's choice, the
-fuller node and GPU, and before any request has been observed frag behaves like binpack.
+Two measures of "usable by a type" (``measure=``):
 
-Everything is vectorised over GPUs x request classes; a request class is (core per GPU,
-memory per GPU, GPU count, model constraint) and a request type adds the host CPU and
-memory, which decide whether a node can take the type at all.
+- ``"fgd"``, the paper's: all free core of a GPU is usable by a share type once one request of
+  the type fits there (free core, memory, slice room); a whole-GPU type can use the node's
+  free whole GPUs if there are at least as many as it asks for; a node without the host CPU /
+  memory for one request of the type gives it nothing.
+- ``"fill"`` (the default, measured better on the Alibaba trace, see docs/placement.md):
+  usable is what copies of the type could actually fill: per GPU ``k`` copies, where ``k``
+  is limited by free core, free memory and slice room; per node at most as many copies as its
+  free host CPU and memory can feed. A GPU with 19% free core is then worth 16 to a 16%
+  type, not 19, and a node with GPUs free but CPU for one more pod is worth one pod.
+
+Request types weigh by how often they arrived (``weight="count"``, the paper's popularity);
+``"demand"`` (arrivals x qgpu-core) and ``"gpus"`` (arrivals x GPU count) are there for
+experiments and measured worse with the fill measure (docs/placement.md).
+
+Vectorised over GPUs x request types; the engine's per-node and per-GPU vectors are read
+directly, usable counts per GPU are kept incrementally, and candidates in identical
+situations (same node state, same GPU state) are scored once.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 
@@ -40,10 +54,16 @@ from qgpu.placement import (
     register_policy,
 )
 
-# Scores are rounded to this many decimals (of qgpu-core) before the binpack tie-break is
-# added, so float noise in the sums cannot outweigh a real preference.
-_DECIMALS = 6
-_TIE_WEIGHT = 1e-8
+Measure = Literal["fill", "fgd"]
+Weight = Literal["demand", "count", "gpus"]
+
+# Scores are sums of integers (weights are integer counts or qgpu-core demands, usable
+# capacity is whole copies x qgpu-core), so they are exact in float64 and two candidates tie
+# only when they really are equal; the binpack tie-break is scaled below 1 so it can only
+# decide between exact ties.
+_TIE_WEIGHT = 0.2
+_MANY = float(1 << 40)  # copies a node can feed when a type needs no host CPU/memory
+_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 class FragPolicy(Policy):
@@ -51,58 +71,77 @@ class FragPolicy(Policy):
 
     name = PlacementPolicy.FRAG.value
 
-    def __init__(self) -> None:
-        # request classes: what a GPU must offer
+    def __init__(self, measure: Measure = "fill", weight: Weight = "count") -> None:
+        if measure not in ("fill", "fgd") or weight not in ("demand", "count", "gpus"):
+            raise ValueError(f"unknown frag settings measure={measure!r} weight={weight!r}")
+        self.measure: Measure = measure
+        self.weight: Weight = weight
+        # request classes: what a GPU must offer (core and memory per GPU, count, models)
         self._class_index: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
         self._k_core: list[int] = []
         self._k_mem: list[int] = []
         self._k_count: list[int] = []
         self._k_models: list[tuple[str, ...]] = []
-        # request types: a class plus the host CPU/memory a node must offer
+        # request types: a class plus the host CPU / memory a node must offer
         self._type_index: dict[tuple[int, int, int], int] = {}
         self._t_class: list[int] = []
         self._t_cpu: list[int] = []
         self._t_hostmem: list[int] = []
-        self._t_weight: list[float] = []
+        self._t_weight: list[int] = []
         self._arrays_version = -1
         self._version = 0
         self._allowed_for: tuple[int, int] | None = None
-        self._allowed: np.ndarray = np.zeros((0, 0), dtype=bool)
+        self._allowed = np.zeros((0, 0), dtype=bool)
+        self._cache_key: tuple[int, int] | None = None
+        self._snap = np.zeros((4, 0), dtype=np.int64)
+        self._per_gpu = np.zeros((0, 0))
+        self._per_node = np.zeros((0, 0))
         self._last_view: CandidateView | None = None
-        self._last_gpu_scores: np.ndarray = np.zeros(0)
+        self._last_gpu_scores = np.zeros(0)
 
     # -- the request mix ------------------------------------------------------------------
 
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
         core = request.core_per_gpu
-        memory = request.memory_gib or 0
         count = request.gpu_count
-        ckey = (core, memory, count, request.model_names)
+        ckey = (core, request.memory_gib or 0, count, request.model_names)
         k = self._class_index.get(ckey)
         if k is None:
-            k = len(self._k_core)
-            self._class_index[ckey] = k
+            k = self._class_index[ckey] = len(self._k_core)
             self._k_core.append(core)
-            self._k_mem.append(memory)
+            self._k_mem.append(request.memory_gib or 0)
             self._k_count.append(count)
             self._k_models.append(request.model_names)
         tkey = (k, request.cpu_milli, request.host_memory_mib)
         t = self._type_index.get(tkey)
         if t is None:
-            t = len(self._t_class)
-            self._type_index[tkey] = t
+            t = self._type_index[tkey] = len(self._t_class)
             self._t_class.append(k)
             self._t_cpu.append(request.cpu_milli)
             self._t_hostmem.append(request.host_memory_mib)
-            self._t_weight.append(0.0)
-        self._t_weight[t] += 1.0
+            self._t_weight.append(0)
+        if self.weight == "demand":
+            self._t_weight[t] += core * count
+        elif self.weight == "gpus":
+            self._t_weight[t] += count
+        else:
+            self._t_weight[t] += 1
         self._version += 1
 
     @property
-    def observed(self) -> int:
-        """How many requests frag has seen."""
-        return int(sum(self._t_weight))
+    def observed_types(self) -> int:
+        """How many distinct request types frag has seen."""
+        return len(self._t_class)
+
+    def mix(self) -> dict[tuple[int, int, int, int], float]:
+        """The observed mix: (core per GPU, GPU count, CPU milli, host MiB) -> weight share."""
+        total = sum(self._t_weight) or 1
+        out: dict[tuple[int, int, int, int], float] = {}
+        for t, k in enumerate(self._t_class):
+            key = (self._k_core[k], self._k_count[k], self._t_cpu[t], self._t_hostmem[t])
+            out[key] = out.get(key, 0.0) + self._t_weight[t] / total
+        return out
 
     def _refresh(self, state: ClusterState) -> None:
         if self._arrays_version != self._version:
@@ -110,20 +149,29 @@ class FragPolicy(Policy):
             self.k_mem = np.asarray(self._k_mem, dtype=np.int64)
             self.k_count = np.asarray(self._k_count, dtype=np.int64)
             self.k_whole = self.k_core >= WHOLE_GPU_CORE
+            self.t_class = np.asarray(self._t_class, dtype=np.int64)
             self.t_cpu = np.asarray(self._t_cpu, dtype=np.int64)
             self.t_hostmem = np.asarray(self._t_hostmem, dtype=np.int64)
-            weights = np.asarray(self._t_weight, dtype=np.float64)
-            p = weights / max(weights.sum(), 1.0)
-            # type -> class matrix carrying each type's probability
-            self.type_class = np.zeros((len(p), len(self._k_core)), dtype=np.float64)
-            self.type_class[np.arange(len(p)), np.asarray(self._t_class, dtype=np.int64)] = p
+            self.t_weight = np.asarray(self._t_weight, dtype=np.float64)
+            # 1 / need, and for types that need none of it an unlimited number of copies
+            self.t_inv_cpu = np.where(self.t_cpu > 0, 1.0 / np.maximum(self.t_cpu, 1), 0.0)
+            self.t_inv_hostmem = np.where(
+                self.t_hostmem > 0, 1.0 / np.maximum(self.t_hostmem, 1), 0.0
+            )
+            self.t_free_cpu = np.where(self.t_cpu > 0, 0.0, _MANY)
+            self.t_free_hostmem = np.where(self.t_hostmem > 0, 0.0, _MANY)
+            # qgpu-core one copy of a type fills: its share, or 100 x its GPU count ("fgd"
+            # counts usable core and usable whole GPUs directly, see _copies/_gpu_copies)
+            if self.measure == "fgd":
+                unit = np.where(self.k_whole, WHOLE_GPU_CORE, 1)
+            else:
+                unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
+            self.t_unit = unit[self.t_class].astype(np.float64)
             self._arrays_version = self._version
         key = (id(state), len(self._k_core))
         if self._allowed_for != key:
             cols = []
-            for names, whole, need in zip(
-                self._k_models, self.k_whole, self.k_mem, strict=True
-            ):
+            for names, whole, need in zip(self._k_models, self.k_whole, self.k_mem, strict=True):
                 mask = state.model_mask(names)
                 col = np.ones(state.gpu_total, dtype=bool) if mask is None else mask.copy()
                 if whole:
@@ -136,42 +184,82 @@ class FragPolicy(Policy):
 
     # -- the measure ----------------------------------------------------------------------
 
-    def _usable(self, state: ClusterState) -> tuple[np.ndarray, np.ndarray]:
-        """Per GPU x class: usable core for share classes, 1 for a free whole GPU for whole
-        classes; and the same summed per node."""
-        s = state
-        fc = s.free_core[:, None]
-        fits = (
-            (fc >= self.k_core[None, :])
-            & (s.free_mem[:, None] >= self.k_mem[None, :])
-            & (s.slices < s.max_slices)[:, None]
-        )
-        full = ((s.slices == 0) & (s.free_core == s.cap_core))[:, None]
-        per_gpu = np.where(self.k_whole[None, :], full, fits * fc) * self._allowed
-        per_gpu = per_gpu.astype(np.float64)
-        return per_gpu, _sum_per_node(s, per_gpu)
+    def _copies(self, core: np.ndarray, mem: np.ndarray, room: np.ndarray) -> np.ndarray:
+        """Per GPU x class: copies of a share class a GPU with this free core, memory and
+        slice room holds ("fgd": all its free core once one copy fits)."""
+        k_core = self.k_core[None, :]
+        if self.measure == "fgd":
+            fits = (core[:, None] >= k_core) & (mem[:, None] >= self.k_mem[None, :])
+            fits &= (room >= 1)[:, None]
+            return (fits * core[:, None]).astype(np.float64)
+        n = np.minimum(core[:, None] // k_core, mem[:, None] // np.maximum(self.k_mem, 1))
+        return np.minimum(n, np.maximum(room, 0)[:, None]).astype(np.float64)
 
-    def _host_weights(
-        self, state: ClusterState, node_ids: np.ndarray, cpu: int, hostmem: int
-    ) -> np.ndarray:
-        """Per node x class: probability mass of types whose host needs the node meets
-        after taking `cpu` / `hostmem` from it."""
-        free_cpu = state.node_free_cpu[node_ids] - cpu
-        free_mem = state.node_free_hostmem[node_ids] - hostmem
-        ok = (free_cpu[:, None] >= self.t_cpu[None, :]) & (
-            free_mem[:, None] >= self.t_hostmem[None, :]
+    def _rows(self, s: ClusterState, idx: np.ndarray) -> np.ndarray:
+        """Per GPU x class: copies of a share class, or 1 for a free whole GPU."""
+        room = np.where(s.healthy[idx], s.max_slices[idx] - s.slices[idx], 0)
+        share = self._copies(s.free_core[idx], s.free_mem[idx], room)
+        full = (s.slices[idx] == 0) & (s.free_core[idx] == s.cap_core[idx]) & s.healthy[idx]
+        return np.where(self.k_whole[None, :], full[:, None], share) * self._allowed[idx]
+
+    def _usable_per_gpu(self, s: ClusterState) -> tuple[np.ndarray, np.ndarray]:
+        """(per GPU x class copies, the same summed per node), kept incrementally: only GPUs
+        whose free core / memory / slice count / health changed since the last call are
+        recomputed (a decision touches one node)."""
+        key = (id(s), len(self._k_core))
+        now = np.stack([s.free_core, s.free_mem, s.slices, s.healthy]).astype(np.int64)
+        if self._cache_key != key:
+            self._cache_key = key
+            self._snap = now
+            self._per_gpu = self._rows(s, np.arange(s.gpu_total))
+            self._per_node = _sum_per_node(s, self._per_gpu)
+            return self._per_gpu, self._per_node
+        changed = np.flatnonzero(np.any(now != self._snap, axis=0))
+        if len(changed):
+            rows = self._rows(s, changed)
+            np.add.at(self._per_node, s.gpu_node[changed], rows - self._per_gpu[changed])
+            self._per_gpu[changed] = rows
+            self._snap[:, changed] = now[:, changed]
+        return self._per_gpu, self._per_node
+
+    def _gpu_copies(self, sums: np.ndarray) -> np.ndarray:
+        """Per node (or candidate) x class -> per type: copies the node's GPUs can hold."""
+        count = self.k_count[None, :]
+        if self.measure == "fgd":
+            whole = np.where(sums >= count, sums, 0.0)
+        else:
+            whole = np.floor_divide(sums, count)
+        return np.where(self.k_whole[None, :], whole, sums)[:, self.t_class]
+
+    def _host_copies(self, cpu: np.ndarray, hostmem: np.ndarray) -> np.ndarray:
+        """Per node x type: copies the node's free host CPU and memory can feed."""
+        if self.measure == "fgd":
+            ok = (cpu[:, None] >= self.t_cpu[None, :]) & (hostmem[:, None] >= self.t_hostmem)
+            return np.where(ok, _MANY, 0.0)
+        # floor(free / need) in float64: exact for these magnitudes (free and need are
+        # integers below 2**50, so a true quotient's fraction is at least 1 / need >> 1e-9)
+        cpu_f = np.minimum(cpu, _MANY).astype(np.float64)[:, None]
+        mem_f = np.minimum(hostmem, _MANY).astype(np.float64)[:, None]
+        copies = np.minimum(
+            cpu_f * self.t_inv_cpu + self.t_free_cpu,
+            mem_f * self.t_inv_hostmem + self.t_free_hostmem,
         )
-        return ok.astype(np.float64) @ self.type_class
+        return np.floor(np.clip(copies, 0.0, _MANY) + 1e-9)
+
+    def _expected_usable(self, gpu_copies: np.ndarray, host_copies: np.ndarray) -> np.ndarray:
+        """Expected usable qgpu-core (times the total weight): sum over types of weight x
+        copies x core per copy."""
+        copies = np.minimum(gpu_copies, host_copies)
+        return copies @ (self.t_weight * self.t_unit)
 
     def _score(self, view: CandidateView) -> np.ndarray:
         """Per GPU (length gpu_total): minus the growth of expected fragmentation if the
-        request went there; -inf for GPUs that are not candidates."""
+        request went there (= change of expected usable core); -inf for non-candidates."""
         s = view.state
         req = view.request
-        node_ids = view.node_ids
         out = np.full(s.gpu_total, -np.inf)
         in_nodes = np.zeros(len(s.nodes), dtype=bool)
-        in_nodes[node_ids] = True
+        in_nodes[view.node_ids] = True
         cand = np.flatnonzero(view.gpu_mask & in_nodes[s.gpu_node])
         if len(cand) == 0:
             return out
@@ -179,32 +267,27 @@ class FragPolicy(Policy):
             out[cand] = 0.0
             return out
         self._refresh(s)
-        per_gpu, node_sums_all = self._usable(s)
-        node_usable = _whole_usable(node_sums_all, self.k_whole, self.k_count)
-        row = np.full(len(s.nodes), -1, dtype=np.int64)
-        row[node_ids] = np.arange(len(node_ids))
-        q_before = self._host_weights(s, node_ids, 0, 0)
-        q_after = self._host_weights(s, node_ids, req.cpu_milli, req.host_memory_mib)
-        before = np.einsum("nk,nk->n", q_before, node_usable[node_ids])
-
-        g_node = s.gpu_node[cand]
-        count = req.gpu_count
-        core_after = (s.free_core[cand] - view.core)[:, None]
-        mem_after = (s.free_mem[cand] - view.memory[cand])[:, None]
-        room_after = (s.slices[cand] + 1 < s.max_slices[cand])[:, None]
-        allowed = self._allowed[cand]
-        fits_after = (
-            (core_after >= self.k_core[None, :])
-            & (mem_after >= self.k_mem[None, :])
-            & room_after
+        per_gpu, per_node = self._usable_per_gpu(s)
+        # score each distinct (node state, GPU state) once
+        reps, inverse = _distinct(s, cand)
+        g = cand[reps]
+        n = s.gpu_node[g]
+        nodes, at = np.unique(n, return_inverse=True)  # host terms are per node
+        cpu = s.node_free_cpu[nodes]
+        hostmem = s.node_free_hostmem[nodes]
+        before = self._expected_usable(
+            self._gpu_copies(per_node[nodes]), self._host_copies(cpu, hostmem)
+        )[at]
+        host_after = self._host_copies(cpu - req.cpu_milli, hostmem - req.host_memory_mib)[at]
+        room_after = np.where(s.healthy[g], s.max_slices[g] - s.slices[g] - 1, 0)
+        share_after = self._copies(
+            s.free_core[g] - view.core, s.free_mem[g] - view.memory[g], room_after
         )
-        share_after = np.where(self.k_whole[None, :], 0, fits_after * core_after) * allowed
-        lost = per_gpu[cand] - share_after  # for whole classes: 1 if a free GPU is taken
-        after_sums = node_sums_all[g_node] - count * lost
-        usable_after = _whole_usable(after_sums, self.k_whole, self.k_count)
-        after = np.einsum("gk,gk->g", q_after[row[g_node]], usable_after)
-        delta = np.round(after - before[row[g_node]], _DECIMALS)
-        out[cand] = delta
+        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[g]
+        lost = per_gpu[g] - after_gpu  # whole classes: 1 when a free whole GPU is taken
+        after_sums = per_node[n] - req.gpu_count * lost
+        after = self._expected_usable(self._gpu_copies(after_sums), host_after)
+        out[cand] = (after - before)[inverse]
         return out
 
     # -- Policy interface -----------------------------------------------------------------
@@ -217,27 +300,34 @@ class FragPolicy(Policy):
         best = np.full(len(s.nodes), -np.inf)
         finite = np.isfinite(per_gpu)
         np.maximum.at(best, s.gpu_node[finite], per_gpu[finite])
-        return best[view.node_ids] + _TIE_WEIGHT * _node_fill(view)
+        return best[view.node_ids] + _TIE_WEIGHT * _node_fill(view) / 2
 
     def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
         per_gpu = self._last_gpu_scores if view is self._last_view else self._score(view)
         # binpack's GPU preference (least left over) breaks ties between equal GPUs
-        return per_gpu[gpu_ids] - _TIE_WEIGHT * _leftover(view, gpu_ids)
+        return per_gpu[gpu_ids] - _TIE_WEIGHT * _leftover(view, gpu_ids) / 2
 
     def host_scores(self, view: HostView) -> np.ndarray:
-        """A host-only workload only changes which types a node can still take."""
+        """A host-only workload only changes how many copies of each type a node can feed."""
         s = view.state
-        fill = _TIE_WEIGHT * _host_fill(view)
+        fill = _TIE_WEIGHT * _host_fill(view) / 2
         if not self._k_core:
             return fill
         self._refresh(s)
-        _, node_sums = self._usable(s)
-        node_usable = _whole_usable(node_sums, self.k_whole, self.k_count)
-        ids = view.node_ids
-        q_before = self._host_weights(s, ids, 0, 0)
-        q_after = self._host_weights(s, ids, view.cpu_milli, view.host_memory_mib)
-        delta = np.einsum("nk,nk->n", q_after - q_before, node_usable[ids])
-        return np.round(delta, _DECIMALS) + fill
+        _, per_node = self._usable_per_gpu(s)
+        # score each distinct node state once
+        _, reps, inverse = np.unique(
+            _node_hash(s, _gpu_hash(s))[view.node_ids], return_index=True, return_inverse=True
+        )
+        ids = view.node_ids[reps]
+        gpu_copies = self._gpu_copies(per_node[ids])
+        cpu = s.node_free_cpu[ids]
+        hostmem = s.node_free_hostmem[ids]
+        before = self._expected_usable(gpu_copies, self._host_copies(cpu, hostmem))
+        after = self._expected_usable(
+            gpu_copies, self._host_copies(cpu - view.cpu_milli, hostmem - view.host_memory_mib)
+        )
+        return (after - before)[inverse] + fill
 
 
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
@@ -248,11 +338,45 @@ def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
     return csum[start + state.node_gpu_count] - csum[start]
 
 
-def _whole_usable(sums: np.ndarray, whole: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """Per node (or candidate) x class: usable core. Share classes: the summed usable core.
-    Whole classes: the free whole GPUs' core, but only if there are at least `count`."""
-    usable_whole = WHOLE_GPU_CORE * sums * (sums >= count[None, :])
-    return np.where(whole[None, :], usable_whole, sums)
+def _mixed(values: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of non-negative integers (wrapping arithmetic, splitmix-style)."""
+    x = values.astype(np.uint64) * _MIX
+    return x ^ (x >> np.uint64(31))
+
+
+def _gpu_hash(s: ClusterState) -> np.ndarray:
+    """Per GPU: a key of its state (model, card memory, free core, free memory, slice count,
+    slice limit, health)."""
+    key = (
+        s.free_core.astype(np.uint64)
+        | (s.free_mem.astype(np.uint64) << np.uint64(8))
+        | (s.slices.astype(np.uint64) << np.uint64(24))
+        | (s.max_slices.astype(np.uint64) << np.uint64(32))
+        | (s.healthy.astype(np.uint64) << np.uint64(40))
+        | (s.gpu_model.astype(np.uint64) << np.uint64(41))
+    )
+    return key ^ _mixed(s.cap_mem.astype(np.uint64) + np.uint64(1 << 20))
+
+
+def _node_hash(s: ClusterState, gpu_key: np.ndarray) -> np.ndarray:
+    """Per node: a hash of the multiset of its GPU states and its free host CPU and memory."""
+    h = _mixed(gpu_key)
+    csum = np.zeros(len(h) + 1, dtype=np.uint64)
+    np.cumsum(h, out=csum[1:])
+    node_hash = csum[s.node_start + s.node_gpu_count] - csum[s.node_start]
+    node_hash ^= _mixed(s.node_free_cpu.astype(np.uint64) + np.uint64(3))
+    node_hash += _mixed(_mixed(s.node_free_hostmem.astype(np.uint64) + np.uint64(7)))
+    return node_hash
+
+
+def _distinct(s: ClusterState, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into `cand` of one GPU per distinct (node state, GPU state), lowest first,
+    and for each candidate the index of its representative."""
+    gpu_key = _gpu_hash(s)
+    node_hash = _node_hash(s, gpu_key)
+    key = _mixed(node_hash[s.gpu_node[cand]] ^ gpu_key[cand]) ^ _mixed(gpu_key[cand])
+    _, reps, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return reps, inverse
 
 
 register_policy(PlacementPolicy.FRAG, FragPolicy)
