@@ -168,7 +168,7 @@ def bind() -> Binding | None:
             nodes = [n for n in ray_nodes() if n.node_id == node_id]
             if not nodes:
                 raise FragmentedError(f"qgpu: node {node_id} advertises no qgpu GPUs")
-            state, _ = live_state(nodes)
+            state = live_state(nodes).state
             try:
                 decision = Engine(state, policy).decide(req)
             except NoFit as exc:

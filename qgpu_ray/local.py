@@ -58,6 +58,7 @@ class LocalCluster:
         connect: bool = True,
         reaper_interval: float = 0.5,
         ray_init_kwargs: dict[str, Any] | None = None,
+        extra_node_args: dict[str, Any] | None = None,
     ) -> None:
         """`nodes` lists one simulated-GPU spec per node (``["2xH100-80GB", "T4"]``);
         the special spec ``"real"`` uses this machine's GPUs through NVML."""
@@ -67,6 +68,7 @@ class LocalCluster:
         self.root = Path(root or tempfile.mkdtemp(prefix="qgpu-ray-", dir="/tmp"))
         self.policy = PlacementPolicy.parse(policy, "policy")
         self.cpus_per_node = cpus_per_node
+        self.extra_node_args = dict(extra_node_args or {})
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": head_cpus, "include_dashboard": False},
@@ -101,6 +103,7 @@ class LocalCluster:
             resources=node_resources(inventory),
             labels=node_labels(inventory),
             env_vars=env,
+            **self.extra_node_args,
         )
         node = LocalNode(name, inventory, state_dir, sim_config, ray_node, env)
         self.nodes.append(node)

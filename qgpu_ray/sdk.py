@@ -26,6 +26,7 @@ from qgpu_ray.resources import (
     TOTAL_CORE,
     TOTAL_MEMORY,
     gpu_resource,
+    parse_gpu_resource,
 )
 from qgpu_ray.view import PENDING, RayNode, live_state
 
@@ -57,6 +58,10 @@ def decision_resources(decision: Decision) -> dict[str, float]:
         out[gpu_resource(TOTAL_MEMORY, uuid_)] = float(mem)
         out[gpu_resource(SLOTS, uuid_)] = 1.0
     return out
+
+
+def _per_gpu(resources: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in resources.items() if parse_gpu_resource(k)}
 
 
 def _allocation(decision: Decision, req: SliceRequest, node: RayNode) -> Allocation:
@@ -119,15 +124,15 @@ def options(
         include_uuids=include_uuids,
         exclude_uuids=exclude_uuids,
     )
-    state, nodes = live_state()
-    engine = Engine(state, policy, gpu_policy)
+    view = live_state()
+    engine = Engine(view.state, policy, gpu_policy)
     try:
         decision = engine.decide(req)
     except NoFit as exc:
         raise _no_fit(req, exc) from exc
-    alloc = _allocation(decision, req, nodes[decision.node])
+    alloc = _allocation(decision, req, view.nodes[decision.node])
     resources = decision_resources(decision)
-    PENDING.add(resources)
+    PENDING.add(_per_gpu(resources), view.available)
     ray_options.setdefault("num_gpus", 0)
     return _merge(ray_options, resources, slice_env(alloc))
 
@@ -201,16 +206,27 @@ def remote(core: Any, memory: Any = None, **kwargs: Any) -> Callable[[Any], Slic
 class SlicePlacementGroup:
     """A gang of slices reserved together; ``bundle_options(i)`` places work in slice i."""
 
-    def __init__(self, pg: Any, decisions: list[Decision], allocations: list[Allocation]):
+    def __init__(
+        self,
+        pg: Any,
+        decisions: list[Decision],
+        allocations: list[Allocation],
+        pending: list[object] | None = None,
+    ):
         self.pg = pg
         self.decisions = decisions
         self.allocations = allocations
+        self._pending = pending or []
 
     def ready(self) -> Any:
         return self.pg.ready()
 
     def wait(self, timeout_seconds: float = 30) -> bool:
-        return bool(self.pg.wait(timeout_seconds))
+        """Wait until the group is reserved (then Ray's availability shows it)."""
+        ok = bool(self.pg.wait(timeout_seconds))
+        if ok:
+            PENDING.discard(self._pending)
+        return ok
 
     def bundle_options(self, index: int, **ray_options: Any) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -226,6 +242,7 @@ class SlicePlacementGroup:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.pg)
+        PENDING.discard(self._pending)
 
 
 def placement_group(
@@ -246,8 +263,8 @@ def placement_group(
     pol = PlacementPolicy.parse(policy, "policy")
     strategy = pg_strategy(pol)
     requests = [build_request(**s) for s in slices]
-    state, nodes = live_state()
-    engine = Engine(state, pol, gpu_policy)
+    view = live_state()
+    engine = Engine(view.state, pol, gpu_policy)
     decisions: list[Decision] = []
     allocations: list[Allocation] = []
     for i, req in enumerate(requests):
@@ -256,9 +273,8 @@ def placement_group(
         except NoFit as exc:
             raise NoFit(f"slice {i} of the gang does not fit: {exc}", exc.reasons) from exc
         decisions.append(decision)
-        allocations.append(_allocation(decision, req, nodes[decision.node]))
+        allocations.append(_allocation(decision, req, view.nodes[decision.node]))
     bundles = [decision_resources(d) for d in decisions]
     pg = ray_placement_group(bundles, strategy=strategy, name=name)
-    for bundle in bundles:
-        PENDING.add(bundle)
-    return SlicePlacementGroup(pg, decisions, allocations)
+    tokens = [PENDING.add(_per_gpu(b), view.available) for b in bundles]
+    return SlicePlacementGroup(pg, decisions, allocations, tokens)

@@ -45,21 +45,49 @@ class RayNode:
 class _Pending:
     expires: float
     amounts: dict[str, float]
+    baseline: dict[str, float]  # Ray's availability of each key when the decision was made
 
 
 @dataclass
 class _PendingBook:
+    """Decisions this process made that Ray's availability may not show yet.
+
+    An entry is dropped as soon as Ray's availability of each of its keys has fallen by
+    its amount (Ray has absorbed it), or after a short TTL (the work never started).
+    """
+
     lock: threading.Lock = field(default_factory=threading.Lock)
     items: list[_Pending] = field(default_factory=list)
 
-    def add(self, amounts: dict[str, float], ttl: float = PENDING_TTL_S) -> None:
+    def add(
+        self,
+        amounts: dict[str, float],
+        baseline: dict[str, float],
+        ttl: float = PENDING_TTL_S,
+    ) -> object:
+        """Record a decision; returns a token for `discard` once Ray surely shows it."""
+        entry = _Pending(
+            time.monotonic() + ttl, dict(amounts), {k: baseline.get(k, 0.0) for k in amounts}
+        )
         with self.lock:
-            self.items.append(_Pending(time.monotonic() + ttl, dict(amounts)))
+            self.items.append(entry)
+        return entry
 
-    def current(self) -> dict[str, float]:
-        now = time.monotonic()
+    def discard(self, tokens: list[object]) -> None:
         with self.lock:
-            self.items = [p for p in self.items if p.expires > now]
+            self.items = [p for p in self.items if all(p is not t for t in tokens)]
+
+    def outstanding(self, available: dict[str, float]) -> dict[str, float]:
+        """Amounts still to subtract from `available` (flat: resource name -> amount)."""
+        now = time.monotonic()
+
+        def absorbed(p: _Pending) -> bool:
+            return all(
+                available.get(k, 0.0) <= p.baseline[k] - v + 1e-6 for k, v in p.amounts.items()
+            )
+
+        with self.lock:
+            self.items = [p for p in self.items if p.expires > now and not absorbed(p)]
             total: dict[str, float] = {}
             for p in self.items:
                 for k, v in p.amounts.items():
@@ -135,29 +163,40 @@ def _free(avail: dict[str, float], pending: dict[str, float], kind: str, uuid: s
     return max(0.0, avail.get(name, 0.0) - pending.get(name, 0.0))
 
 
+@dataclass
+class LiveView:
+    """The engine's state over Ray's live resources, with what it was built from."""
+
+    state: ClusterState
+    nodes: dict[str, RayNode]  # by node name
+    available: dict[str, float]  # flat: per-GPU resource name -> Ray's available amount
+
+
 def live_state(
     nodes: list[RayNode] | None = None,
     available: dict[str, dict[str, float]] | None = None,
     include_pending: bool = True,
-) -> tuple[ClusterState, dict[str, RayNode]]:
-    """A ClusterState whose free vectors are Ray's available per-GPU resources.
-
-    Returns the state and a map from node name to RayNode.
-    """
+) -> LiveView:
+    """A ClusterState whose free vectors are Ray's available per-GPU resources, minus this
+    process's decisions that Ray does not show yet."""
     nodes = ray_nodes() if nodes is None else nodes
     available = available_per_node() if available is None else available
-    pending = PENDING.current() if include_pending else {}
+    flat: dict[str, float] = {}
+    for node in nodes:
+        for key, amount in available.get(node.node_id, {}).items():
+            if parse_gpu_resource(key):
+                flat[key] = amount
+    pending = PENDING.outstanding(flat) if include_pending else {}
     state = ClusterState([n.inventory for n in nodes])
     for node in nodes:
-        avail = available.get(node.node_id, {})
         for gpu in node.inventory.gpus:
             i = state.uuid_index[gpu.uuid]
             state.max_slices[i] = node.slots[gpu.uuid]
-            state.free_core[i] = int(_free(avail, pending, TOTAL_CORE, gpu.uuid))
-            state.free_mem[i] = int(_free(avail, pending, TOTAL_MEMORY, gpu.uuid))
-            state.slices[i] = node.slots[gpu.uuid] - int(_free(avail, pending, SLOTS, gpu.uuid))
+            state.free_core[i] = int(_free(flat, pending, TOTAL_CORE, gpu.uuid))
+            state.free_mem[i] = int(_free(flat, pending, TOTAL_MEMORY, gpu.uuid))
+            state.slices[i] = node.slots[gpu.uuid] - int(_free(flat, pending, SLOTS, gpu.uuid))
     state.node_free_core[:] = 0
     state.node_free_mem[:] = 0
     np.add.at(state.node_free_core, state.gpu_node, state.free_core)
     np.add.at(state.node_free_mem, state.gpu_node, state.free_mem)
-    return state, {n.name: n for n in nodes}
+    return LiveView(state, {n.name: n for n in nodes}, flat)

@@ -120,7 +120,7 @@ def test_placement_group_pack_and_spread(cluster, _clean):
 def test_whole_gpu_request(cluster, _clean):
     _, (env,) = start(_clean, 1, core=200)
     assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == 2
-    assert env["QGPU_SLICE_ID"] == ""  # whole cards need no caps
+    assert env["QGPU_CORE_LIMIT"] == "" and env["QGPU_MEMORY_LIMIT"] == ""  # no caps
 
 
 def test_invalid_and_unfittable_requests(cluster):

@@ -1,0 +1,110 @@
+"""Time to place and start N fractional actors: qgpu vs Ray's fractional ``num_gpus``.
+
+Side by side on the same local cluster (simulated GPUs, also advertised to Ray as plain
+GPUs so both paths have the same capacity), in one run, alternating rounds:
+
+- ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` — Ray places fractions, isolates nothing;
+- ``qgpu sdk``: ``Actor.options(**qgpu_ray.options(core=30, memory=8))`` — placement by the
+  core engine, per-GPU accounting, interposer and caps in the worker's environment;
+- ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})`` and the
+  actor's first ``cuInit`` binds it to a GPU (placement + holder group + caps).
+
+Each round creates N actors, waits until every one answered a call (for the qgpu paths the
+call starts CUDA, so the slice is bound and capped), then kills them and waits until the
+resources are back. Prints seconds per round, the median per path and the ratio to Ray's.
+Run: ``.venv/bin/python bench/ray_overhead.py [--actors 40] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import ray
+
+import qgpu_ray
+
+
+@ray.remote
+class Replica:
+    def ready(self, start_cuda: bool) -> str:
+        if start_cuda:
+            from enforcement import simcuda
+
+            drv = simcuda.Driver()
+            drv.init()
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+def _wait_free(total_core: float) -> None:
+    from ray._private.state import available_resources_per_node
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        avail = available_resources_per_node().values()
+        if sum(v.get("qgpu-core", 0.0) for v in avail) >= total_core and not any(
+            v["name"].startswith("qgpu-hold:") and v["state"] != "REMOVED"
+            for v in ray.util.placement_group_table().values()
+        ):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("resources did not come back within 60 s")
+
+
+def run_round(path: str, n: int, total_core: float) -> float:
+    t0 = time.perf_counter()
+    if path == "ray num_gpus":
+        actors = [Replica.options(num_gpus=0.3, num_cpus=0).remote() for _ in range(n)]
+        ray.get([a.ready.remote(False) for a in actors], timeout=600)
+    elif path == "qgpu sdk":
+        actors = [
+            Replica.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0)).remote()
+            for _ in range(n)
+        ]
+        ray.get([a.ready.remote(True) for a in actors], timeout=600)
+    else:
+        res = {"qgpu-core": 30, "qgpu-memory": 8}
+        actors = [Replica.options(resources=res, num_cpus=0).remote() for _ in range(n)]
+        ray.get([a.ready.remote(True) for a in actors], timeout=600)
+    elapsed = time.perf_counter() - t0
+    for a in actors:
+        ray.kill(a)
+    _wait_free(total_core)
+    qgpu_ray.view.PENDING.clear()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--actors", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gpus", type=int, default=14, help="simulated 80 GiB GPUs on the node")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp"))
+    spec = f"{args.gpus}xH100-80GB"
+    cluster = qgpu_ray.LocalCluster(
+        [spec], cpus_per_node=2, extra_node_args={"num_gpus": args.gpus}
+    )
+    paths = ["ray num_gpus", "qgpu sdk", "qgpu plain"]
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    try:
+        total_core = 100.0 * args.gpus
+        for r in range(args.rounds):
+            for path in paths:
+                t = run_round(path, args.actors, total_core)
+                times[path].append(t)
+                print(f"round {r + 1} {path:<13} {args.actors} actors in {t:6.2f} s", flush=True)
+    finally:
+        cluster.shutdown()
+    base = statistics.median(times["ray num_gpus"])
+    print(f"\n{'path':<14}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
+    for path in paths:
+        med = statistics.median(times[path])
+        print(f"{path:<14}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
