@@ -215,7 +215,17 @@ class Agent:
         return self.reservation(alloc)
 
     def _checked_owner(self, owner: Owner) -> Owner:
-        """A pid owner must be a running process; its start time pins its identity."""
+        """A pid owner must be a running process; its start time pins its identity.
+
+        A Dask worker that names its process (``meta.pid``) gets the same treatment.
+        """
+        if owner.kind is OwnerKind.DASK_WORKER and "pid" in owner.meta:
+            try:
+                pid_owner = self._checked_owner(Owner(kind=OwnerKind.PID, id=owner.meta["pid"]))
+            except RuleViolation as exc:
+                raise RuleViolation("owner.meta.pid", owner.meta["pid"], exc.rule) from None
+            meta = {**owner.meta, **pid_owner.meta, "pid": pid_owner.id}
+            return Owner(kind=owner.kind, id=owner.id, meta=meta)
         if owner.kind is not OwnerKind.PID:
             return owner
         try:
@@ -239,13 +249,18 @@ class Agent:
 
     def release(self, slice_id: str, reason: str = "request") -> ReleaseResult:
         with self._stripe(slice_id):
-            with self._write_lock:
-                released = self.ledger.release(slice_id)
-            slice_env.remove_limits_file(self._limits_path(slice_id))
+            released = self._release_locked(slice_id, reason)
+        return ReleaseResult(slice_id=slice_id, released=released)
+
+    def _release_locked(self, slice_id: str, reason: str) -> bool:
+        """Release with the slice's stripe lock held."""
+        with self._write_lock:
+            released = self.ledger.release(slice_id)
+        slice_env.remove_limits_file(self._limits_path(slice_id))
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)
-        return ReleaseResult(slice_id=slice_id, released=released)
+        return released
 
     def get(self, slice_id: str) -> Reservation:
         alloc = self.ledger.get(slice_id)
@@ -448,19 +463,20 @@ class Agent:
         for alloc in self.ledger.allocations(self.node):
             if self.registry.check(alloc.owner) is not Liveness.DEAD:
                 continue
-            # Re-read under the slice's lock: it may have been released and re-reserved.
+            # Re-check under the slice's lock: it may have been released and re-reserved.
             with self._stripe(alloc.slice_id):
                 current = self.ledger.get(alloc.slice_id)
                 if current is None or current.owner != alloc.owner:
                     continue
-            if self.release(alloc.slice_id, reason="owner-gone").released:
-                released.append(alloc.slice_id)
-                log.info(
-                    "reconcile: released %s, owner %s:%s is gone",
-                    alloc.slice_id,
-                    alloc.owner.kind.value,
-                    alloc.owner.id,
-                )
+                if not self._release_locked(alloc.slice_id, reason="owner-gone"):
+                    continue
+            released.append(alloc.slice_id)
+            log.info(
+                "reconcile: released %s, owner %s:%s is gone",
+                alloc.slice_id,
+                alloc.owner.kind.value,
+                alloc.owner.id,
+            )
         with self.counters._lock:
             self.counters.reconcile_released += len(released)
         self.last_reconcile_at = time.time()

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from enforcement.agent.models import ReserveRequest
 from enforcement.agent.reconcile import (
     Liveness,
@@ -18,6 +20,7 @@ from enforcement.agent.reconcile import (
     proc_start_time,
 )
 from enforcement.agent.service import Agent
+from qgpu.errors import RuleViolation
 from qgpu.model import Owner, OwnerKind, SliceRequest
 from tests.agent.conftest import FakeBackend, make_agent
 
@@ -124,3 +127,25 @@ def test_reconcile_on_start_releases_dead_owner(state_dir: Path, backend: FakeBa
     second = make_agent(state_dir, backend)
     assert second.ledger.get(sid) is None
     second.close()
+
+
+def test_dask_worker_owner_records_its_process_and_is_reaped(agent: Agent) -> None:
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = Owner(
+            kind=OwnerKind.DASK_WORKER, id="tcp://127.0.0.1:4000", meta={"pid": str(worker.pid)}
+        )
+        res = agent.reserve(ReserveRequest(request=SMALL, owner=owner))
+        assert res.owner.meta["start_time"] == str(proc_start_time(worker.pid))
+        assert agent.reconcile() == []
+        worker.kill()
+        worker.wait()
+        assert agent.reconcile() == [res.slice_id]
+        gone = Owner(
+            kind=OwnerKind.DASK_WORKER, id="tcp://127.0.0.1:4001", meta={"pid": str(worker.pid)}
+        )
+        with pytest.raises(RuleViolation) as exc:
+            agent.reserve(ReserveRequest(request=SMALL, owner=gone))
+        assert exc.value.field == "owner.meta.pid"
+    finally:
+        worker.kill()
