@@ -23,7 +23,7 @@ from rich.table import Table
 
 from enforcement.agent.client import AgentClient, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
-from qgpu.errors import RuleViolation
+from qgpu.errors import QgpuError, RuleViolation
 from qgpu.model import IsolationPolicy, PlacementPolicy
 
 EXIT_OK = 0
@@ -98,7 +98,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return serve(config_from_args(args))
+    config = config_from_args(args)
+    try:
+        return serve(config)
+    except PermissionError as exc:
+        raise QgpuError(
+            f"{exc.filename or exc}: permission denied; run the agent as root or point "
+            "--state-dir and --socket at directories you own"
+        ) from exc
 
 
 def register_agent(sub: argparse._SubParsersAction) -> None:
