@@ -121,10 +121,9 @@ class Kube:
             raise _wrap(exc, "list pods") from exc
         return body.get("items") or [], body["metadata"].get("resourceVersion", "")
 
-    def assigned_pods(self, node: str | None = None) -> list[Obj]:
-        """Pods carrying a qgpu assignment (optionally only those bound to `node`)."""
-        fields = f"spec.nodeName={node}" if node else ""
-        return self.list_pods(self.names.assigned_label, fields)[0]
+    def pods_on_node(self, node: str) -> list[Obj]:
+        """Pods bound to `node` (the device plugin's view of its node)."""
+        return self.list_pods(field_selector=f"spec.nodeName={node}")[0]
 
     # -- writes --
     def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
@@ -145,17 +144,32 @@ class Kube:
         except ApiException as exc:
             raise _wrap(exc, f"patch pod {namespace}/{name}") from exc
 
-    def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: dict[str, str] | None = None,
+        resource_version: str | None = None,
+    ) -> None:
         """Create the Binding; raise KubeError unless the apiserver answered 201.
 
-        Called with ``_preload_content=False``: the client cannot deserialize the Status the
-        apiserver returns, and a bind that raised on the client side may have succeeded on the
-        server, so it is never retried blindly.
+        The apiserver copies the Binding's annotations onto the pod in the same write that
+        binds it, and checks the UID and resourceVersion preconditions (409 Conflict).
+        Called with ``_preload_content=False``: the client cannot deserialize the Status
+        the apiserver returns, and a bind that raised on the client side may have succeeded
+        on the server, so it is never retried blindly.
         """
+        meta: Obj = {"name": name, "namespace": namespace, "uid": uid}
+        if annotations:
+            meta["annotations"] = dict(annotations)
+        if resource_version:
+            meta["resourceVersion"] = resource_version
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         try:
@@ -164,6 +178,8 @@ class Kube:
             )
         except ApiException as exc:
             raise _wrap(exc, f"bind pod {namespace}/{name} to {node}") from exc
+        _ = resp.data  # read the (undecodable) Status so the connection can be reused
+        resp.release_conn()
         if resp.status != 201:
             raise KubeError(f"bind pod {namespace}/{name}: HTTP {resp.status}", resp.status)
 

@@ -15,7 +15,6 @@ Owns:
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,6 @@ from qgpu.model import IsolationPolicy, SliceRequest
 
 DEFAULT_PREFIX = "tke.cloud.tencent.com"
 _PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_VALUE_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _INT_RE = re.compile(r"^\s*[0-9]+\s*$")
 
 
@@ -78,18 +76,13 @@ class Names:
 
     @property
     def assignment_annotation(self) -> str:
-        """Pod annotation written at bind: the per-container GPU assignment (JSON)."""
+        """Pod annotation set by the Binding: the per-container GPU assignment (JSON)."""
         return f"{self.prefix}/qgpu-assignment"
 
     @property
     def allocated_annotation(self) -> str:
         """Pod annotation written by the device plugin: which parts kubelet allocated."""
         return f"{self.prefix}/qgpu-allocated"
-
-    @property
-    def assigned_label(self) -> str:
-        """Pod label set at bind so plugin and extender can list assigned pods cheaply."""
-        return f"{self.prefix}/qgpu-assigned"
 
     @property
     def inventory_annotation(self) -> str:
@@ -105,16 +98,6 @@ class Names:
     def epoch_annotation(self) -> str:
         """Node annotation: bumped by every bind, so a stale extender view is detected."""
         return f"{self.prefix}/qgpu-node-epoch"
-
-    def node_label_value(self, node: str) -> str:
-        """The value of the pod label ``<prefix>/qgpu-assigned`` for pods assigned to `node`.
-
-        The node name itself when it is a valid label value (<= 63 characters), otherwise a
-        stable hash of it.
-        """
-        if len(node) <= 63 and _LABEL_VALUE_RE.match(node):
-            return node
-        return "h-" + hashlib.sha256(node.encode()).hexdigest()[:40]
 
     def is_qgpu(self, resource: str) -> bool:
         return resource in (self.core, self.memory)

@@ -316,7 +316,7 @@ class QgpuDevicePlugin:
 
     def _candidates(self) -> list[Any]:
         try:
-            pods = self.kube.assigned_pods(self.cfg.node_name)
+            pods = self.kube.pods_on_node(self.cfg.node_name)
         except KubeError as exc:
             raise PluginError(grpc.StatusCode.UNAVAILABLE, f"cannot list pods: {exc}") from exc
         return pending_pods(self.names, self.cfg.node_name, pods)

@@ -1,18 +1,21 @@
 """The extender's verbs (filter, prioritize, bind) and its sync with the apiserver.
 
 Owns the bind protocol:
-1. read the pod (must be unbound, same UID); parse its requests;
+1. take the pod as kube-scheduler filtered it (or read it: it must be unbound, same UID);
 2. take the node's lock (`k8s_bridge.kube.NodeLocker`: annotation with holder + expiry,
    resourceVersion precondition); if the node's epoch moved since our last lock, another
-   writer assigned pods there: re-read that node's assigned pods first;
+   writer assigned pods there: re-read the pods bound to that node first;
 3. choose GPU(s) on the node (`ExtenderState.reserve`, the placement engine);
-4. write the assignment as pod annotations (+ the ``<prefix>/qgpu-assigned`` label) with
-   the pod's resourceVersion as precondition;
-5. create the Binding (HTTP 201 checked; a client-side failure is resolved by reading the
-   pod, never by binding again);
-6. release the lock. Any failure after 3 undoes the reservation and the annotations.
+4. create the Binding carrying the assignment as annotations, with the pod's UID and
+   resourceVersion as preconditions: the apiserver's binding subresource copies a
+   Binding's annotations onto the pod in the same write that sets ``spec.nodeName``, so a
+   bound pod always carries its assignment and a failed bind leaves nothing behind
+   (HTTP 201 checked; a client-side failure is resolved by reading the pod, never by
+   binding again; a stale resourceVersion means: read the pod and try once more);
+5. release the lock. Any failure after 3 undoes the reservation.
 
-`start()` lists nodes and assigned pods (the restart path) and follows both with watches.
+`start()` lists the nodes and the bound pods (the restart path) and follows both with
+watches.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import PlacementPolicy
 
 log = logging.getLogger(__name__)
+
+BOUND = "spec.nodeName!="  # pods bound to some node: the only ones holding assignments
 
 
 class PodChanged(Conflict):
@@ -87,7 +92,7 @@ class Extender:
     def sync(self) -> tuple[str, str]:
         """(Re)build all state from the apiserver; returns the lists' resourceVersions."""
         nodes, nodes_rv = self.kube.list_nodes()
-        pods, pods_rv = self.kube.list_pods(self.names.assigned_label)
+        pods, pods_rv = self.kube.list_pods(field_selector=BOUND)
         self.state.load_nodes(nodes)
         self.state.load_pods(pods)
         for obj in nodes:
@@ -135,7 +140,7 @@ class Extender:
                 nodes, rv = self.kube.list_nodes()
                 self.state.load_nodes(nodes)
                 return rv
-            pods, rv = self.kube.list_pods(self.names.assigned_label)
+            pods, rv = self.kube.list_pods(field_selector=BOUND)
             self.state.load_pods(pods)
             return rv
         except KubeError as exc:
@@ -154,7 +159,7 @@ class Extender:
                 return core.list_node(**kw)
 
         else:
-            kwargs = {"label_selector": self.names.assigned_label}
+            kwargs = {"field_selector": BOUND}
 
             def func(**kw: Any) -> Any:
                 return core.list_pod_for_all_namespaces(**kw)
@@ -292,8 +297,8 @@ class Extender:
             handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
             try:
                 if handle.previous_epoch != self.epochs.get(node, handle.previous_epoch):
-                    selector = f"{self.names.assigned_label}={self.names.node_label_value(node)}"
-                    self.state.resync_node(node, self.kube.list_pods(selector)[0])
+                    on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
+                    self.state.resync_node(node, on_node)
                 self.epochs[node] = handle.epoch
                 self._write_and_bind(pod, reqs, node)
             finally:
@@ -308,36 +313,26 @@ class Extender:
             assignment = self.state.reserve(uid, ns, name, reqs, node)
         except NoFit as exc:
             raise NoFit(f"node {node} cannot take pod {ns}/{name}: {exc}", exc.reasons) from exc
-        written = False
+        annotations = {self.names.assignment_annotation: assignment.dumps()}
         try:
-            patched = self.kube.patch_pod(
-                ns,
-                name,
-                {
-                    "metadata": {
-                        "resourceVersion": pod.metadata.resource_version,
-                        "labels": {self.names.assigned_label: self.names.node_label_value(node)},
-                        "annotations": {
-                            self.names.assignment_annotation: assignment.dumps(),
-                            self.names.allocated_annotation: None,
-                        },
-                    }
-                },
-            )
-            written = True
-            self.state.note_written(uid, patched["metadata"].get("resourceVersion"))
-            self._create_binding(ns, name, uid, node)
+            self._create_binding(pod, node, annotations)
         except QgpuError as exc:
             self.state.unreserve(uid)
-            if written:
-                self._clear_assignment(ns, name)
-            if isinstance(exc, Conflict) and not written:
+            if isinstance(exc, Conflict):  # stale pod, or bound meanwhile: read it again
                 raise PodChanged(str(exc), exc.status, exc.reason) from exc
             raise
 
-    def _create_binding(self, ns: str, name: str, uid: str, node: str) -> None:
+    def _create_binding(self, pod: PodModel, node: str, annotations: dict[str, str]) -> None:
+        ns, name = pod.metadata.namespace, pod.metadata.name
         try:
-            self.kube.bind(ns, name, uid, node)
+            self.kube.bind(
+                ns,
+                name,
+                pod.metadata.uid,
+                node,
+                annotations=annotations,
+                resource_version=pod.metadata.resource_version,
+            )
         except KubeError as exc:
             if exc.status:
                 raise  # the apiserver answered: the bind did not happen
@@ -351,18 +346,9 @@ class Extender:
                     if time.monotonic() > deadline:
                         raise exc from None
                     time.sleep(0.1)
-            if (now.get("spec") or {}).get("nodeName") != node:
+            ann = (now.get("metadata") or {}).get("annotations") or {}
+            mine = ann.get(self.names.assignment_annotation) == annotations.get(
+                self.names.assignment_annotation
+            )
+            if (now.get("spec") or {}).get("nodeName") != node or not mine:
                 raise
-
-    def _clear_assignment(self, ns: str, name: str) -> None:
-        body = {
-            "metadata": {
-                "labels": {self.names.assigned_label: None},
-                "annotations": {self.names.assignment_annotation: None},
-            }
-        }
-        try:
-            patched = self.kube.patch_pod(ns, name, body)
-            self.state.note_written(patched["metadata"]["uid"], None)
-        except KubeError as exc:
-            log.error("pod %s/%s: could not clear its qgpu assignment: %s", ns, name, exc)

@@ -3,7 +3,9 @@
 Serves only what qgpu's Kubernetes bridge uses, with the apiserver's semantics:
 - ``/api/v1/nodes`` list/watch, ``/api/v1/nodes/{name}`` get/patch/delete;
 - ``/api/v1/pods`` and ``/api/v1/namespaces/{ns}/pods`` list/watch/create,
-  ``.../pods/{name}`` get/patch/delete, ``.../pods/{name}/binding`` create;
+  ``.../pods/{name}`` get/patch/delete, ``.../pods/{name}/binding`` create (UID and
+  resourceVersion preconditions; the Binding's annotations are copied onto the pod in the
+  same write, as the real binding storage does);
 - list/watch take ``labelSelector`` (``k``, ``!k``, ``k=v``, ``k==v``, ``k!=v``,
   ``k in (a,b)``, ``k notin (a,b)``) and ``fieldSelector`` (``metadata.name``,
   ``metadata.namespace``, ``spec.nodeName``, ``spec.schedulerName``, ``status.phase`` with
@@ -30,6 +32,7 @@ import itertools
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -507,7 +510,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(422, "Invalid", "target.name: Required value")
         store = self.server.owner.store
 
+        meta = body.get("metadata") or {}
+
         def fn(o: Obj) -> Obj:
+            # As the binding REST storage does: UID and resourceVersion preconditions, then
+            # "already assigned", then nodeName + the Binding's annotations in one write.
+            if meta.get("uid") and meta["uid"] != o["metadata"]["uid"]:
+                raise _conflict("pods", name, "Precondition failed: UID in precondition")
+            rv = meta.get("resourceVersion")
+            if rv and rv != o["metadata"]["resourceVersion"]:
+                raise _conflict(
+                    "pods", name, f"the resourceVersion {rv} does not match the object's"
+                )
             current = (o.get("spec") or {}).get("nodeName")
             if current:
                 raise ApiError(
@@ -517,10 +531,11 @@ class _Handler(BaseHTTPRequestHandler):
                     f'already assigned to node "{current}"',
                     {"name": name, "kind": "pods/binding"},
                 )
-            want_uid = (body.get("metadata") or {}).get("uid")
-            if want_uid and want_uid != o["metadata"]["uid"]:
-                raise _conflict("pods", name, "Precondition failed: UID in precondition")
             o["spec"]["nodeName"] = target
+            o["metadata"].setdefault("annotations", {}).update(meta.get("annotations") or {})
+            conditions = o.setdefault("status", {}).setdefault("conditions", [])
+            conditions[:] = [c for c in conditions if c.get("type") != "PodScheduled"]
+            conditions.append({"type": "PodScheduled", "status": "True"})
             o["metadata"].pop("resourceVersion", None)
             return o
 
@@ -634,6 +649,12 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 256
     owner: FakeApiserver
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up (a watcher that stops, a process that exits) is normal.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class FakeApiserver:

@@ -266,9 +266,11 @@ def gpu_usage(srv: FakeApiserver) -> dict[str, dict[str, int]]:
     from k8s_bridge.protocol import load_assignment
 
     use: dict[str, dict[str, int]] = {}
-    items, _ = srv.store.list("pods", None, NAMES.assigned_label, None)
+    items, _ = srv.store.list("pods", None, None, "spec.nodeName!=")
     for pod in items:
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        if NAMES.assignment_annotation not in (pod["metadata"].get("annotations") or {}):
             continue
         a = load_assignment(pod["metadata"]["annotations"][NAMES.assignment_annotation])
         for ca in a.containers.values():
