@@ -1,0 +1,284 @@
+"""The fragmentation-aware policy `frag`: hand-worked cases where it and binpack differ, the
+optimality of its choice under its documented measure, and that every entry point knows it."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import yaml
+
+from qgpu.cli import main as cli_main
+from qgpu.errors import NoFit
+from qgpu.frag import FragPolicy
+from qgpu.model import WHOLE_GPU_CORE, GpuDevice, NodeInventory, PlacementPolicy, SliceRequest
+from qgpu.placement import CandidateView, ClusterState, Engine, make_policy
+
+CARD_MIB = 16 * 1024  # 16 GiB cards: at most 4 slices per GPU
+
+
+def node(name: str, gpus: int, cpu_milli: int | None = None, model: str = "T4") -> NodeInventory:
+    return NodeInventory(
+        name=name,
+        gpus=[
+            GpuDevice(uuid=f"{name}-g{i}", index=i, model=model, memory_mib=CARD_MIB)
+            for i in range(gpus)
+        ],
+        cpu_milli=cpu_milli,
+        memory_mib=None if cpu_milli is None else 1 << 20,
+    )
+
+
+def share(core: int, cpu: int = 0) -> SliceRequest:
+    return SliceRequest(core=core, memory_gib=max(1, core * 16 // 100), cpu_milli=cpu)
+
+
+WHOLE = SliceRequest(core=100)
+
+
+def gpu_of(state: ClusterState, uuid: str) -> int:
+    return state.uuid_index[uuid]
+
+
+# -- registration -------------------------------------------------------------------------
+
+
+def test_frag_is_a_placement_policy_everywhere():
+    assert PlacementPolicy.parse("frag") is PlacementPolicy.FRAG
+    assert isinstance(make_policy("frag"), FragPolicy)
+    assert isinstance(make_policy(PlacementPolicy.FRAG), FragPolicy)
+    assert SliceRequest(core=30, memory_gib=4, placement="frag").placement is PlacementPolicy.FRAG
+
+
+def test_cli_plan_accepts_frag(tmp_path, capsys):
+    nodes = tmp_path / "nodes.yaml"
+    requests = tmp_path / "requests.yaml"
+    nodes.write_text(
+        yaml.safe_dump(
+            {
+                "nodes": [
+                    {
+                        "name": "n1",
+                        "gpus": [{"uuid": "GPU-1", "index": 0, "model": "T4", "memory": "16Gi"}],
+                    }
+                ]
+            }
+        )
+    )
+    requests.write_text(
+        yaml.safe_dump({"requests": [{"name": "a", "core": 30, "memory": 4, "count": 2}]})
+    )
+    rc = cli_main(
+        ["plan", "--nodes", str(nodes), "--requests", str(requests), "--policy", "frag", "--json"]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["gpus"] for p in out["placed"]] == [["GPU-1"], ["GPU-1"]]
+    assert out["unplaced"] == []
+
+
+def test_bad_settings_are_rejected():
+    with pytest.raises(ValueError, match="measure"):
+        FragPolicy(measure="best")  # type: ignore[arg-type]
+
+
+# -- hand-worked cases where frag and binpack differ ---------------------------------------
+
+
+def _two_engines(nodes: list[NodeInventory]) -> tuple[Engine, Engine]:
+    return Engine(ClusterState(nodes), "binpack"), Engine(ClusterState(nodes), "frag")
+
+
+def test_keeps_the_last_whole_gpu_for_the_whole_gpu_requests_it_has_seen():
+    # x: one GPU taken whole, one empty (node 50% used); y: two GPUs with a 30% slice each
+    # (30% used). binpack fills the fuller node x and breaks its last whole GPU for a 30%
+    # slice. frag has seen whole-GPU requests: on x the slice destroys a whole-GPU copy (100)
+    # and a 30% copy (30); on y only a 30% copy (70 free -> 40 free): it picks y.
+    binpack, frag = _two_engines([node("x", 2), node("y", 2)])
+    for engine in (binpack, frag):
+        s = engine.state
+        s.apply("x-full", [gpu_of(s, "x-g0")], 100, [16])
+        s.apply("y-0", [gpu_of(s, "y-g0")], 30, [4])
+        s.apply("y-1", [gpu_of(s, "y-g1")], 30, [4])
+        engine.observe(WHOLE)
+    assert binpack.place("new", share(30)).gpu_uuids == ("x-g1",)
+    assert frag.place("new", share(30)).node == "y"
+    # so the next whole-GPU request still fits with frag, and no longer with binpack
+    assert frag.place("whole", WHOLE).gpu_uuids == ("x-g1",)
+    with pytest.raises(NoFit):
+        binpack.place("whole", WHOLE)
+    frag.state.check_invariants()
+
+
+def test_avoids_leaving_a_gap_that_the_requests_it_has_seen_cannot_use():
+    # GPU a has 70% free, GPU b is empty. The mix is 60% and 30% slices. binpack puts a 30%
+    # slice on a (least left over) and leaves a 40% gap no 60% slice fits; frag puts it on b:
+    # both GPUs then still take a 60% slice (a: 70 free, b: 70 free).
+    binpack, frag = _two_engines([node("n", 2)])
+    for engine in (binpack, frag):
+        s = engine.state
+        s.apply("pre", [gpu_of(s, "n-g0")], 30, [4])
+        for _ in range(3):
+            engine.observe(share(60))
+    assert binpack.place("new", share(30)).gpu_uuids == ("n-g0",)
+    assert frag.place("new", share(30)).gpu_uuids == ("n-g1",)
+    frag.place("big-1", share(60))
+    frag.place("big-2", share(60))
+    binpack.place("big-1", share(60))
+    with pytest.raises(NoFit):
+        binpack.place("big-2", share(60))
+
+
+def test_keeps_room_for_the_common_request_size():
+    # a has 55% free, b 70%; the mix is 50% slices. A 16% slice on a leaves 39% (no 50%
+    # slice fits there any more), on b 54% (one still does). binpack takes a (least left
+    # over), frag takes b.
+    binpack, frag = _two_engines([node("n", 2)])
+    for engine in (binpack, frag):
+        s = engine.state
+        s.apply("pre-a", [gpu_of(s, "n-g0")], 45, [7])
+        s.apply("pre-b", [gpu_of(s, "n-g1")], 30, [4])
+        for _ in range(3):
+            engine.observe(share(50))
+    assert binpack.place("new", share(16)).gpu_uuids == ("n-g0",)
+    assert frag.place("new", share(16)).gpu_uuids == ("n-g1",)
+    frag.place("half-1", share(50))
+    frag.place("half-2", share(50))
+    binpack.place("half-1", share(50))
+    with pytest.raises(NoFit):
+        binpack.place("half-2", share(50))
+
+
+def test_cpu_only_work_goes_where_it_strands_no_gpu():
+    # small has 8 cores, big 64; the GPU requests seen need 6 cores each. binpack's host
+    # scoring ties the two empty nodes and takes the first; a 4-core CPU-only pod there would
+    # leave 4 cores, too few for any GPU request: small's GPU is stranded. frag goes to big.
+    nodes = [node("small", 1, cpu_milli=8000), node("big", 1, cpu_milli=64000)]
+    binpack, frag = _two_engines(nodes)
+    for engine in (binpack, frag):
+        engine.observe(share(30, cpu=6000))
+    assert binpack.place_host("cpu-pod", 4000, 1024) == "small"
+    assert frag.place_host("cpu-pod", 4000, 1024) == "big"
+    # small's GPU still takes the GPU request (binpack's small node no longer can)
+    assert frag.place("gpu-pod", share(30, cpu=6000)).node == "small"
+    assert binpack.place("gpu-pod", share(30, cpu=6000)).node == "big"
+
+
+def test_without_observations_frag_chooses_like_binpack():
+    rng = random.Random(3)
+    nodes = [node(f"n{i}", rng.choice([1, 2, 4])) for i in range(6)]
+    binpack, frag = _two_engines(nodes)
+    frag_policy = frag.node_policy
+    assert isinstance(frag_policy, FragPolicy)
+    for i in range(30):
+        req = share(rng.choice([10, 20, 30, 45, 60])) if rng.random() < 0.8 else WHOLE
+        try:
+            expected = binpack.decide(req)
+        except NoFit:
+            continue
+        assert frag.decide(req) == expected  # decide() alone does not observe
+        binpack.state.apply_decision(f"s{i}", expected, req)
+        frag.state.apply_decision(f"s{i}", expected, req)
+
+
+# -- frag's choice is optimal under its measure (brute force on small clusters) ------------
+
+
+def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
+    """Expected usable qgpu-core over all nodes, by the documented measure, with loops."""
+    total = 0.0
+    for t, k in enumerate(policy._t_class):
+        core, mem, count = policy._k_core[k], policy._k_mem[k], policy._k_count[k]
+        weight = policy._t_weight[t]
+        cpu, hostmem = policy._t_cpu[t], policy._t_hostmem[t]
+        for n in range(len(state.nodes)):
+            start = int(state.node_start[n])
+            gpus = range(start, start + int(state.node_gpu_count[n]))
+            if core >= WHOLE_GPU_CORE:
+                free = sum(1 for g in gpus if state.slices[g] == 0 and state.free_core[g] == 100)
+                gpu_copies = free // count
+                unit = WHOLE_GPU_CORE * count
+            else:
+                gpu_copies = sum(
+                    min(
+                        int(state.free_core[g]) // core,
+                        int(state.free_mem[g]) // mem,
+                        int(state.max_slices[g] - state.slices[g]),
+                    )
+                    for g in gpus
+                )
+                unit = core
+            host = math.inf
+            if cpu:
+                host = min(host, int(state.node_free_cpu[n]) // cpu)
+            if hostmem:
+                host = min(host, int(state.node_free_hostmem[n]) // hostmem)
+            total += weight * min(gpu_copies, host) * unit
+    return total
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_choice_maximises_expected_usable_capacity(seed):
+    rng = random.Random(seed)
+    nodes = [
+        node(f"n{i}", rng.choice([1, 2, 4]), cpu_milli=rng.choice([8000, 16000, 32000]))
+        for i in range(5)
+    ]
+    state = ClusterState(nodes)
+    policy = FragPolicy()
+    engine = Engine(state, policy)
+    pool = [share(c, cpu=rng.choice([0, 2000, 4000])) for c in (10, 25, 30, 45, 60, 80)]
+    pool += [WHOLE, SliceRequest(core=200, cpu_milli=4000)]
+    for step in range(25):
+        req = rng.choice(pool)
+        engine.observe(req)
+        try:
+            decision = engine.decide(req)
+        except NoFit:
+            continue
+        # brute force every feasible (node, GPU set) the engine would allow
+        mask, memory, _ = engine.candidates(req)
+        base = _naive_usable(state, policy)
+        best = -math.inf
+        for n in range(len(nodes)):
+            if state.node_free_cpu[n] < req.cpu_milli:
+                continue
+            start = int(state.node_start[n])
+            fitting = [g for g in range(start, start + len(nodes[n].gpus)) if mask[g]]
+            if len(fitting) < req.gpu_count:
+                continue
+            for g in fitting:  # GPUs on one node are interchangeable for whole requests here
+                ids = [g] if req.gpu_count == 1 else fitting[: req.gpu_count]
+                state.apply(
+                    "probe", ids, req.core_per_gpu, [int(memory[i]) for i in ids], req.cpu_milli, 0
+                )
+                best = max(best, _naive_usable(state, policy) - base)
+                state.release("probe")
+        ids = [state.uuid_index[u] for u in decision.gpu_uuids]
+        state.apply_decision(f"s{step}", decision, req)
+        got = _naive_usable(state, policy) - base
+        assert got == pytest.approx(best), f"step {step}: {req} -> {decision}"
+        state.check_invariants()
+        assert all(state.free_core[i] >= 0 for i in ids)
+
+
+def test_fgd_measure_counts_all_free_core_once_one_request_fits():
+    # 19% free beside an 81% slice: FGD's measure calls all 19 usable by a 16% type; the
+    # fill measure only the 16 one copy fills. A 16% slice there leaves 3% that nothing
+    # seen can use, so its score (change of expected usable core, x4 observations) is -19
+    # x 4 with FGD's measure and -16 x 4 with fill.
+    state = ClusterState([node("n", 2)])
+    state.apply("pre", [0], 81, [13])
+    req = share(16)
+    for measure, expected in (("fgd", 19), ("fill", 16)):
+        policy = FragPolicy(measure=measure)
+        engine = Engine(state, policy)
+        for _ in range(4):
+            engine.observe(req)
+        mask, memory, _ = engine.candidates(req)
+        view = CandidateView(state, req, mask, req.core, memory, np.array([0]))
+        scores = policy._score(view)
+        assert scores[0] == pytest.approx(-expected * 4)
