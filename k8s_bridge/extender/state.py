@@ -92,6 +92,7 @@ class ExtenderState:
         self.pods: dict[str, PodRecord] = {}
         self._new_engine([])
         self._policies: dict[str, Policy] = {}
+        self._node_sources: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
 
     # -- construction ----------------------------------------------------------------
 
@@ -108,13 +109,30 @@ class ExtenderState:
                 invs[inv.name] = inv
         with self.lock:
             self.inventories = invs
+            self._node_sources = {}
             self._rebuild()
 
     def update_node(self, obj: dict, deleted: bool = False) -> bool:
         """Follow one Node event; True when the node set or a node's GPUs changed."""
-        name = obj["metadata"]["name"]
+        meta = obj["metadata"]
+        name = meta["name"]
+        # Most Node events are our own lock writes or kubelet status: skip them cheaply.
+        source = (
+            None
+            if deleted
+            else (
+                (meta.get("annotations") or {}).get(self.names.inventory_annotation),
+                tuple(sorted((meta.get("labels") or {}).items())),
+            )
+        )
+        if source is not None and self._node_sources.get(name) == source:
+            return False
         inv = None if deleted else self._inventory_of(obj)
         with self.lock:
+            if source is None:
+                self._node_sources.pop(name, None)
+            else:
+                self._node_sources[name] = source
             old = self.inventories.get(name)
             if inv == old:
                 return False
