@@ -363,8 +363,21 @@ class QgpuDevicePlugin:
         self._gpus(list(per_gpu))
         with self._alloc_lock:
             for _ in range(self.cfg.claim_retries):
-                found = matching(self._candidates(), kind, per_gpu, len(ids))
+                candidates = self._candidates()
+                found = matching(candidates, kind, per_gpu, len(ids))
                 if not found:
+                    again = claimed_match(candidates, kind, per_gpu)
+                    if again is not None:
+                        # kubelet allocating a container again from its checkpoint (e.g.
+                        # after a restart): the same devices, the same answer.
+                        return container_response(
+                            self.paths,
+                            again.uid,
+                            again.container,
+                            again.slice,
+                            self._gpus(again.slice.gpus),
+                            kind,
+                        )
                     raise PluginError(
                         grpc.StatusCode.NOT_FOUND,
                         f"no pod assigned to node {self.cfg.node_name} waits for {kind} IDs "

@@ -195,3 +195,17 @@ def test_device_nodes_are_passed_when_present(apiserver: FakeApiserver) -> None:
         assert paths == ["/dev/nvidia0", "/dev/nvidiactl"]
     finally:
         n.close()
+
+
+def test_allocating_a_claimed_container_again_gives_the_same_answer(node: Node) -> None:
+    """kubelet re-allocates from its checkpoint after a restart: same IDs, same env."""
+    pod = node.bound_pod("a", [(30, 4)])
+    first = node.kubelet.admit(pod)["c0"]
+    ids = first.ids[NAMES.core]
+    again = node.stub("core").Allocate(
+        pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]),
+        timeout=5,
+    )
+    envs = dict(again.container_responses[0].envs)
+    assert envs["CUDA_VISIBLE_DEVICES"] == first.envs["CUDA_VISIBLE_DEVICES"]
+    assert envs["QGPU_SLICE_ID"] == first.envs["QGPU_SLICE_ID"]
