@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,22 @@ class LocalNode:
     sim_config: Path | None
     ray_node: Any
     env: dict[str, str]
+
+
+@contextmanager
+def _keep_ld_preload() -> Iterator[None]:
+    """While Ray starts a node from this process, keep its jemalloc set-up from replacing the
+    node's LD_PRELOAD (Ray swaps in jemalloc when the *starting* process has no LD_PRELOAD)."""
+    key = "RAY_JEMALLOC_LIB_PATH"
+    old = os.environ.get(key)
+    os.environ[key] = ""
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def _real_gpu_node(name: str, root: Path) -> tuple[NodeInventory, None]:
@@ -98,13 +116,14 @@ class LocalCluster:
         state_dir = node_root / "state"
         state_dir.mkdir(exist_ok=True)
         env = worker_environment(state_dir, sim_config=sim_config, policy=self.policy)
-        ray_node = self.cluster.add_node(
-            num_cpus=self.cpus_per_node,
-            resources=node_resources(inventory),
-            labels=node_labels(inventory),
-            env_vars=env,
-            **self.extra_node_args,
-        )
+        with _keep_ld_preload():
+            ray_node = self.cluster.add_node(
+                num_cpus=self.cpus_per_node,
+                resources=node_resources(inventory),
+                labels=node_labels(inventory),
+                env_vars=env,
+                **self.extra_node_args,
+            )
         node = LocalNode(name, inventory, state_dir, sim_config, ray_node, env)
         self.nodes.append(node)
         return node

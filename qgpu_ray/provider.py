@@ -41,6 +41,8 @@ def worker_environment(
     }
     if preload:
         env["LD_PRELOAD"] = str(hook_library_path())
+        # the raylet strips LD_PRELOAD from its workers unless told to keep it
+        env["RAY_LD_PRELOAD_ON_WORKERS"] = "1"
     if setup_hook_env:
         env[RAY_SETUP_HOOK_ENV] = SETUP_HOOK
     if sim_config is not None:

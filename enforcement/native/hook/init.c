@@ -4,6 +4,7 @@
  * against the card. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "hook.h"
@@ -24,8 +25,32 @@ void hook_fail(const char *fmt, ...) {
     __atomic_store_n(&g_hook_state, HOOK_ERROR, __ATOMIC_RELEASE);
 }
 
+/* The bind callback of the plain Ray path (qgpu_ray/bind.py): a worker without slice limits
+ * registers a function that chooses its GPU slice and puts the limits into the environment.
+ * It runs once, just before the limits are read (the first CUDA call of the process), so the
+ * slice is known before the real cuInit sees CUDA_VISIBLE_DEVICES. Non-zero = refuse. */
+static int (*g_bind_cb)(void);
+
+QGPU_EXPORT int qgpu_hook_set_bind_callback(int (*cb)(void)) {
+    __atomic_store_n(&g_bind_cb, cb, __ATOMIC_RELEASE);
+    return 0;
+}
+
+static int run_bind_callback(void) {
+    int (*cb)(void) = __atomic_load_n(&g_bind_cb, __ATOMIC_ACQUIRE);
+    const char *slice = getenv("QGPU_SLICE_ID");
+    if (!cb || (slice && slice[0])) return 0;
+    return cb();
+}
+
 static void load_config(void) {
     char err[1400];
+    if (run_bind_callback() != 0) {
+        hook_fail("QGPU_BIND=%s: this worker could not be bound to a GPU slice (rule: its qgpu "
+                  "resources must fit one GPU of its node; the reason is printed above)",
+                  getenv("QGPU_BIND") ? getenv("QGPU_BIND") : "");
+        return;
+    }
     if (hook_config_load(&g_lim, err, sizeof err) != 0) {
         hook_fail("%s", err);
         return;
