@@ -1,0 +1,168 @@
+"""``qgpu-ray``: start Ray on a qgpu node, run the plain-path reaper, show what is advertised.
+
+    qgpu-ray start [--agent-socket PATH] [--policy binpack] [RAY START ARGS...]
+    qgpu-ray resources [--agent-socket PATH]
+    qgpu-ray reaper --address HOST:PORT [--interval 1]
+
+``start`` asks the node agent for the node's inventory and workload environment, then runs
+``ray start`` with the totals, the per-GPU resources and labels, and an environment that
+preloads the interposer in every worker and installs the bind hook of the plain
+``resources=`` path; after Ray is up it starts a detached reaper for the node's plain-path
+slices. Exit codes: 0 ok, 2 invalid input, 1 any other failure (the agent unreachable,
+``ray start`` failing...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from qgpu.errors import QgpuError, RuleViolation
+from qgpu.model import PlacementPolicy
+from qgpu_ray.provider import ray_start_arguments, worker_environment
+from qgpu_ray.resources import node_labels, node_resources
+
+
+def _node(args: argparse.Namespace):
+    from enforcement.agent.client import AgentClient
+
+    return AgentClient(args.agent_socket).node()
+
+
+def cmd_resources(args: argparse.Namespace) -> int:
+    node = _node(args)
+    out = {
+        "node": node.inventory.name,
+        "resources": node_resources(node.inventory),
+        "labels": node_labels(node.inventory),
+    }
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return 0
+
+
+def _address_from(ray_args: list[str]) -> str | None:
+    for i, arg in enumerate(ray_args):
+        if arg.startswith("--address="):
+            return arg.split("=", 1)[1]
+        if arg == "--address" and i + 1 < len(ray_args):
+            return ray_args[i + 1]
+    return None
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    ray_bin = shutil.which("ray")
+    if ray_bin is None:
+        raise QgpuError("the `ray` command is not installed (pip install 'qgpu[ray]')")
+    node = _node(args)
+    env = dict(os.environ)
+    env.update(node.workload_env)
+    env.update(
+        worker_environment(
+            node.workload_env.get("QGPU_STATE_DIR", args.state_dir),
+            policy=args.policy,
+        )
+    )
+    env["QGPU_AGENT_SOCKET"] = str(args.agent_socket or "")
+    ray_args = list(args.ray_args)
+    if ray_args and ray_args[0] == "--":
+        ray_args = ray_args[1:]
+    command = [ray_bin, "start", *ray_args, *ray_start_arguments(node.inventory)]
+    print("+ " + " ".join(command), flush=True)
+    code = subprocess.call(command, env=env)
+    if code != 0 or args.no_reaper:
+        return code
+    address = _address_from(ray_args) or "auto"
+    reaper = [sys.executable, "-m", "qgpu_ray.cli", "reaper", "--address", address, "--local-node"]
+    subprocess.Popen(
+        reaper,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return 0
+
+
+def cmd_reaper(args: argparse.Namespace) -> int:
+    import ray
+
+    from qgpu_ray.reaper import reap_once
+
+    ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+    local = {ray.get_runtime_context().get_node_id()} if args.local_node else None
+    try:
+        while True:
+            reap_once(local)
+            if args.once:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qgpu-ray", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def agent_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--agent-socket",
+            default=None,
+            help="the node agent's unix socket (default: $QGPU_AGENT_SOCKET or "
+            "/run/qgpu/agent.sock)",
+        )
+
+    start = sub.add_parser("start", help="run `ray start` advertising this node's GPUs")
+    agent_opt(start)
+    start.add_argument(
+        "--policy",
+        default="binpack",
+        choices=[p.value for p in PlacementPolicy],
+        help="GPU choice of the plain resources= path on this node",
+    )
+    start.add_argument(
+        "--state-dir",
+        default="/var/lib/qgpu/slices",
+        help="interposer state dir when the agent does not name one",
+    )
+    start.add_argument("--no-reaper", action="store_true", help="do not start the reaper")
+    start.add_argument("ray_args", nargs=argparse.REMAINDER, help="arguments for ray start")
+    start.set_defaults(func=cmd_start)
+
+    res = sub.add_parser("resources", help="print the resources and labels start would use")
+    agent_opt(res)
+    res.set_defaults(func=cmd_resources)
+
+    reaper = sub.add_parser("reaper", help="release plain-path slices of dead workers/nodes")
+    reaper.add_argument("--address", required=True)
+    reaper.add_argument("--interval", type=float, default=1.0)
+    reaper.add_argument(
+        "--local-node",
+        action="store_true",
+        help="check worker pids of this node only (one reaper per node)",
+    )
+    reaper.add_argument("--once", action="store_true")
+    reaper.set_defaults(func=cmd_reaper)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except RuleViolation as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except QgpuError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
