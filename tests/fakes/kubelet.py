@@ -190,11 +190,14 @@ class FakeKubelet:
                 self.rng.shuffle(resources)
             result = self.results.setdefault((uid, c["name"]), ContainerResult())
             for resource in resources:
-                self._allocate(uid, c["name"], resource, int(limits[resource]), result)
+                self.allocate_resource(uid, c["name"], resource, int(limits[resource]), result)
             out[c["name"]] = result
         return out
 
-    def _allocate(self, uid: str, cname: str, resource: str, n: int, out: ContainerResult) -> None:
+    def allocate_resource(
+        self, uid: str, cname: str, resource: str, n: int, out: ContainerResult
+    ) -> None:
+        """One resource of one container (kubelet's devicemanager.Allocate for it)."""
         with self.lock:
             plugin = self.plugins.get(resource)
             if plugin is None or not plugin.alive:

@@ -23,7 +23,7 @@ from k8s_bridge.kube import Kube
 from k8s_bridge.protocol import NodeLock, load_allocated
 from qgpu.model import NodeInventory
 from tests.fakes.apiserver import FakeApiserver
-from tests.fakes.kubelet import FakeKubelet
+from tests.fakes.kubelet import AdmissionError, ContainerResult, FakeKubelet
 from tests.k8s.helpers import (
     NAMES,
     ServedApp,
@@ -177,13 +177,11 @@ def test_plugin_restart_in_the_middle_of_an_allocation(apiserver, node_with_plug
     assert ext.bind(_bind_args(apiserver, "p", "n0")).error == ""
     pod = apiserver.store.get("pods", "default", "p")
     uid = pod["metadata"]["uid"]
-    from tests.fakes.kubelet import ContainerResult
-
     out = ContainerResult()
-    kl._allocate(uid, "c0", NAMES.core, 30, out)  # kubelet allocated the core resource...
+    kl.allocate_resource(uid, "c0", NAMES.core, 30, out)  # kubelet allocated the core resource...
     node_with_plugin["plugins"].pop().stop()  # ...then the plugin died
     node_with_plugin["plugins"].append(node_with_plugin["new_plugin"]())
-    kl._allocate(uid, "c0", NAMES.memory, 4, out)  # the new plugin finishes the container
+    kl.allocate_resource(uid, "c0", NAMES.memory, 4, out)  # the new plugin finishes the container
     gpu_uuid = assignment_of(apiserver, "p").containers["c0"].gpus[0]
     assert out.envs["CUDA_VISIBLE_DEVICES"] == gpu_uuid
     assert {d.rpartition("_")[0] for d in out.ids[NAMES.memory]} == {gpu_uuid}
@@ -242,10 +240,8 @@ def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
 
 def test_allocate_without_assignment_is_a_grpc_error(apiserver, node_with_plugin) -> None:
     """A pod that bypassed the extender gets an error from the plugin, never devices."""
-    from tests.fakes.kubelet import AdmissionError
-
     kl = node_with_plugin["kubelet"]
-    pod = apiserver.store.create("pods", pod_object("rogue", [(30, 4)]))
+    apiserver.store.create("pods", pod_object("rogue", [(30, 4)]))
     apiserver.store.update(
         "pods", "default", "rogue", lambda o: {**o, "spec": {**o["spec"], "nodeName": "n0"}}
     )
@@ -253,4 +249,3 @@ def test_allocate_without_assignment_is_a_grpc_error(apiserver, node_with_plugin
         kl.admit(apiserver.store.get("pods", "default", "rogue"))
     assert info.value.code is not None and info.value.code.name == "NOT_FOUND"
     assert not kl.allocated
-    assert pod["metadata"]["uid"]
