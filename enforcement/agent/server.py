@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import stat
 import threading
@@ -175,9 +176,17 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         tcp,
     )
     maintenance.start()
+    # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM is the
+    # normal way to stop the agent, so let that land here (or, arriving before uvicorn
+    # listens for it, stop uvicorn right after start-up) and finish with exit code 0.
+    def stop(_sig: int, _frame: object) -> None:
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         server.run(sockets=sockets)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         maintenance.stop()
         for sock in sockets:
             sock.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -92,6 +93,25 @@ def test_tcp_needs_the_bearer_token(state_dir: Path) -> None:
         # the unix socket needs no token (its file mode guards it)
         with AgentClient(state_dir / "agent.sock") as local:
             assert local.health().node == "node-a"
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "qgpu.cli",
+                "status",
+                "--url",
+                url,
+                "--token-file",
+                str(token_file),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["health"]["node"] == "node-a"
     finally:
         stop_agent(proc)
 
@@ -384,3 +404,13 @@ def test_live_agent_reconciles_and_watchdog_kills_a_bypass(state_dir: Path) -> N
         if bypass is not None:
             bypass.kill()
         stop_agent(proc)
+
+
+def test_sigterm_shuts_down_cleanly(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    with AgentClient(state_dir / "agent.sock") as client:
+        sid = client.reserve({"core": 10, "memory": 4}).slice_id
+    proc.terminate()
+    assert proc.wait(timeout=20) == 0
+    assert not (state_dir / "agent.sock").exists()
+    assert (state_dir / "limits" / f"{sid}.limits").exists()  # slices outlive the agent
