@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from enforcement.agent.metrics import build_registry
+from enforcement.agent.metrics import build_registry, request_histogram, route_label
 from enforcement.agent.models import (
     SLICE_ID_PATTERN,
     DeviceList,
@@ -131,6 +132,7 @@ def create_app(agent: Agent) -> FastAPI:
     registry = build_registry(agent)
     app.state.agent = agent
     app.state.metrics_registry = registry
+    app.add_middleware(RequestTimer, histogram=request_histogram(registry), node=agent.node)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -223,6 +225,35 @@ def create_app(agent: Agent) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class RequestTimer:
+    """ASGI middleware: ``qgpu_agent_request_duration_seconds`` per method, route, status."""
+
+    def __init__(self, app: ASGIApp, histogram: Histogram, node: str) -> None:
+        self.app = app
+        self.histogram = histogram
+        self.node = node
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.histogram.labels(
+                self.node, scope["method"], route_label(scope["path"]), str(status)
+            ).observe(time.perf_counter() - start)
 
 
 class TokenGuard:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -206,6 +206,30 @@ class AgentCollector(Collector):
             for (uuid, sid), n in sorted(per_slice.items()):
                 current.add_metric([agent.node, uuid, sid], n)
         yield from (over, kills, unowned, current)
+
+
+KNOWN_ROUTES = ("/v1/devices", "/v1/slices", "/v1/health", "/metrics")
+
+
+def route_label(path: str) -> str:
+    """A bounded route label: slice ids are folded into the template."""
+    if path.startswith("/v1/slices/"):
+        return (
+            "/v1/slices/{slice_id}/release"
+            if path.endswith("/release")
+            else "/v1/slices/{slice_id}"
+        )
+    return path if path in KNOWN_ROUTES else "other"
+
+
+def request_histogram(registry: CollectorRegistry) -> Histogram:
+    return Histogram(
+        "qgpu_agent_request_duration_seconds",
+        "Time the agent took to answer an API request",
+        ["node", "method", "route", "status"],
+        registry=registry,
+        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+    )
 
 
 def build_registry(agent: Agent) -> CollectorRegistry:

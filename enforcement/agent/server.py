@@ -176,6 +176,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         tcp,
     )
     maintenance.start()
+
     # uvicorn re-raises the signal that stopped it once it has shut down; SIGTERM is the
     # normal way to stop the agent, so let that land here (or, arriving before uvicorn
     # listens for it, stop uvicorn right after start-up) and finish with exit code 0.

@@ -48,8 +48,8 @@ def share(agent: Agent, core: int = 20, memory: int = 4, owner: Owner | None = N
     return agent.reserve(req).slice_id
 
 
-def samples(agent: Agent) -> dict[str, list]:
-    text = TestClient(create_app(agent)).get("/metrics").text
+def samples(agent: Agent, client: TestClient | None = None) -> dict[str, list]:
+    text = (client or TestClient(create_app(agent))).get("/metrics").text
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
@@ -143,7 +143,7 @@ def test_metrics_names_labels_and_counters(agent: Agent, backend: FakeBackend) -
     assert [client.post("/v1/slices", json=big).status_code for _ in range(3)] == [201, 409, 409]
     client.delete(f"/v1/slices/{sid}")
     client.delete(f"/v1/slices/{sid}")
-    found = samples(agent)
+    found = samples(agent, client)
     assert all(name.startswith("qgpu_") for name in found)
     node = "node-a"
     assert value(found, "qgpu_agent_reservations_total", node=node, result="ok") == 2
@@ -163,3 +163,11 @@ def test_metrics_names_labels_and_counters(agent: Agent, backend: FakeBackend) -
     assert value(found, "qgpu_slice_core_limit_percent", **labels) == 99
     assert value(found, "qgpu_slice_info", policy="best-effort", enforcement="interposer") == 1
     assert found["qgpu_agent_errors"] == []
+    timing = {
+        (x.labels["method"], x.labels["route"], x.labels["status"]): x.value
+        for x in found["qgpu_agent_request_duration_seconds"]
+        if x.name.endswith("_count")
+    }
+    assert timing[("POST", "/v1/slices", "201")] == 2
+    assert timing[("POST", "/v1/slices", "409")] == 2
+    assert timing[("DELETE", "/v1/slices/{slice_id}", "200")] == 2
