@@ -210,18 +210,7 @@ class Cluster:
 
     def submit(self, pod: dict[str, Any]) -> dict[str, Any]:
         """Send the pod through the webhook (applying its patch), then create it."""
-        review = {
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {"uid": str(uuid.uuid4()), "operation": "CREATE", "object": pod},
-        }
-        resp = self.webhook.post("/mutate", json=review).json()["response"]
-        if not resp["allowed"]:
-            raise PodDenied(resp["status"]["message"])
-        if resp.get("patch"):
-            assert resp["patchType"] == "JSONPatch"
-            pod = json_patch(pod, json.loads(base64.b64decode(resp["patch"])))
-        return self.srv.store.create("pods", pod)
+        return submit_through_webhook(self.webhook, self.srv, pod)
 
     def run(self, pod: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """submit -> filter -> prioritize -> bind -> kubelet admission; (node, results)."""
@@ -248,6 +237,24 @@ class Cluster:
 
 class PodDenied(Exception):
     pass
+
+
+def submit_through_webhook(
+    webhook: httpx.Client, srv: FakeApiserver, pod: dict[str, Any]
+) -> dict[str, Any]:
+    """What the apiserver does on pod CREATE with a mutating webhook: review, patch, store."""
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": str(uuid.uuid4()), "operation": "CREATE", "object": pod},
+    }
+    resp = webhook.post("/mutate", json=review).json()["response"]
+    if not resp["allowed"]:
+        raise PodDenied(resp["status"]["message"])
+    if resp.get("patch"):
+        assert resp["patchType"] == "JSONPatch"
+        pod = json_patch(pod, json.loads(base64.b64decode(resp["patch"])))
+    return srv.store.create("pods", pod)
 
 
 class Unschedulable(Exception):

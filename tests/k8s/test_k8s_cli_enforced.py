@@ -1,0 +1,210 @@
+"""The shipped commands end to end, and the slice really enforced.
+
+``qgpu device-plugin`` (simulated GPUs through `enforcement.discovery`), ``qgpu extender``
+and ``qgpu webhook`` run as separate processes against the fake apiserver and the fake
+kubelet; a pod goes webhook -> filter -> prioritize -> bind -> Allocate; then a workload
+runs with exactly what kubelet would give the container: the Allocate env, and the
+mounts reproduced in a private mount namespace (the slice ledger directory at its
+container path). The compiled interposer (named by the mounted ``ld.so.preload`` file,
+loaded here with LD_PRELOAD) reads the mounted limits file and caps the simulated GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fakes.apiserver import FakeApiserver, node_object
+from tests.fakes.kubelet import FakeKubelet
+from tests.k8s.helpers import NAMES, MiniScheduler, free_port, pod_object, submit_through_webhook
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "enforcement" / "worker.py"
+GIB = 1 << 30
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+def _native_ready() -> str | None:
+    try:
+        from enforcement.native import hook_library_path, sim_library_dir
+
+        hook_library_path()
+        sim_library_dir()
+    except Exception as exc:  # not built on this machine
+        return str(exc)
+    if not WORKER.is_file():
+        return f"{WORKER} is missing"
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return "needs root and unshare(1) for a private mount namespace"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_native_ready() is not None, reason=str(_native_ready()))
+
+
+def _qgpu(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "qgpu.cli", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_http(url: str, ok, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if ok(httpx.get(url, timeout=2)):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not ready")
+
+
+@pytest.fixture
+def stack(apiserver: FakeApiserver) -> Iterator[dict]:
+    tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qc"))
+    apiserver.store.create("nodes", node_object("n0", {NAMES.policy_label: "fs"}))
+    kubelet = FakeKubelet(tmp / "dp").start()
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        plugin = _qgpu(
+            "device-plugin",
+            "--node-name=n0",
+            f"--plugin-dir={tmp / 'dp'}",
+            f"--state-dir={tmp / 'state'}",
+            "--backend=sim",
+            "--sim=2xT4-16GB",
+            f"--apiserver={apiserver.url}",
+        )
+        procs.append(plugin)
+        kubelet.wait_ready([NAMES.core, NAMES.memory], timeout=60)
+        ext_port, hook_port = free_port(), free_port()
+        ext = _qgpu(
+            "extender",
+            f"--apiserver={apiserver.url}",
+            "--host=127.0.0.1",
+            f"--port={ext_port}",
+            "--node-policy=spread",
+        )
+        procs.append(ext)
+        web = _qgpu("webhook", "--host=127.0.0.1", f"--port={hook_port}")
+        procs.append(web)
+        ext_url, hook_url = f"http://127.0.0.1:{ext_port}", f"http://127.0.0.1:{hook_port}"
+        _wait_http(f"{ext_url}/healthz", lambda r: r.json()["nodes"] == 1, ext)
+        _wait_http(f"{hook_url}/healthz", lambda r: r.status_code == 200, web)
+        yield {"tmp": tmp, "kubelet": kubelet, "ext": ext_url, "hook": hook_url}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        kubelet.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Workload:
+    """tests/enforcement/worker.py in a private mount namespace laid out like the container."""
+
+    def __init__(self, envs: dict[str, str], mounts: dict[str, str]) -> None:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("QGPU_") and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+        }
+        env.update(envs)
+        env["PYTHONPATH"] = str(ROOT)
+        # Stand-ins for what the runtime does with the mounts: the hook named by the mounted
+        # /etc/ld.so.preload, the limits file at a path we can reach without a new /etc.
+        env["LD_PRELOAD"] = mounts["/usr/local/qgpu/lib/libqgpu_hook.so"]
+        env["QGPU_LIMITS_FILE"] = mounts["/etc/qgpu/limits.conf"]
+        script = (
+            "mount -t tmpfs none /run && mkdir -p /run/qgpu/slices && "
+            'mount --bind "$1" /run/qgpu/slices && exec "$2" "$3" serve'
+        )
+        self.proc = subprocess.Popen(
+            [
+                "unshare",
+                "-m",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                mounts["/run/qgpu/slices"],
+                sys.executable,
+                str(WORKER),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def ask(self, line: str) -> list[str]:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            self.proc.kill()
+            raise AssertionError(f"workload died on {line!r}: {self.proc.stderr.read()}")
+        return reply.split()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.ask("quit")
+            assert self.proc.stdin
+            self.proc.stdin.close()
+            self.proc.wait(30)
+
+
+def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, stack) -> None:
+    with httpx.Client(base_url=stack["hook"], timeout=10) as webhook:
+        pod = submit_through_webhook(webhook, apiserver, pod_object("job", [(30, 4)]))
+    assert pod["spec"]["schedulerName"] == "qgpu-scheduler"
+    scheduler = MiniScheduler(stack["ext"], apiserver, ["n0"])
+    node, why = scheduler.schedule("default", "job")
+    scheduler.close()
+    assert node == "n0", why
+    res = stack["kubelet"].admit(apiserver.store.get("pods", "default", "job"))["c0"]
+    envs = res.envs
+    assert envs["QGPU_CORE_LIMIT"] == "30" and envs["QGPU_ISOLATION"] == "fixed-share"
+    assert envs["QGPU_MEMORY_LIMIT"] == str(4 * GIB) and "QGPU_SIM_CONFIG" in envs
+    mounts = {m.container_path: m.host_path for m in res.mounts}
+    preload = Path(mounts["/etc/ld.so.preload"]).read_text().split()
+    assert preload == ["/usr/local/qgpu/lib/libqgpu_hook.so"]
+
+    w = Workload(envs, mounts)
+    try:
+        assert w.ask("init") == ["ok", "0"]
+        assert w.ask("ctx") == ["ok"]
+        assert w.ask("totalmem") == ["ok", str(4 * GIB)]  # the card shows the slice
+        assert w.ask(f"alloc alloc {3 * GIB}")[0] == "ok"
+        assert w.ask(f"alloc alloc {2 * GIB}") == ["err", str(OOM)]  # over the 4 GiB cap
+        _, free, total = w.ask("meminfo")
+        assert (int(free), int(total)) == (GIB, 4 * GIB)
+    finally:
+        w.close()
+    # the slice's shared ledger lives in the host directory the plugin mounted
+    assert any(Path(mounts["/run/qgpu/slices"]).iterdir())
