@@ -221,3 +221,15 @@ def test_refresh_picks_up_a_gpu_that_turned_unhealthy(agent: Agent, backend: Fak
     assert agent.ledger.node("node-a").gpus[0].health is GpuHealth.UNHEALTHY
     health = agent.health()
     assert health.status == "degraded" and health.unhealthy_devices == [backend.gpus[0].uuid]
+
+
+def test_node_placement_policy_is_the_core_engines(state_dir: Path, backend: FakeBackend) -> None:
+    spread = make_agent(state_dir, backend, placement="spread")
+    client = TestClient(create_app(spread))
+    got = [
+        reserve(client, request={"core": 10, "memory": 4}).json()["device_uuid"] for _ in range(4)
+    ]
+    assert got == [backend.gpus[0].uuid, backend.gpus[1].uuid] * 2
+    packed = reserve(client, request={"core": 10, "memory": 4, "placement": "binpack"}).json()
+    assert packed["device_uuid"] == backend.gpus[0].uuid  # a per-request override wins
+    spread.close()
