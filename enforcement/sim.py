@@ -213,10 +213,11 @@ def load_sim_nvml(config_path: str | os.PathLike[str]) -> ctypes.CDLL:
 # --- reading the shared per-GPU state (layout: enforcement/native/sim/sim.h) ---
 
 _HEADER = struct.Struct("<QIIQQqQQq")  # magic .. created_ns, offsets 0..64
-_PROC = struct.Struct("<iIQQQqQ16x")  # sim_proc_t, 64 bytes
+_PROC_RING = 32
+_PROC = struct.Struct(f"<iIQQQqQ16x{_PROC_RING}q{_PROC_RING}q")  # sim_proc_t, 576 bytes
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
-_MAGIC = 0x314D495355504751
+_MAGIC = 0x324D495355504751  # "QGPUSIM2"
 
 
 @dataclass(frozen=True)
@@ -226,11 +227,13 @@ class SimProcess:
     busy_ns: int
     last_end_ns: int
     launches: int
+    recent: tuple[tuple[int, int], ...] = ()  # its last ops on the timeline (start, end)
 
     def busy_completed(self, now_ns: int) -> int:
-        """Device time of this process's work finished by ``now_ns`` (queued work of one
-        process is counted as contiguous; exact when it keeps one op in flight)."""
-        return self.busy_ns - max(0, self.last_end_ns - now_ns)
+        """Device time of this process's work finished by ``now_ns`` (exact while fewer than
+        32 of its ops are queued)."""
+        pending = sum(max(0, end - max(start, now_ns)) for start, end in self.recent)
+        return self.busy_ns - pending
 
 
 @dataclass(frozen=True)
@@ -263,11 +266,13 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         raise ValueError(f"{cfg.state_path(gpu)} is not a simulated GPU state file")
     procs = []
     for i in range(_MAX_PROCS):
-        pid, _flags, _start, mem, pbusy, last_end, plaunch = _PROC.unpack_from(
-            data, _PROCS_OFFSET + i * _PROC.size
-        )
+        fields = _PROC.unpack_from(data, _PROCS_OFFSET + i * _PROC.size)
+        pid, _head, _start, mem, pbusy, last_end, plaunch = fields[:7]
         if pid:
-            procs.append(SimProcess(pid, mem, pbusy, last_end, plaunch))
+            starts = fields[7 : 7 + _PROC_RING]
+            ends = fields[7 + _PROC_RING :]
+            recent = tuple((a, b) for a, b in zip(starts, ends, strict=True) if b)
+            procs.append(SimProcess(pid, mem, pbusy, last_end, plaunch, recent))
     return SimGpuState(now, total, used, tail, busy, launches, tuple(procs))
 
 

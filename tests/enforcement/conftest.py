@@ -152,13 +152,13 @@ def workers() -> Iterator[list[Worker]]:
 
 def start_burn(
     env: dict[str, str],
-    ns: int = 2_000_000,
-    depth: int = 4,
-    seconds: float = 3.0,
+    ns: int = 5_000_000,
+    depth: int = 8,
     api: str = "kernel",
     resolve: str = "dlsym",
 ) -> subprocess.Popen[str]:
-    """A saturating workload (worker.py burn); prints 'ready' once its context exists."""
+    """A saturating workload (worker.py burn): prints 'ready' once its context exists and
+    runs until finish() closes its stdin."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -170,12 +170,11 @@ def start_burn(
             str(ns),
             "--depth",
             str(depth),
-            "--seconds",
-            str(seconds),
             "--api",
             api,
         ],
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -204,10 +203,12 @@ def measure_shares(
 
 
 def finish(procs: list[subprocess.Popen[str]]) -> None:
+    """Stop burn workers (close stdin) and check they exited cleanly."""
     for p in procs:
         try:
-            _out, err = p.communicate(timeout=30)
+            _out, err = p.communicate(timeout=60)
         finally:
             if p.poll() is None:
                 p.kill()
+                p.wait()
         assert p.returncode == 0, err

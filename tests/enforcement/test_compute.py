@@ -1,6 +1,7 @@
 """Compute caps, measured as each process's share of its simulated GPU's device timeline
 (not CPU time): fixed-share alone and under contention, burst-share, best-effort, and every
-gated launch API. Workloads keep up to 4 kernels of 2 ms in flight."""
+gated launch API. Workloads keep up to 8 kernels of 5 ms in flight (40 ms of queued
+work rides out CPU starvation when other tests load the machine)."""
 
 from __future__ import annotations
 
@@ -50,10 +51,10 @@ def test_fixed_share_never_exceeds_its_share_next_to_best_effort(sim: Sim) -> No
 
 
 def test_burst_share_bursts_alone_and_falls_back_to_its_share(sim: Sim) -> None:
-    burst = start_burn(sim.slice_env("bs-a", gpu=0, core=30, policy="burst-share"), seconds=6)
+    burst = start_burn(sim.slice_env("bs-a", gpu=0, core=30, policy="burst-share"))
     wait_ready([burst])
     (alone,) = measure_shares(sim, [(0, burst)], warmup=0.3, window=1.0)
-    other = start_burn(sim.slice_env("be-b", gpu=0, core=100, policy="best-effort"), seconds=3)
+    other = start_burn(sim.slice_env("be-b", gpu=0, core=100, policy="best-effort"))
     wait_ready([other])
     shared, busy = measure_shares(sim, [(0, burst), (0, other)])
     finish([burst, other])

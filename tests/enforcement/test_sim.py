@@ -191,7 +191,7 @@ def test_pynvml_uses_the_simulated_nvml(sim: Sim) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    burn = start_burn(sim.base_env(0), seconds=3)
+    burn = start_burn(sim.base_env(0))
     try:
         assert holder.stdout and holder.stdout.readline()
         wait_ready([burn])

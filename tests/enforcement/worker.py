@@ -1,7 +1,8 @@
 """Workload process for the enforcement tests and benchmarks (run as a script).
 
-``worker.py burn --ns N --depth D --seconds S [--api kernel|ex|coop|graph]`` keeps the
-(simulated) device busy with N-ns kernels, at most D in flight, for S seconds.
+``worker.py burn --ns N --depth D [--seconds S] [--api kernel|ex|coop|graph]`` keeps the
+(simulated) device busy with N-ns kernels, at most D in flight, until its stdin is closed
+(or S seconds passed).
 
 ``worker.py serve`` reads commands on stdin and answers one line each on stdout:
 ``init`` -> ``ok <CUresult of cuInit>``; ``ctx``; ``alloc API BYTES`` -> ``ok ID`` or
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import threading
 import time
 
 from enforcement.simcuda import CUDA_SUCCESS, Allocation, CudaError, Driver
@@ -27,8 +29,10 @@ def burn(args: argparse.Namespace) -> int:
     free_events: list[int] = []
     inflight: collections.deque[int] = collections.deque()
     end = time.monotonic() + args.seconds
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     print("ready", flush=True)
-    while time.monotonic() < end:
+    while not stop.is_set() and time.monotonic() < end:
         drv.launch_busy(args.ns, api=args.api)
         ev = free_events.pop() if free_events else drv.event()
         drv.event_record(ev)
@@ -90,7 +94,7 @@ def main() -> int:
     b = sub.add_parser("burn")
     b.add_argument("--ns", type=int, default=2_000_000)
     b.add_argument("--depth", type=int, default=4)
-    b.add_argument("--seconds", type=float, default=3.0)
+    b.add_argument("--seconds", type=float, default=120.0)
     b.add_argument("--api", default="kernel")
     sub.add_parser("serve")
     args = p.parse_args()

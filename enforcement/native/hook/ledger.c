@@ -16,8 +16,8 @@
 #define REGION_MAGIC 0x3147455255504751ULL /* "QGPUREG1" */
 #define MAX_SLOTS 64
 #define MAX_REGION 32
-#define BUCKET_WINDOW_NS 50000000LL   /* credit saved up while idle: 50 ms of the share */
-#define ACTIVE_WINDOW_NS 50000000LL   /* a slice that launched in the last 50 ms is active */
+#define BUCKET_WINDOW_NS 100000000LL  /* credit saved up while idle: 100 ms of the share */
+#define ACTIVE_WINDOW_NS 100000000LL  /* a slice that launched in the last 100 ms is active */
 #define STALE_REGION_NS 60000000000LL /* region entries idle for 60 s may be reused */
 
 typedef struct {

@@ -40,6 +40,10 @@ int64_t sim_enqueue(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur, in
             p->busy_ns += (uint64_t)dur;
             p->last_end_ns = end;
             p->launches += (uint64_t)kernels;
+            uint32_t h = p->ring_head % SIM_PROC_RING;
+            p->ring_start[h] = start;
+            p->ring_end[h] = end;
+            p->ring_head = (h + 1) % SIM_PROC_RING;
         }
         sim_state_snapshot(st, now);
     }

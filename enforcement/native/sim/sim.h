@@ -16,8 +16,8 @@
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
-#define SIM_STATE_MAGIC 0x314d495355504751ULL /* "QGPUSIM1" little endian */
-#define SIM_STATE_VERSION 1
+#define SIM_STATE_MAGIC 0x324d495355504751ULL /* "QGPUSIM2" little endian */
+#define SIM_STATE_VERSION 2
 
 typedef struct {
     char uuid[48];
@@ -37,16 +37,22 @@ typedef struct {
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 
+#define SIM_PROC_RING 32
+
 typedef struct {
     int32_t pid;        /* 0 = free */
-    uint32_t flags;
+    uint32_t ring_head;  /* next ring slot */
     uint64_t start_time; /* /proc/<pid>/stat field 22 */
     uint64_t mem_used;   /* bytes */
     uint64_t busy_ns;    /* device time of this process's work (scheduled) */
     int64_t last_end_ns; /* end of its last op on the timeline */
     uint64_t launches;
     uint64_t reserved[2];
-} sim_proc_t; /* 64 bytes */
+    /* its last SIM_PROC_RING ops on the timeline: work not finished at time t is
+     * sum(max(0, end - max(start, t))), so "busy up to t" is exact */
+    int64_t ring_start[SIM_PROC_RING];
+    int64_t ring_end[SIM_PROC_RING];
+} sim_proc_t; /* 576 bytes */
 
 typedef struct {
     uint64_t magic;          /* 0 */
@@ -67,7 +73,7 @@ typedef struct {
     sim_proc_t procs[SIM_MAX_PROCS]; /* 512 */
 } sim_gpu_state_t;
 
-_Static_assert(sizeof(sim_proc_t) == 64, "sim_proc_t layout");
+_Static_assert(sizeof(sim_proc_t) == 576, "sim_proc_t layout");
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "mutex fits");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, procs) == 512, "procs offset");
 
