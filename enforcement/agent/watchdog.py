@@ -145,7 +145,7 @@ class Watchdog:
         return report
 
     def _kill(self, pid: int) -> str:
-        if pid == os.getpid():
+        if pid <= 1 or pid == os.getpid():
             return "kill-failed"
         try:
             self._killer(pid, signal.SIGKILL)

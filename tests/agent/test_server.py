@@ -225,6 +225,8 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
             second.kill()
             usage = next(s for s in client.slices().slices if s.slice_id == capped.slice_id).usage
             assert usage.source == "interposer"
+            assert usage.memory_used_bytes is not None and usage.memory_used_bytes >= 3 * GIB
+            assert running.pid in usage.pids
     finally:
         running.kill()
         stop_agent(proc)

@@ -1,0 +1,65 @@
+"""Reading the interposer's per-slice ledger file, and the busy-time rate."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+from enforcement.agent.reconcile import proc_start_time
+from enforcement.agent.slice_stats import (
+    LEDGER_MAGIC,
+    BusyRate,
+    ledger_path,
+    read_slice_ledger,
+)
+
+GIB = 1 << 30
+
+
+def write_ledger(path: Path, busy_ns: int, slots: list[tuple[int, int, int]]) -> None:
+    """A slice ledger laid out as slice_ledger_t in enforcement/native/hook/ledger.c."""
+    data = bytearray(512 + 64 * 64)
+    used = sum(m for _, _, m in slots)
+    struct.pack_into("<QIIQQqqQ", data, 0, LEDGER_MAGIC, 1, 64, 4 * GIB, used, 0, 0, busy_ns)
+    for i, (pid, start, mem) in enumerate(slots):
+        struct.pack_into("<iIQQQQ", data, 512 + 64 * i, pid, 0, start, mem, 0, 1)
+    path.write_bytes(bytes(data))
+
+
+def test_live_slots_only(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    me = os.getpid()
+    start = proc_start_time(me)
+    assert start is not None
+    write_ledger(
+        ledger_path(tmp_path, "s-1"),
+        busy_ns=7_000_000,
+        slots=[(me, start, 2 * GIB), (dead.pid, 1234, GIB), (me, start + 1, GIB)],
+    )
+    led = read_slice_ledger(tmp_path, "s-1")
+    assert led is not None
+    assert led.mem_used == 2 * GIB  # the dead process and the reused pid do not count
+    assert led.pids == (me,)
+    assert led.busy_ns == 7_000_000
+
+
+def test_missing_or_foreign_files_read_as_none(tmp_path: Path) -> None:
+    assert read_slice_ledger(tmp_path, "s-none") is None
+    ledger_path(tmp_path, "s-bad").write_bytes(b"\0" * 5000)
+    assert read_slice_ledger(tmp_path, "s-bad") is None
+    ledger_path(tmp_path, "s-short").write_bytes(b"\0" * 10)
+    assert read_slice_ledger(tmp_path, "s-short") is None
+
+
+def test_busy_rate_is_busy_time_per_wall_second() -> None:
+    rate = BusyRate(min_interval_s=1.0)
+    assert rate.update("s", 0, now=100.0) is None
+    assert rate.update("s", 100_000_000, now=100.5) is None  # too soon for a rate
+    assert rate.update("s", 300_000_000, now=101.0) == 30.0  # 0.3 s busy in 1 s
+    assert rate.update("s", 300_000_000, now=101.2) == 30.0  # keeps the last rate
+    assert rate.update("s", 300_000_000, now=102.0) == 0.0
+    rate.forget(set())
+    assert rate.update("s", 0, now=103.0) is None
