@@ -37,7 +37,6 @@ from k8s_bridge.extender.models import (
     ExtenderBindingResult,
     ExtenderFilterResult,
     HostPriority,
-    HostPriorityList,
     NodeList,
 )
 from k8s_bridge.extender.state import ExtenderState
@@ -241,7 +240,8 @@ class Extender:
         except RuleViolation:
             reqs = []
         scores = self.state.score_nodes(reqs, names)
-        return HostPriorityList.validate_python([{"Host": n, "Score": scores[n]} for n in names])
+        # our own values (0..10 by construction): serialized by HostPriorityList at the edge
+        return [HostPriority(Host=n, Score=v) for n, v in zip(names, scores, strict=True)]
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._node_locks_guard:

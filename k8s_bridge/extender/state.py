@@ -344,29 +344,27 @@ class ExtenderState:
             for sid in placed:
                 self.state.release(sid)
 
-    def score_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> dict[str, int]:
-        """0..10 per node (nodes we cannot score get 0)."""
-        scores = dict.fromkeys(node_names, 0)
+    def score_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> list[int]:
+        """0..10 per node, in the order given (nodes we cannot score get 0)."""
         if not reqs:
-            return scores
+            return [0] * len(node_names)
         with self.lock:
             s = self.state
-            known = [n for n in node_names if n in s.node_index]
-            if not known:
-                return scores
+            pos = np.asarray([s.node_index.get(n, -1) for n in node_names], dtype=np.int64)
+            known = pos >= 0
+            if not known.any():
+                return [0] * len(node_names)
             req = reqs[0].request
             mask, memory, _ = self.engine.candidates(req)
-            ids = np.asarray([s.node_index[n] for n in known], dtype=np.int64)
-            view = CandidateView(s, req, mask, req.core_per_gpu, memory, ids)
+            view = CandidateView(s, req, mask, req.core_per_gpu, memory, pos[known])
             raw = np.asarray(self._node_policy(req).node_scores(view), dtype=float)
         lo, hi = float(raw.min()), float(raw.max())
+        out = np.zeros(len(node_names), dtype=np.int64)
         if hi - lo <= 1e-12:
-            norm = np.full(len(known), MAX_SCORE)
+            out[known] = MAX_SCORE
         else:
-            norm = np.rint((raw - lo) / (hi - lo) * MAX_SCORE).astype(int)
-        for name, value in zip(known, norm, strict=True):
-            scores[name] = int(value)
-        return scores
+            out[known] = np.rint((raw - lo) / (hi - lo) * MAX_SCORE).astype(np.int64)
+        return out.tolist()
 
     def reserve(
         self, uid: str, namespace: str, name: str, reqs: list[ContainerRequest], node: str
