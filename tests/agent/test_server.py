@@ -416,3 +416,43 @@ def test_sigterm_shuts_down_cleanly(state_dir: Path) -> None:
     assert proc.wait(timeout=20) == 0
     assert not (state_dir / "agent.sock").exists()
     assert (state_dir / "limits" / f"{sid}.limits").exists()  # slices outlive the agent
+
+
+_SPINNER = """
+import time
+from enforcement.simcuda import open_driver
+d = open_driver()
+print("ready", flush=True)
+end = time.monotonic() + 30
+while time.monotonic() < end:
+    d.launch_busy(2_000_000)
+    d.ctx_synchronize()
+"""
+
+
+def test_core_used_comes_from_the_interposer_busy_time(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    spinner: subprocess.Popen | None = None
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            res = client.reserve({"core": 30, "memory": 4, "isolation": "fs"})
+            spinner = subprocess.Popen(
+                [sys.executable, "-u", "-c", _SPINNER],
+                env={**os.environ, **res.env, "PYTHONPATH": str(REPO)},
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+            )
+            assert spinner.stdout is not None and spinner.stdout.readline().strip() == "ready"
+            seen = []
+            for _ in range(4):
+                seen.append(client.slices().slices[0].usage.core_used_percent)
+                time.sleep(1.1)
+            rates = [r for r in seen if r is not None]
+            assert seen[0] is None and rates  # a rate needs two samples
+            assert 15 < rates[-1] < 45, seen  # a 30% fixed share, measured from busy time
+            assert "qgpu_slice_core_used_percent{" in client.metrics()
+    finally:
+        if spinner is not None:
+            spinner.kill()
+        stop_agent(proc)
