@@ -209,3 +209,16 @@ def test_allocating_a_claimed_container_again_gives_the_same_answer(node: Node) 
     envs = dict(again.container_responses[0].envs)
     assert envs["CUDA_VISIBLE_DEVICES"] == first.envs["CUDA_VISIBLE_DEVICES"]
     assert envs["QGPU_SLICE_ID"] == first.envs["QGPU_SLICE_ID"]
+
+
+def test_two_whole_gpus_with_memory_take_ids_from_both(node: Node) -> None:
+    pod = node.bound_pod("w", [(200, 20)])
+    ca = assignment_of(node.srv, "w").containers["c0"]
+    assert ca.devices["memory"] == {U("n0", 0): 10, U("n0", 1): 10}
+    res = node.kubelet.admit(pod)["c0"]
+    assert res.envs["CUDA_VISIBLE_DEVICES"] == f"{U('n0', 0)},{U('n0', 1)}"
+    per_gpu = {}
+    for d in res.ids[NAMES.memory]:
+        per_gpu[d.rpartition("_")[0]] = per_gpu.get(d.rpartition("_")[0], 0) + 1
+    assert per_gpu == {U("n0", 0): 10, U("n0", 1): 10}
+    assert len(res.ids[NAMES.core]) == 200
