@@ -6,6 +6,7 @@ documented schema; every 4xx body must name a field, a value and a rule.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from enforcement.agent.watchdog import Watchdog
 from tests.agent.conftest import FakeBackend, h100
 
 _STATE = Path(tempfile.mkdtemp(prefix="qs", dir="/tmp"))
+atexit.register(shutil.rmtree, _STATE, True)  # also when the module is collected, not run
 _AGENT = Agent(
     AgentConfig(node_name="node-s", state_dir=_STATE, test_mode=True),
     FakeBackend([h100(0), h100(1)]),
@@ -36,7 +38,6 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 def teardown_module() -> None:
     _AGENT.close()
-    shutil.rmtree(_STATE, ignore_errors=True)
 
 
 @schema.parametrize()
