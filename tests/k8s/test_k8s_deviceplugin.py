@@ -212,13 +212,16 @@ def test_allocating_a_claimed_container_again_gives_the_same_answer(node: Node) 
 
 
 def test_two_whole_gpus_with_memory_take_ids_from_both(node: Node) -> None:
-    pod = node.bound_pod("w", [(200, 20)])
+    """For whole GPUs qgpu-memory is the minimum card size (the core's rule); kubelet still
+    hands out that many memory IDs, spread over the cards."""
+    pod = node.bound_pod("w", [(200, 16)])
     ca = assignment_of(node.srv, "w").containers["c0"]
-    assert ca.devices["memory"] == {U("n0", 0): 10, U("n0", 1): 10}
+    assert ca.memory_gib == [16, 16]
+    assert ca.devices["memory"] == {U("n0", 0): 8, U("n0", 1): 8}
     res = node.kubelet.admit(pod)["c0"]
     assert res.envs["CUDA_VISIBLE_DEVICES"] == f"{U('n0', 0)},{U('n0', 1)}"
     per_gpu = {}
     for d in res.ids[NAMES.memory]:
         per_gpu[d.rpartition("_")[0]] = per_gpu.get(d.rpartition("_")[0], 0) + 1
-    assert per_gpu == {U("n0", 0): 10, U("n0", 1): 10}
+    assert per_gpu == {U("n0", 0): 8, U("n0", 1): 8}
     assert len(res.ids[NAMES.core]) == 200
