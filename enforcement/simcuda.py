@@ -12,7 +12,9 @@ On the simulated driver, ``launch_busy(ns)`` occupies the device for ``ns`` nano
 
 from __future__ import annotations
 
+import collections
 import ctypes
+from collections.abc import Callable
 from ctypes import (
     POINTER,
     byref,
@@ -517,3 +519,58 @@ def open_driver(resolve: Literal["dlsym", "getproc"] = "dlsym", device: int = 0)
     drv.init()
     drv.context(drv.device(device))
     return drv
+
+
+def burn(
+    drv: Driver,
+    ns: int,
+    depth: int,
+    should_stop: Callable[[], bool],
+    api: str = "kernel",
+) -> int:
+    """Keep the device busy with ``ns``-nanosecond kernels, at most ``depth`` in flight,
+    until ``should_stop()``; returns the number of launches."""
+    free_events: list[int] = []
+    inflight: collections.deque[int] = collections.deque()
+    launches = 0
+    while not should_stop():
+        drv.launch_busy(ns, api=api)
+        launches += 1
+        ev = free_events.pop() if free_events else drv.event()
+        drv.event_record(ev)
+        inflight.append(ev)
+        if len(inflight) >= depth:
+            done = inflight.popleft()
+            drv.event_synchronize(done)
+            free_events.append(done)
+    drv.ctx_synchronize()
+    return launches
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m enforcement.simcuda burn``: a saturating workload that runs until its
+    stdin closes (or ``--seconds``); prints ``ready`` once its context exists."""
+    import argparse
+    import sys
+    import threading
+    import time
+
+    p = argparse.ArgumentParser(prog="python -m enforcement.simcuda")
+    p.add_argument("mode", choices=["burn"])
+    p.add_argument("--ns", type=int, default=5_000_000, help="kernel duration")
+    p.add_argument("--depth", type=int, default=8, help="kernels in flight")
+    p.add_argument("--seconds", type=float, default=120.0)
+    p.add_argument("--api", default="kernel", choices=["kernel", "ex", "coop", "graph"])
+    p.add_argument("--resolve", default="dlsym", choices=["dlsym", "getproc"])
+    args = p.parse_args(argv)
+    drv = open_driver(args.resolve)
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    end = time.monotonic() + args.seconds
+    print("ready", flush=True)
+    burn(drv, args.ns, args.depth, lambda: stop.is_set() or time.monotonic() >= end, args.api)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -14,34 +14,23 @@ host program keeps running.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import threading
 import time
 
 from enforcement.simcuda import CUDA_SUCCESS, Allocation, CudaError, Driver
+from enforcement.simcuda import burn as run_burn
 
 
 def burn(args: argparse.Namespace) -> int:
     drv = Driver(resolve=args.resolve)
     drv.init()
     drv.context(drv.device(0))
-    free_events: list[int] = []
-    inflight: collections.deque[int] = collections.deque()
     end = time.monotonic() + args.seconds
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     print("ready", flush=True)
-    while not stop.is_set() and time.monotonic() < end:
-        drv.launch_busy(args.ns, api=args.api)
-        ev = free_events.pop() if free_events else drv.event()
-        drv.event_record(ev)
-        inflight.append(ev)
-        if len(inflight) >= args.depth:
-            done = inflight.popleft()
-            drv.event_synchronize(done)
-            free_events.append(done)
-    drv.ctx_synchronize()
+    run_burn(drv, args.ns, args.depth, lambda: stop.is_set() or time.monotonic() >= end, args.api)
     return 0
 
 
