@@ -45,7 +45,7 @@ from enforcement.agent.reconcile import (
     pid_namespace,
     proc_start_time,
 )
-from enforcement.agent.slice_stats import BusyRate, read_slice_ledger
+from enforcement.agent.slice_stats import BusyRate, ledger_path, read_slice_ledger
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
 from enforcement.native import HOOK_LIBRARY
 from qgpu.errors import QgpuError, RuleViolation
@@ -177,6 +177,16 @@ class Agent:
                 and name.removesuffix(slice_env.LIMITS_SUFFIX) not in held
             ):
                 path.unlink(missing_ok=True)
+        for path in self.config.slices_dir.glob("slice-*.ledger"):
+            sid = path.name.removeprefix("slice-").removesuffix(".ledger")
+            if sid not in held:
+                self._drop_slice_ledger(sid)
+
+    def _drop_slice_ledger(self, slice_id: str) -> None:
+        """Delete the interposer's ledger of a released slice once no live process uses it."""
+        led = read_slice_ledger(self.config.slices_dir, slice_id)
+        if led is None or not led.pids:
+            ledger_path(self.config.slices_dir, slice_id).unlink(missing_ok=True)
 
     # -- reservations --------------------------------------------------------------------
 
@@ -257,6 +267,7 @@ class Agent:
         with self._write_lock:
             released = self.ledger.release(slice_id)
         slice_env.remove_limits_file(self._limits_path(slice_id))
+        self._drop_slice_ledger(slice_id)
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)

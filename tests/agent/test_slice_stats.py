@@ -7,13 +7,16 @@ import struct
 import subprocess
 from pathlib import Path
 
+from enforcement.agent.models import ReserveRequest
 from enforcement.agent.reconcile import proc_start_time
+from enforcement.agent.service import Agent
 from enforcement.agent.slice_stats import (
     LEDGER_MAGIC,
     BusyRate,
     ledger_path,
     read_slice_ledger,
 )
+from qgpu.model import SliceRequest
 
 GIB = 1 << 30
 
@@ -63,3 +66,15 @@ def test_busy_rate_is_busy_time_per_wall_second() -> None:
     assert rate.update("s", 300_000_000, now=102.0) == 0.0
     rate.forget(set())
     assert rate.update("s", 0, now=103.0) is None
+
+
+def test_release_drops_the_slice_ledger_once_its_processes_are_gone(agent: Agent) -> None:
+    req = ReserveRequest(request=SliceRequest(core=10, memory_gib=4))
+    idle, busy = agent.reserve(req).slice_id, agent.reserve(req).slice_id
+    me = os.getpid()
+    write_ledger(ledger_path(agent.config.slices_dir, idle), 0, [(me, 1, GIB)])  # stale slot
+    write_ledger(ledger_path(agent.config.slices_dir, busy), 0, [(me, proc_start_time(me), GIB)])
+    agent.release(idle)
+    agent.release(busy)
+    assert not ledger_path(agent.config.slices_dir, idle).exists()
+    assert ledger_path(agent.config.slices_dir, busy).exists()  # a live process still maps it
