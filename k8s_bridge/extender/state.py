@@ -32,7 +32,6 @@ from k8s_bridge.protocol import (
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, pod_slice_requests
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import (
-    IsolationPolicy,
     NodeInventory,
     PlacementPolicy,
     SliceRequest,
@@ -280,8 +279,8 @@ class ExtenderState:
             s = self.state
             known = [n for n in node_names if n in s.node_index]
             for n in node_names:
-                if n not in s.node_index:
-                    out.failed[n] = (
+                if n not in s.node_index:  # preemption cannot help here
+                    out.unresolvable[n] = (
                         "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
                     )
             if not known:
@@ -407,13 +406,3 @@ class ExtenderState:
 
     def unreserve(self, uid: str) -> None:
         self.release_pod(uid)
-
-    def note_written(self, uid: str, resource_version: str | None) -> None:
-        with self.lock:
-            rec = self.pods.get(uid)
-            if rec is not None:
-                rec.resource_version = max(rec.resource_version, _rv(resource_version))
-
-    def default_isolation(self, node: str) -> IsolationPolicy | None:
-        inv = self.inventories.get(node)
-        return inv.default_isolation if inv else None

@@ -57,7 +57,7 @@ def test_filter_speaks_go_field_names(three, http_ext) -> None:
     body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1", "nx"]}).json()
     assert set(body) >= {"NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     assert body["NodeNames"] == ["n0", "n1"]
-    assert "no qgpu GPU inventory" in body["FailedNodes"]["nx"]
+    assert "no qgpu GPU inventory" in body["FailedAndUnresolvableNodes"]["nx"]
     assert body["Error"] == ""
 
 
