@@ -28,7 +28,8 @@
 /* Real functions the hook calls itself without wrapping them. */
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) X(cuEventElapsedTime)                  \
-    X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuDeviceGetCount) X(cuDeviceGet)               \
+    X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuStreamIsCapturing) X(cuDeviceGetCount)       \
+    X(cuDeviceGet)                                                                           \
     X(cuDeviceGetUuid) X(nvmlDeviceGetUUID)
 
 enum {

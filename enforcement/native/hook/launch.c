@@ -38,8 +38,13 @@ static void poll_locked(void) {
     int j = 0;
     for (int i = 0; i < npending; i++) {
         ev_pair_t p = pending[i];
-        if (REAL(cuEventQuery)(p.end) != CUDA_SUCCESS) {
+        CUresult q = REAL(cuEventQuery)(p.end);
+        if (q == CUDA_ERROR_NOT_READY) {
             pending[j++] = p;
+            continue;
+        }
+        if (q != CUDA_SUCCESS) { /* e.g. its context was destroyed: forget it */
+            recycle_locked(p);
             continue;
         }
         float ms = 0;
@@ -61,9 +66,17 @@ static int have_event_api(void) {
 
 /* Blocks until the slice may launch; returns an event pair (already recorded on the
  * stream before the launch) or NULL when the launch is not measured. */
+/* Work recorded into a CUDA graph under stream capture does not run now: it is gated
+ * when the graph is launched, and events recorded during capture would never complete. */
+static int capturing(CUstream stream) {
+    int status = 0;
+    return HAVE_REAL(cuStreamIsCapturing) &&
+           REAL(cuStreamIsCapturing)(stream, &status) == CUDA_SUCCESS && status != 0;
+}
+
 int gate_before(CUstream stream, void **pair_out) {
     *pair_out = NULL;
-    if (!have_event_api()) return 0;
+    if (!have_event_api() || capturing(stream)) return 0;
     for (;;) {
         pthread_mutex_lock(&gate_lock);
         poll_locked();

@@ -59,6 +59,7 @@ CUresult cuEventQuery(CUevent hEvent);
 CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
 CUresult cuEventDestroy_v2(CUevent hEvent);
 CUresult cuCtxGetCurrent(CUcontext *pctx);
+CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus);
 CUresult cuDeviceGetCount(int *count);
 CUresult cuDeviceGet(CUdevice *device, int ordinal);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);

@@ -147,6 +147,15 @@ SIM_EXPORT CUresult cuStreamQuery(CUstream hs) {
     return qgpu_now_ns() >= stream_end(hs) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
+SIM_EXPORT CUresult cuStreamIsCapturing(CUstream hs, int *status) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_stream_ctx(hs)) return CUDA_ERROR_INVALID_CONTEXT;
+    *status = 0; /* the simulator has no stream capture */
+    return CUDA_SUCCESS;
+}
+
 /* ---- events ---- */
 
 SIM_EXPORT CUresult cuEventCreate(CUevent *pe, unsigned int flags) {

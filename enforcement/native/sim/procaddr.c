@@ -20,7 +20,7 @@
     X(cuMemAllocAsync) X(cuMemAllocFromPoolAsync) X(cuMemFreeAsync) X(cuArrayCreate_v2)      \
     X(cuArray3DCreate_v2) X(cuArrayDestroy) X(cuLaunchKernel) X(cuLaunchCooperativeKernel)   \
     X(cuLaunchKernelEx) X(cuStreamCreate) X(cuStreamDestroy_v2) X(cuStreamSynchronize)       \
-    X(cuStreamQuery) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventQuery)  \
+    X(cuStreamQuery) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventQuery)  \
     X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuGraphCreate)    \
     X(cuGraphDestroy) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)                     \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)            \
