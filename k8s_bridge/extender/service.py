@@ -296,7 +296,8 @@ class Extender:
         with self._node_lock(node):
             handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
             try:
-                if handle.previous_epoch != self.epochs.get(node, handle.previous_epoch):
+                # an epoch we did not write (or a node we never locked): re-read its pods
+                if self.epochs.get(node) != handle.previous_epoch:
                     on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
                     self.state.resync_node(node, on_node)
                 self.epochs[node] = handle.epoch
