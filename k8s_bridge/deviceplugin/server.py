@@ -198,7 +198,12 @@ class QgpuDevicePlugin:
     def start(self) -> None:
         if self.cfg.publish_inventory:
             self.publish()
-        self._serve_and_register()
+        try:
+            self._serve_and_register()
+        except (grpc.RpcError, OSError) as exc:
+            # kubelet not up yet (node boot): the monitor registers as soon as it is
+            log.warning("registration with kubelet failed (will retry): %s", exc)
+            self._kubelet_id = None
         self._monitor = threading.Thread(target=self._watch_kubelet, daemon=True)
         self._monitor.start()
 

@@ -225,3 +225,24 @@ def test_two_whole_gpus_with_memory_take_ids_from_both(node: Node) -> None:
         per_gpu[d.rpartition("_")[0]] = per_gpu.get(d.rpartition("_")[0], 0) + 1
     assert per_gpu == {U("n0", 0): 8, U("n0", 1): 8}
     assert len(res.ids[NAMES.core]) == 200
+
+
+def test_plugin_started_before_kubelet_registers_when_it_comes(apiserver) -> None:
+    tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qb"))
+    (tmp / "dp").mkdir()
+    apiserver.store.create("nodes", {"metadata": {"name": "n0"}})
+    plugin = QgpuDevicePlugin(
+        PluginConfig(node_name="n0", plugin_dir=tmp / "dp", poll_s=0.05, register_timeout_s=0.5),
+        Kube(apiserver.client(), NAMES),
+        NodeInventory(name="n0", gpus=[gpu("n0", 0)]),
+        AllocationPaths(state_dir=tmp / "state", hook_library=None),
+    )
+    plugin.start()  # no kubelet.sock yet
+    assert plugin.registrations == 0
+    kubelet = FakeKubelet(tmp / "dp").start()
+    try:
+        kubelet.wait_ready([NAMES.core, NAMES.memory])
+        assert kubelet.capacity(NAMES.memory) == (16, 16)
+    finally:
+        plugin.stop()
+        kubelet.stop()
