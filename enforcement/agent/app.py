@@ -3,6 +3,7 @@
 Routes (all JSON, pydantic models from `enforcement.agent.models`):
 
 =======  ===============================  ============================================
+GET      /v1/node                         inventory and workload environment (adapters)
 GET      /v1/devices                      the node's GPUs, committed and live use
 POST     /v1/slices                       reserve a slice -> Reservation (201)
 GET      /v1/slices                       every slice with live usage
@@ -39,6 +40,7 @@ from enforcement.agent.models import (
     DeviceList,
     ErrorBody,
     Health,
+    NodeInfo,
     ReleaseResult,
     Reservation,
     ReserveRequest,
@@ -179,6 +181,11 @@ def create_app(agent: Agent) -> FastAPI:
         log.exception("internal error on %s %s", request.method, request.url.path)
         rule = f"internal error ({type(exc).__name__}); see the agent's log"
         return error_response(500, "internal", [RuleViolation("request", None, rule)])
+
+    @app.get("/v1/node", response_model=NodeInfo, tags=["devices"])
+    def node() -> NodeInfo:
+        """The node's inventory and the environment its workloads need (for adapters)."""
+        return agent.node_info()
 
     @app.get("/v1/devices", response_model=DeviceList, tags=["devices"])
     def devices() -> DeviceList:

@@ -18,6 +18,7 @@ from enforcement.agent.config import DEFAULT_SOCKET, SOCKET_ENV
 from enforcement.agent.models import (
     DeviceList,
     Health,
+    NodeInfo,
     ReleaseResult,
     Reservation,
     SliceList,
@@ -124,6 +125,9 @@ class AgentClient:
         except httpx.TransportError as exc:
             raise AgentUnavailable(f"cannot reach the qgpu agent at {self.where}: {exc}") from exc
 
+    def node(self) -> NodeInfo:
+        return NodeInfo.model_validate_json(self._call("GET", "/v1/node").content)
+
     def devices(self) -> DeviceList:
         return DeviceList.model_validate_json(self._call("GET", "/v1/devices").content)
 
@@ -190,6 +194,9 @@ class AsyncAgentClient:
             return _check(await self._http.request(method, path, **kw))
         except httpx.TransportError as exc:
             raise AgentUnavailable(f"cannot reach the qgpu agent at {self.where}: {exc}") from exc
+
+    async def node(self) -> NodeInfo:
+        return NodeInfo.model_validate_json((await self._call("GET", "/v1/node")).content)
 
     async def devices(self) -> DeviceList:
         return DeviceList.model_validate_json((await self._call("GET", "/v1/devices")).content)

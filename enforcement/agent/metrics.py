@@ -208,7 +208,7 @@ class AgentCollector(Collector):
         yield from (over, kills, unowned, current)
 
 
-KNOWN_ROUTES = ("/v1/devices", "/v1/slices", "/v1/health", "/metrics")
+KNOWN_ROUTES = ("/v1/node", "/v1/devices", "/v1/slices", "/v1/health", "/metrics")
 
 
 def route_label(path: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from qgpu.model import GpuHealth, IsolationPolicy, Owner, SliceRequest
+from qgpu.model import GpuHealth, IsolationPolicy, NodeInventory, Owner, SliceRequest
 
 SLICE_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
@@ -117,6 +117,20 @@ class DeviceList(BaseModel):
     node: str
     backend: str
     devices: list[DeviceInfo]
+
+
+class NodeInfo(BaseModel):
+    """What a node-level adapter (Ray's resource provider, ...) needs to know of the node."""
+
+    node: str
+    backend: str
+    enforcement: Literal["interposer", "mps"]
+    inventory: NodeInventory = Field(description="the node as the placement engine sees it")
+    workload_env: dict[str, str] = Field(
+        description="environment every workload process of this node needs: QGPU_STATE_DIR, "
+        "and in simulation the simulated driver (QGPU_SIM_CONFIG, LD_LIBRARY_PATH)"
+    )
+    hook_path: str | None = Field(description="the interposer library, when it is built")
 
 
 class Health(BaseModel):

@@ -30,6 +30,7 @@ from enforcement.agent.models import (
     DeviceInfo,
     DeviceList,
     Health,
+    NodeInfo,
     ReleaseResult,
     Reservation,
     ReserveRequest,
@@ -434,6 +435,18 @@ class Agent:
                 )
             )
         return DeviceList(node=self.node, backend=self.backend.kind, devices=out)
+
+    def node_info(self) -> NodeInfo:
+        env = dict(self.backend.workload_env)
+        env["QGPU_STATE_DIR"] = str(self.config.slices_dir)
+        return NodeInfo(
+            node=self.node,
+            backend=self.backend.kind,
+            enforcement="mps" if self.mps is not None else "interposer",
+            inventory=self.inventory,
+            workload_env=env,
+            hook_path=str(self.hook_path) if self.hook_path.exists() else None,
+        )
 
     def health(self) -> Health:
         problems = []

@@ -233,3 +233,10 @@ def test_node_placement_policy_is_the_core_engines(state_dir: Path, backend: Fak
     packed = reserve(client, request={"core": 10, "memory": 4, "placement": "binpack"}).json()
     assert packed["device_uuid"] == backend.gpus[0].uuid  # a per-request override wins
     spread.close()
+
+
+def test_node_info_for_adapters(client: TestClient, agent: Agent) -> None:
+    info = client.get("/v1/node").json()
+    assert info["node"] == "node-a" and info["enforcement"] == "interposer"
+    assert info["inventory"] == agent.inventory.model_dump(mode="json")
+    assert info["workload_env"]["QGPU_STATE_DIR"] == str(agent.config.slices_dir)

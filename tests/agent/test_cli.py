@@ -45,6 +45,10 @@ def test_status_shows_devices_and_slices(state_dir: Path) -> None:
             assert (refused.value.field, refused.value.value) == ("qgpu-core", 150)
             assert "multiple of 100" in refused.value.rule
             assert client.release(typed.slice_id).released
+            node = client.node()
+            assert [g.model for g in node.inventory.gpus] == ["H100-80GB", "H100-80GB"]
+            assert node.workload_env["QGPU_SIM_CONFIG"].startswith(str(state_dir))
+            assert node.workload_env["QGPU_STATE_DIR"] == str(state_dir / "slices")
         table = qgpu("status", "--state-dir", str(state_dir))
         assert table.returncode == 0, table.stderr
         assert "node node-a" in table.stdout and "backend sim" in table.stdout
