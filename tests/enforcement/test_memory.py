@@ -120,3 +120,29 @@ def test_nvml_memory_info_reports_the_slice(sim: Sim) -> None:
     assert (total, used, free) == (4 * GIB, GIB, 3 * GIB)
     assert (total2, used2, free2) == (4 * GIB, GIB, 3 * GIB)
     assert other == 80 * GIB  # another GPU of the node is not the slice's
+
+
+FORK_SCRIPT = """
+import os
+from enforcement.simcuda import open_driver
+d = open_driver()
+d.mem_alloc(1 << 30)
+pid = os.fork()
+if pid == 0:  # the child is a process of the slice too, with its own slot
+    code, _ = d.try_mem_alloc(2 << 30)
+    bad, _ = d.try_mem_alloc(2 << 30)
+    os._exit(10 * code + (1 if bad == 2 else 0))
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), d.mem_get_info()[0])
+"""
+
+
+def test_forked_child_is_charged_and_reclaimed(sim: Sim) -> None:
+    env = sim.slice_env("mem-fork", memory=4 * GIB)
+    out = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    child, parent_free = out.stdout.split()
+    assert child == "1"  # child: 2 GiB ok (code 0), the next 2 GiB refused (OOM)
+    assert int(parent_free) == 3 * GIB  # the dead child's 2 GiB came back

@@ -102,9 +102,22 @@ static int reclaim_dead(void) {
     return freed;
 }
 
+/* getpid() is a system call: cache it, and reset the cache in fork children. */
+static int cached_pid;
+static void forget_pid(void) { cached_pid = 0; }
+
+static int current_pid(void) {
+    int pid = __atomic_load_n(&cached_pid, __ATOMIC_RELAXED);
+    if (!pid) {
+        pid = getpid();
+        __atomic_store_n(&cached_pid, pid, __ATOMIC_RELAXED);
+    }
+    return pid;
+}
+
 /* Locked. The slot of this process (re-found after fork). */
 static ledger_slot_t *slot(void) {
-    int pid = getpid();
+    int pid = current_pid();
     if (my_slot && my_pid == pid && my_slot->pid == pid && my_slot->start_time == my_start)
         return my_slot;
     my_pid = pid;
@@ -132,6 +145,7 @@ int ledger_open(const hook_limits_t *lim, char *err, size_t errlen) {
         snprintf(err, errlen, "QGPU_STATE_DIR=%s: cannot create the directory", lim->state_dir);
         return -1;
     }
+    pthread_atfork(NULL, NULL, forget_pid);
     snprintf(path, sizeof path, "%s/slice-%s.ledger", lim->state_dir, lim->slice_id);
     L = qgpu_map_state(path, sizeof(slice_ledger_t), LEDGER_MAGIC,
                        __builtin_offsetof(slice_ledger_t, lock_area), NULL, NULL);
