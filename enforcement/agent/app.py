@@ -6,6 +6,7 @@ Routes (all JSON, pydantic models from `enforcement.agent.models`):
 GET      /v1/node                         inventory and workload environment (adapters)
 GET      /v1/devices                      the node's GPUs, committed and live use
 POST     /v1/slices                       reserve a slice -> Reservation (201)
+POST     /v1/slices/record                record a slice placed elsewhere -> Reservation
 GET      /v1/slices                       every slice with live usage
 GET      /v1/slices/{slice_id}            one slice -> Reservation
 DELETE   /v1/slices/{slice_id}            release (idempotent) -> ReleaseResult
@@ -41,6 +42,7 @@ from enforcement.agent.models import (
     ErrorBody,
     Health,
     NodeInfo,
+    RecordRequest,
     ReleaseResult,
     Reservation,
     ReserveRequest,
@@ -138,13 +140,13 @@ def create_app(agent: Agent) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path == "/v1/slices" and request.method == "POST":
+        if request.url.path.startswith("/v1/slices") and request.method == "POST":
             agent.counters.add("reservations", "invalid")
         return error_response(422, "invalid", violations_from_request_errors(list(exc.errors())))
 
     @app.exception_handler(RuleViolation)
     async def _rule(request: Request, exc: RuleViolation) -> JSONResponse:
-        if request.url.path == "/v1/slices" and request.method == "POST":
+        if request.url.path.startswith("/v1/slices") and request.method == "POST":
             agent.counters.add("reservations", "invalid")
         return error_response(422, "invalid", [exc])
 
@@ -200,6 +202,13 @@ def create_app(agent: Agent) -> FastAPI:
     async def reserve(body: ReserveRequest) -> Reservation:
         """Reserve a slice. The answer carries the environment the workload must apply."""
         return await anyio.to_thread.run_sync(agent.reserve, body, limiter=writes)
+
+    @app.post("/v1/slices/record", response_model=Reservation, status_code=201, tags=["slices"])
+    async def record(body: RecordRequest) -> Reservation:
+        """Account for and enforce a slice placed elsewhere (scheduler extender, Ray SDK):
+        the ledger checks the GPUs exist and have room; a repeat by the same owner is a no-op.
+        """
+        return await anyio.to_thread.run_sync(agent.record, body, limiter=writes)
 
     @app.get("/v1/slices", response_model=SliceList, tags=["slices"])
     def slices() -> SliceList:

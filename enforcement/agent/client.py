@@ -140,6 +140,19 @@ class AgentClient:
         body = _reserve_body(request, owner, slice_id)
         return Reservation.model_validate_json(self._call("POST", "/v1/slices", json=body).content)
 
+    def record(
+        self,
+        slice_id: str,
+        request: SliceRequest | dict[str, Any],
+        device_uuids: list[str],
+        owner: Owner | dict[str, Any] | None = None,
+    ) -> Reservation:
+        """Have the agent account for and enforce a slice placed elsewhere."""
+        body = _reserve_body(request, owner, slice_id)
+        body["device_uuids"] = list(device_uuids)
+        response = self._call("POST", "/v1/slices/record", json=body)
+        return Reservation.model_validate_json(response.content)
+
     def get(self, slice_id: str) -> Reservation:
         return Reservation.model_validate_json(self._call("GET", f"/v1/slices/{slice_id}").content)
 

@@ -213,6 +213,8 @@ KNOWN_ROUTES = ("/v1/node", "/v1/devices", "/v1/slices", "/v1/health", "/metrics
 
 def route_label(path: str) -> str:
     """A bounded route label: slice ids are folded into the template."""
+    if path == "/v1/slices/record":
+        return path
     if path.startswith("/v1/slices/"):
         return (
             "/v1/slices/{slice_id}/release"

@@ -49,6 +49,20 @@ class ReserveRequest(BaseModel):
     )
 
 
+class RecordRequest(BaseModel):
+    """POST /v1/slices/record body: a placement decided elsewhere (the Kubernetes scheduler
+    extender, the Ray SDK) that this node must enforce and account for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slice_id: str = Field(pattern=SLICE_ID_PATTERN)
+    request: SliceRequest
+    device_uuids: list[str] = Field(
+        min_length=1, max_length=64, description="the GPUs chosen: one for a share"
+    )
+    owner: Owner = Field(default_factory=Owner)
+
+
 class Reservation(BaseModel):
     """A reserved slice and what a workload must apply to run inside it."""
 

@@ -31,6 +31,7 @@ from enforcement.agent.models import (
     DeviceList,
     Health,
     NodeInfo,
+    RecordRequest,
     ReleaseResult,
     Reservation,
     ReserveRequest,
@@ -223,6 +224,50 @@ class Agent:
             alloc.owner.kind.value,
             alloc.owner.id,
         )
+        return self.reservation(alloc)
+
+    def record(self, body: RecordRequest) -> Reservation:
+        """Account for and enforce a placement decided elsewhere (checked by the ledger)."""
+        req = body.request
+        if len(body.device_uuids) != req.gpu_count:
+            raise RuleViolation(
+                "device_uuids",
+                len(body.device_uuids),
+                f"must name exactly {req.gpu_count} GPU(s) for qgpu-core={req.core}",
+            )
+        if len(set(body.device_uuids)) != len(body.device_uuids):
+            raise RuleViolation("device_uuids", body.device_uuids[0], "must not repeat a GPU")
+        cards = {g.uuid: g for g in self.inventory.gpus}
+        for uuid in body.device_uuids:
+            gpu = cards.get(uuid)
+            if gpu is None:
+                raise RuleViolation("device_uuids", uuid, f"is not a GPU of node {self.node}")
+            req.check_against(gpu)
+        memory = (
+            min(cards[u].memory_gib for u in body.device_uuids)
+            if req.is_whole_gpu
+            else req.memory_gib
+        )
+        alloc = Allocation(
+            slice_id=body.slice_id,
+            node=self.node,
+            gpu_uuids=list(body.device_uuids),
+            core=req.core_per_gpu,
+            memory_gib=memory or 1,
+            isolation=req.effective_isolation(self.inventory.default_isolation),
+            owner=self._checked_owner(body.owner),
+        )
+        with self._stripe(alloc.slice_id):
+            with self._write_lock:
+                alloc = self.ledger.record(alloc, req)
+            try:
+                self._write_limits(alloc)
+            except BaseException:
+                with self._write_lock:
+                    self.ledger.release(alloc.slice_id)
+                raise
+        self.counters.add("reservations", "ok")
+        log.info("recorded %s on %s (placed elsewhere)", alloc.slice_id, ",".join(alloc.gpu_uuids))
         return self.reservation(alloc)
 
     def _checked_owner(self, owner: Owner) -> Owner:

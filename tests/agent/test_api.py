@@ -240,3 +240,31 @@ def test_node_info_for_adapters(client: TestClient, agent: Agent) -> None:
     assert info["node"] == "node-a" and info["enforcement"] == "interposer"
     assert info["inventory"] == agent.inventory.model_dump(mode="json")
     assert info["workload_env"]["QGPU_STATE_DIR"] == str(agent.config.slices_dir)
+
+
+def test_record_a_slice_placed_elsewhere(client: TestClient, backend: FakeBackend) -> None:
+    gpu1 = backend.gpus[1].uuid
+    body = {
+        "slice_id": "pod-1",
+        "request": {"qgpu-core": 40, "qgpu-memory": "20Gi", "isolation": "fs"},
+        "device_uuids": [gpu1],
+        "owner": {"kind": "pod", "id": "uid-1"},
+    }
+    res = client.post("/v1/slices/record", json=body)
+    assert res.status_code == 201, res.text
+    got = res.json()
+    assert (got["device_uuid"], got["core"], got["memory_gib"]) == (gpu1, 40, 20)
+    assert got["env"]["QGPU_CORE_LIMIT"] == "40" and Path(got["limits_file"]).exists()
+    again = client.post("/v1/slices/record", json=body)
+    assert again.status_code == 201 and again.json()["slice_id"] == "pod-1"  # idempotent
+    too_big = {**body, "slice_id": "pod-2", "request": {"core": 70, "memory": 8}}
+    body2 = assert_error(client.post("/v1/slices/record", json=too_big), 409, "request", "over")
+    assert body2["error"] == "no-fit"
+    unknown = {**body, "slice_id": "pod-3", "device_uuids": ["GPU-nope"]}
+    assert_error(client.post("/v1/slices/record", json=unknown), 422, "device_uuids", "not a GPU")
+    two = {**body, "slice_id": "pod-4", "device_uuids": [gpu1, backend.gpus[0].uuid]}
+    assert_error(client.post("/v1/slices/record", json=two), 422, "device_uuids", "exactly 1")
+    whole = {"slice_id": "pod-5", "request": {"core": 100}, "device_uuids": [backend.gpus[0].uuid]}
+    assert client.post("/v1/slices/record", json=whole).json()["enforcement"] == "none"
+    held = {s["slice_id"] for s in client.get("/v1/slices").json()["slices"]}
+    assert held == {"pod-1", "pod-5"}
