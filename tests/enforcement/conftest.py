@@ -43,6 +43,13 @@ class Sim:
         env["QGPU_SIM_CONFIG"] = str(self.config.path)
         env["CUDA_VISIBLE_DEVICES"] = self.uuid(gpu)
         env["PYTHONPATH"] = str(REPO)
+        # an empty limits file anyone could write: it has no authority, so the tests do not
+        # depend on whether the machine has a /etc/qgpu/limits.conf
+        neutral = self.config.path.parent / "neutral-limits.conf"
+        if not neutral.exists():
+            neutral.write_text("# no limits\n")
+            neutral.chmod(0o666)
+        env["QGPU_LIMITS_FILE"] = str(neutral)
         return env
 
     def slice_env(
@@ -189,7 +196,9 @@ def wait_ready(procs: list[subprocess.Popen[str]]) -> None:
 
 
 def measure_shares(
-    sim: Sim, placements: list[tuple[int, subprocess.Popen[str]]], warmup: float = 0.5,
+    sim: Sim,
+    placements: list[tuple[int, subprocess.Popen[str]]],
+    warmup: float = 0.5,
     window: float = 1.5,
 ) -> list[float]:
     """Share of device time (percent, on each process's simulated GPU) over ``window``

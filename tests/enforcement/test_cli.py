@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,33 @@ def test_console_script(short_tmp: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 7, out.stderr
     assert out.stdout.split()[2:] == [str(3 * GIB), "25", "best-effort", "2"]
+
+
+def test_qgpu_run_caps_compute(short_tmp: Path) -> None:
+    """End to end: a saturating workload under `qgpu run --policy fs` gets its share."""
+    from enforcement.sim import busy_share, load_sim_config, read_gpu_state
+
+    qgpu = shutil.which("qgpu", path=str(Path(sys.executable).parent))
+    assert qgpu
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("QGPU_SIM_CONFIG", None)
+    proc = subprocess.Popen(
+        [qgpu, "run", "--core", "35", "--memory", "4", "--policy", "fs", "--sim", "L4",
+         "--state-dir", str(short_tmp), "--", sys.executable, "-m", "enforcement.simcuda",
+         "burn"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout and proc.stdout.readline().strip() == "ready"
+        cfg = load_sim_config(next((short_tmp / "sim").glob("*.conf")))
+        time.sleep(0.5)
+        before = read_gpu_state(cfg, 0)
+        time.sleep(1.5)
+        share = 100 * busy_share(before, read_gpu_state(cfg, 0))
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert abs(share - 35) <= 5, share
