@@ -193,3 +193,42 @@ def test_limits_are_read_at_cuinit_not_at_load(sim: Sim) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(GIB), "2"]
+
+
+def build_hook_with_default(directory: Path, default_file: Path) -> Path:
+    """A copy of the interposer whose default limits file is ``default_file`` (the real
+    default, /etc/qgpu/limits.conf, is not ours to write in a test)."""
+    native = Path(__file__).resolve().parents[2] / "enforcement" / "native"
+    sources = sorted(str(p) for p in (native / "hook").glob("*.c"))
+    sources += sorted(str(p) for p in (native / "common").glob("*.c"))
+    out = directory / "libqgpu_hook_test.so"
+    subprocess.run(
+        ["cc", "-std=gnu11", "-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-Wl,-Bsymbolic",
+         f'-DQGPU_DEFAULT_LIMITS_FILE="{default_file}"', "-o", str(out), *sources, "-ldl",
+         "-lpthread"],
+        check=True, timeout=120,
+    )  # fmt: skip
+    return out
+
+
+def test_trusted_default_file_cannot_be_redirected(sim: Sim, short_tmp: Path) -> None:
+    """QGPU_LIMITS_FILE pointing elsewhere (and no slice in the environment) does not escape
+    a root-owned, read-only file at the default path."""
+    default = short_tmp / "etc-limits.conf"
+    default.write_text(
+        f"QGPU_SLICE_ID=cfg-default\nQGPU_DEVICE_UUID={sim.uuid(0)}\n"
+        f"QGPU_MEMORY_LIMIT={2 * GIB}\nQGPU_STATE_DIR={sim.state_dir}\n"
+    )
+    default.chmod(0o444)
+    hook = build_hook_with_default(short_tmp, default)
+    env = sim.slice_env("unused", memory=8 * GIB)
+    for key in ("QGPU_SLICE_ID", "QGPU_MEMORY_LIMIT"):
+        env.pop(key)
+    env["LD_PRELOAD"] = str(hook)  # env QGPU_LIMITS_FILE still names the neutral file
+    w = Worker(env)
+    try:
+        w.start()
+        total = w.meminfo()[1]
+    finally:
+        w.kill()
+    assert total == (2 * GIB if os.geteuid() == 0 else 80 * GIB)

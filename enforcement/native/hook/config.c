@@ -11,7 +11,10 @@
 
 #include "hook.h"
 
-#define DEFAULT_LIMITS_FILE "/etc/qgpu/limits.conf"
+#ifndef QGPU_DEFAULT_LIMITS_FILE /* tests build a copy with another default */
+#define QGPU_DEFAULT_LIMITS_FILE "/etc/qgpu/limits.conf"
+#endif
+#define DEFAULT_LIMITS_FILE QGPU_DEFAULT_LIMITS_FILE
 #define DEFAULT_STATE_DIR "/tmp/qgpu-state"
 
 enum { K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_FILE, K_REAL, K_SIM, K_COUNT };
@@ -118,6 +121,11 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
     const char *path = env.set[K_FILE] && env.val[K_FILE][0] ? env.val[K_FILE] : DEFAULT_LIMITS_FILE;
     struct stat st;
     int have_file = 0, trusted = 0;
+    /* A trusted file at the default path is authoritative whatever the environment says:
+     * pointing QGPU_LIMITS_FILE elsewhere must not escape it. */
+    if (stat(DEFAULT_LIMITS_FILE, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == 0 &&
+        !(st.st_mode & (S_IWGRP | S_IWOTH)))
+        path = DEFAULT_LIMITS_FILE;
     if (stat(path, &st) == 0) {
         if (!S_ISREG(st.st_mode)) {
             snprintf(err, errlen, "QGPU_LIMITS_FILE=%s: not a regular file", path);
