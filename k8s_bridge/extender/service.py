@@ -64,6 +64,9 @@ class ExtenderConfig(BaseModel):
     gpu_policy: PlacementPolicy | None = None
     lock_ttl_s: float = Field(default=30.0, gt=0)
     lock_timeout_s: float = Field(default=5.0, gt=0)
+    assume_ttl_s: float = Field(
+        default=10.0, ge=0, description="hold prioritize's best node until bind (0: never)"
+    )
     holder: str = Field(default_factory=lambda: f"qgpu-extender-{uuid.uuid4().hex[:8]}")
     watch: bool = True
     watch_timeout_s: int = Field(default=300, ge=1)
@@ -76,7 +79,9 @@ class Extender:
         self.cfg = cfg or ExtenderConfig()
         self.names: Names = kube.names
         self.kube = kube
-        self.state = ExtenderState(self.names, self.cfg.node_policy, self.cfg.gpu_policy)
+        self.state = ExtenderState(
+            self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s
+        )
         self.locker = NodeLocker(kube, self.cfg.holder, self.cfg.lock_ttl_s)
         self.epochs: dict[str, int] = {}
         self._node_locks: dict[str, threading.Lock] = {}
@@ -214,7 +219,7 @@ class Extender:
             return self._filter_reply(args, [], {}, dict.fromkeys(names, reason))
         if not reqs:
             return self._filter_reply(args, names, {}, {})
-        res = self.state.filter_nodes(reqs, names)
+        res = self.state.filter_nodes(reqs, names, pod.metadata.uid)
         return self._filter_reply(args, res.nodes, res.failed, res.unresolvable)
 
     @staticmethod
@@ -236,10 +241,14 @@ class Extender:
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
         names = args.candidate_names()
         try:
-            reqs = self._pod_requests(parse_pod(args.pod))
+            pod = parse_pod(args.pod)
+            reqs = self._pod_requests(pod)
         except RuleViolation:
-            reqs = []
+            pod, reqs = None, []
         scores = self.state.score_nodes(reqs, names)
+        if pod is not None and pod.metadata.uid and reqs and names and self.cfg.assume_ttl_s > 0:
+            best = max(range(len(names)), key=lambda i: (scores[i], -i))
+            self.state.assume(pod.metadata.uid, reqs, names[best])
         # our own values (0..10 by construction): serialized by HostPriorityList at the edge
         return [HostPriority(Host=n, Score=v) for n, v in zip(names, scores, strict=True)]
 

@@ -5,8 +5,11 @@ Owns the scheduling decisions the extender makes, all through `qgpu.placement.En
   with a reason per node that cannot;
 - `score_nodes`: 0..10 per node from the node-level policy (pod annotation override or
   the configured default);
-- `reserve` / `unreserve`: choose GPU(s) on the bound node with the GPU-level policy and
-  hold them under the pod's UID until released.
+- `assume`: hold the GPU(s) of the node prioritize ranked first until bind (or a short
+  expiry), so the next pod's filter sees a pod whose asynchronous bind is in flight;
+- `reserve` / `unreserve`: at bind, keep that assumption when kube-scheduler chose the same
+  node, or choose GPU(s) on the bound node with the GPU-level policy; hold them under the
+  pod's UID until released.
 
 The state of record is the apiserver: node inventories (``<prefix>/qgpu-inventory``) and
 pod assignments (``<prefix>/qgpu-assignment``). `load_nodes` / `load_pods` rebuild
@@ -57,6 +60,15 @@ class PodRecord:
 
 
 @dataclass
+class Assumed:
+    """GPUs held for a pod between prioritize and bind (a hint: dropped whenever in the way)."""
+
+    node: str
+    expires: float
+    assignment: Assignment
+
+
+@dataclass
 class FilterResult:
     nodes: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
@@ -82,8 +94,11 @@ class ExtenderState:
         names: Names,
         node_policy: PlacementPolicy | str | None = None,
         gpu_policy: PlacementPolicy | str | None = None,
+        assume_ttl_s: float = 10.0,
     ) -> None:
         self.names = names
+        self.assume_ttl_s = assume_ttl_s
+        self.assumed: dict[str, Assumed] = {}
         self.node_policy_name = PlacementPolicy.parse(node_policy) if node_policy else None
         self.gpu_policy_name = PlacementPolicy.parse(gpu_policy) if gpu_policy else None
         self.lock = threading.RLock()
@@ -159,12 +174,20 @@ class ExtenderState:
     def _rebuild(self) -> None:
         self._new_engine(list(self.inventories.values()))
         self._policies = {}
+        self.assumed = {}  # their slices went with the old state
         for rec in self.pods.values():
             rec.applied = self._apply(rec)
 
     def _apply(self, rec: PodRecord) -> bool:
+        """Hold a bound pod's assignment; assumptions on its node give way if needed."""
         if rec.node not in self.state.node_index:
             return False
+        if self._try_apply(rec, quiet=True):
+            return True
+        self._drop_assumed_on(rec.node)
+        return self._try_apply(rec, quiet=False)
+
+    def _try_apply(self, rec: PodRecord, quiet: bool) -> bool:
         applied: list[str] = []
         try:
             for cname, ca in rec.assignment.containers.items():
@@ -175,7 +198,10 @@ class ExtenderState:
         except (KeyError, ValueError) as exc:
             for sid in applied:
                 self.state.release(sid)
-            log.error("pod %s/%s: its assignment cannot be held: %s", rec.namespace, rec.name, exc)
+            if not quiet:
+                log.error(
+                    "pod %s/%s: its assignment cannot be held: %s", rec.namespace, rec.name, exc
+                )
             return False
         return True
 
@@ -241,6 +267,7 @@ class ExtenderState:
     def resync_node(self, node: str, pod_objs: list[dict]) -> None:
         """Replace what is held on `node` with the assignments of these pods."""
         with self.lock:
+            self._drop_assumed_on(node)
             for uid in [u for u, r in self.pods.items() if r.node == node]:
                 self.release_pod(uid)
             for obj in pod_objs:
@@ -273,9 +300,13 @@ class ExtenderState:
             raise NoFit(f"no GPU on node {node} is in the pod's include list", {})
         return req.model_copy(update={"include_uuids": mine})
 
-    def filter_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> FilterResult:
+    def filter_nodes(
+        self, reqs: list[ContainerRequest], node_names: list[str], uid: str = ""
+    ) -> FilterResult:
         out = FilterResult()
         with self.lock:
+            self._expire_assumed()
+            self._drop_assumed(uid)  # a pod scheduled again competes without its old hint
             s = self.state
             known = [n for n in node_names if n in s.node_index]
             for n in node_names:
@@ -357,52 +388,106 @@ class ExtenderState:
             mask, memory, _ = self.engine.candidates(req)
             view = CandidateView(s, req, mask, req.core_per_gpu, memory, pos[known])
             raw = np.asarray(self._node_policy(req).node_scores(view), dtype=float)
-        lo, hi = float(raw.min()), float(raw.max())
+        # Policies may score a node that cannot take the request -inf (frag does): 0 here.
+        finite = np.isfinite(raw)
+        norm = np.where(raw == np.inf, MAX_SCORE, 0).astype(np.int64)
+        if finite.any():
+            lo, hi = float(raw[finite].min()), float(raw[finite].max())
+            if hi - lo <= 1e-12:
+                norm[finite] = MAX_SCORE
+            else:
+                scaled = (raw[finite] - lo) / (hi - lo) * MAX_SCORE
+                norm[finite] = np.rint(scaled).astype(np.int64)
         out = np.zeros(len(node_names), dtype=np.int64)
-        if hi - lo <= 1e-12:
-            out[known] = MAX_SCORE
-        else:
-            out[known] = np.rint((raw - lo) / (hi - lo) * MAX_SCORE).astype(np.int64)
+        out[known] = norm
         return out.tolist()
+
+    def _place(self, uid: str, reqs: list[ContainerRequest], node: str) -> Assignment:
+        """Choose GPU(s) on `node` for every container and apply them (all or nothing)."""
+        if node not in self.inventories:
+            raise NoFit(f"node {node} publishes no qgpu GPU inventory", {})
+        inv = self.inventories[node]
+        containers: dict[str, ContainerAssignment] = {}
+        placed: list[str] = []
+        try:
+            for cr in reqs:
+                sid = slice_id(uid, cr.container)
+                decision = self.engine.place(sid, self._on_node(cr.request, node))
+                placed.append(sid)
+                gpus = list(decision.gpu_uuids)
+                devices: dict = {"core": dict.fromkeys(gpus, decision.core_per_gpu)}
+                if cr.request.memory_gib is not None:
+                    if cr.request.is_whole_gpu:
+                        devices["memory"] = split_ids(cr.request.memory_gib, gpus)
+                    else:
+                        devices["memory"] = {gpus[0]: cr.request.memory_gib}
+                containers[cr.container] = ContainerAssignment(
+                    gpus=gpus,
+                    core=decision.core_per_gpu,
+                    memory_gib=list(decision.memory_gib_per_gpu),
+                    isolation=cr.request.effective_isolation(inv.default_isolation),
+                    devices=devices,
+                )
+        except (NoFit, RuleViolation):
+            for sid in placed:
+                self.state.release(sid)
+            raise
+        return Assignment(node=node, containers=containers, assumed_at=time.time())
+
+    def assume(self, uid: str, reqs: list[ContainerRequest], node: str) -> bool:
+        """Hold the pod's GPUs on the node prioritize ranked first, until bind or expiry.
+
+        kube-scheduler binds asynchronously: without this, the next pod's filter would not
+        see a pod whose bind is still in flight and could be sent to the same last GPU.
+        """
+        with self.lock:
+            self._expire_assumed()
+            self._drop_assumed(uid)
+            if uid in self.pods or not reqs:
+                return False
+            try:
+                assignment = self._place(uid, reqs, node)
+            except NoFit:
+                return False
+            self.assumed[uid] = Assumed(node, time.monotonic() + self.assume_ttl_s, assignment)
+            return True
 
     def reserve(
         self, uid: str, namespace: str, name: str, reqs: list[ContainerRequest], node: str
     ) -> Assignment:
-        """Choose GPU(s) on `node` for every container and hold them; NoFit when impossible."""
+        """Hold the pod's GPU(s) on `node` (its assumption there, or a new choice)."""
         with self.lock:
-            if node not in self.inventories:
-                raise NoFit(f"node {node} publishes no qgpu GPU inventory", {})
             if uid in self.pods:
                 raise NoFit(f"pod {namespace}/{name} already holds GPUs on {self.pods[uid].node}")
-            inv = self.inventories[node]
-            containers: dict[str, ContainerAssignment] = {}
-            placed: list[str] = []
-            try:
-                for cr in reqs:
-                    sid = slice_id(uid, cr.container)
-                    decision = self.engine.place(sid, self._on_node(cr.request, node))
-                    placed.append(sid)
-                    gpus = list(decision.gpu_uuids)
-                    devices: dict = {"core": dict.fromkeys(gpus, decision.core_per_gpu)}
-                    if cr.request.memory_gib is not None:
-                        if cr.request.is_whole_gpu:
-                            devices["memory"] = split_ids(cr.request.memory_gib, gpus)
-                        else:
-                            devices["memory"] = {gpus[0]: cr.request.memory_gib}
-                    containers[cr.container] = ContainerAssignment(
-                        gpus=gpus,
-                        core=decision.core_per_gpu,
-                        memory_gib=list(decision.memory_gib_per_gpu),
-                        isolation=cr.request.effective_isolation(inv.default_isolation),
-                        devices=devices,
-                    )
-            except (NoFit, RuleViolation):
-                for sid in placed:
-                    self.state.release(sid)
-                raise
-            assignment = Assignment(node=node, containers=containers, assumed_at=time.time())
+            held = self.assumed.pop(uid, None)
+            if held is not None and held.node == node:
+                assignment = held.assignment
+            else:
+                if held is not None:
+                    self._release_slices(uid, held.assignment)
+                assignment = self._place(uid, reqs, node)
             self.pods[uid] = PodRecord(uid, namespace, name, node, assignment)
             return assignment
+
+    def _release_slices(self, uid: str, assignment: Assignment) -> None:
+        for cname in assignment.containers:
+            self.state.release(slice_id(uid, cname))
+
+    def _drop_assumed(self, uid: str) -> None:
+        held = self.assumed.pop(uid, None)
+        if held is not None:
+            self._release_slices(uid, held.assignment)
+
+    def _expire_assumed(self) -> None:
+        now = time.monotonic()
+        for uid in [u for u, a in self.assumed.items() if a.expires < now]:
+            self._drop_assumed(uid)
+
+    def _drop_assumed_on(self, node: str) -> bool:
+        uids = [u for u, a in self.assumed.items() if a.node == node]
+        for uid in uids:
+            self._drop_assumed(uid)
+        return bool(uids)
 
     def unreserve(self, uid: str) -> None:
         self.release_pod(uid)

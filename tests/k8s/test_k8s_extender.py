@@ -3,6 +3,7 @@ nodeCacheCapable and full-Nodes modes, rebuild after restart, and following the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -202,3 +203,64 @@ def test_every_configured_policy_binds(apiserver: FakeApiserver) -> None:
         ext.state.state.check_invariants()
         for i in range(3):
             apiserver.store.delete("pods", "default", f"{policy.value}-{i}")
+
+
+def _ext(srv: FakeApiserver, **cfg) -> Extender:
+    ext = Extender(Kube(srv.client(), NAMES), ExtenderConfig(watch=False, **cfg))
+    ext.start()
+    return ext
+
+
+def test_prioritize_holds_the_best_node_until_bind(apiserver: FakeApiserver) -> None:
+    """kube-scheduler binds asynchronously: the next pod's filter must already see the
+    previous pod on the node prioritize ranked first."""
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    publish_node(apiserver, "one", [gpu("one", 0)])
+    ext = _ext(apiserver)
+    a = apiserver.store.create("pods", pod_object("a", [(60, 4)]))
+    b = apiserver.store.create("pods", pod_object("b", [(60, 4)]))
+    assert ext.filter(ExtenderArgs(Pod=a, NodeNames=["one"])).node_names == ["one"]
+    ext.prioritize(ExtenderArgs(Pod=a, NodeNames=["one"]))
+    res = ext.filter(ExtenderArgs(Pod=b, NodeNames=["one"]))  # a's bind still in flight
+    assert res.node_names == [] and "core 40" in res.failed_nodes["one"]
+    assert _bind(apiserver, ext, "a", "one") == ""
+    assert int(ext.state.state.free_core[0]) == 40  # the assumption became the assignment
+    ext.state.state.check_invariants()
+
+
+def test_an_assumption_expires_and_yields_to_the_bound_node(apiserver: FakeApiserver) -> None:
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    for n in ("n0", "n1"):
+        publish_node(apiserver, n, [gpu(n, 0)])
+    ext = _ext(apiserver, assume_ttl_s=0.2)
+    a = apiserver.store.create("pods", pod_object("a", [(60, 4)]))
+    ext.prioritize(ExtenderArgs(Pod=a, NodeNames=["n0", "n1"]))  # holds n0
+    s = ext.state.state
+    assert int(s.free_core[s.uuid_index[U("n0", 0)]]) == 40
+    assert _bind(apiserver, ext, "a", "n1") == ""  # the scheduler chose n1 after all
+    assert int(s.free_core[s.uuid_index[U("n0", 0)]]) == 100
+    assert assignment_of(apiserver, "a").node == "n1"
+    b = apiserver.store.create("pods", pod_object("b", [(60, 4)]))
+    ext.prioritize(ExtenderArgs(Pod=b, NodeNames=["n0"]))  # holds n0 for b...
+    time.sleep(0.3)  # ...until it expires without a bind
+    c = apiserver.store.create("pods", pod_object("c", [(60, 4)]))
+    assert ext.filter(ExtenderArgs(Pod=c, NodeNames=["n0"])).node_names == ["n0"]
+    s.check_invariants()
+
+
+def test_scores_stay_in_range_when_a_policy_rules_a_node_out(apiserver: FakeApiserver) -> None:
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    for n in ("n0", "n1", "n2"):
+        publish_node(apiserver, n, [gpu(n, 0)])
+    for policy in ("binpack", "spread", "frag"):
+        ext = _ext(apiserver, node_policy=policy, assume_ttl_s=0)
+        full = apiserver.store.create("pods", pod_object(f"full-{policy}", [(100, None)]))
+        assert _bind(apiserver, ext, full["metadata"]["name"], "n0") == ""
+        pod = apiserver.store.create("pods", pod_object(f"p-{policy}", [(30, 4)]))
+        scores = ext.prioritize(ExtenderArgs(Pod=pod, NodeNames=["n0", "n1", "n2"]))
+        assert all(0 <= h["Score"] <= 10 for h in scores), (policy, scores)
+        assert max(h["Score"] for h in scores) == 10
+        apiserver.store.delete("pods", "default", full["metadata"]["name"])

@@ -1,6 +1,6 @@
-"""Property: whatever the sequence of binds (any node, any shape) and pod deletions, no GPU
-is ever over-committed, and an extender rebuilt from the annotations alone holds exactly
-what the running one holds."""
+"""Property: whatever the sequence of binds (any node, any shape, with or without a
+prioritize holding a node first) and pod deletions, no GPU is ever over-committed, and an
+extender rebuilt from the annotations alone holds exactly what the running one holds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k8s_bridge.extender.models import ExtenderBindingArgs
+from k8s_bridge.extender.models import ExtenderArgs, ExtenderBindingArgs
 from k8s_bridge.extender.service import Extender, ExtenderConfig
 from k8s_bridge.kube import Kube
 from tests.fakes.apiserver import FakeApiserver
@@ -20,6 +20,7 @@ NODES = ["n0", "n1"]
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("bind"), st.sampled_from(SHAPES), st.sampled_from(NODES)),
+        st.tuples(st.just("prio+bind"), st.sampled_from(SHAPES), st.sampled_from(NODES)),
         st.tuples(st.just("delete"), st.integers(0, 50), st.just("")),
     ),
     min_size=5,
@@ -38,9 +39,11 @@ def test_no_overcommit_and_rebuild_matches(ops, policy: str) -> None:
         ext.start()
         bound: list[str] = []
         for i, (op, arg, node) in enumerate(ops):
-            if op == "bind":
+            if op in ("bind", "prio+bind"):
                 name = f"p{i}"
                 pod = srv.store.create("pods", pod_object(name, [arg]))
+                if op == "prio+bind":  # prioritize holds its best node; bind may pick another
+                    ext.prioritize(ExtenderArgs(Pod=pod, NodeNames=NODES))
                 args = ExtenderBindingArgs(
                     PodName=name, PodNamespace="default", PodUID=pod["metadata"]["uid"], Node=node
                 )
@@ -58,6 +61,7 @@ def test_no_overcommit_and_rebuild_matches(ops, policy: str) -> None:
                 cap = caps[u]
                 assert row["core"] <= 100 and row["memory"] <= cap.memory_gib
                 assert row["slices"] <= cap.max_slices()
+        assert not ext.state.assumed  # every prioritized pod was bound or refused
         fresh = Extender(Kube(srv.client(), NAMES), ExtenderConfig(watch=False))
         fresh.start()
         a, b = ext.state.state, fresh.state.state
