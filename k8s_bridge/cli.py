@@ -145,6 +145,7 @@ def run_extender(args: argparse.Namespace) -> int:
         if args.gpu_policy
         else None,
         lock_ttl_s=args.lock_ttl,
+        assume_ttl_s=args.assume_ttl,
     )
     ext = Extender(_kube(args), cfg)
     ext.start()
@@ -164,6 +165,12 @@ def register_extender(sub: Any) -> None:
     p.add_argument("--node-policy", default="binpack", choices=names)
     p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
     p.add_argument("--lock-ttl", type=float, default=30.0, help="node lock expiry, seconds")
+    p.add_argument(
+        "--assume-ttl",
+        type=float,
+        default=10.0,
+        help="hold prioritize's best node until bind for this long, seconds (0: off)",
+    )
     p.set_defaults(func=run_extender)
 
 
