@@ -5,7 +5,11 @@
  * are handled) and the compute token bucket (device-ns of credit, refilled at the share).
  *
  * gpu-<uuid>.region: one per physical GPU: each slice on it publishes when it last launched
- * work, so a burst-share slice knows whether it is alone. */
+ * work, so a burst-share slice knows whether it is alone.
+ *
+ * The slice ledger's layout is read by enforcement/agent/slice_stats.py (memory per live
+ * pid, busy_ns): keep the offsets below stable, or change both. busy_ns is the device time
+ * measured for gated launches, i.e. for capped slices only. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
