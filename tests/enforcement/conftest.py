@@ -157,6 +157,20 @@ def workers() -> Iterator[list[Worker]]:
         w.kill()
 
 
+_BURNS: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_burns() -> Iterator[None]:
+    """A failed assertion must not leave saturating workers running."""
+    yield
+    while _BURNS:
+        p = _BURNS.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def start_burn(
     env: dict[str, str],
     ns: int = 5_000_000,
@@ -166,7 +180,7 @@ def start_burn(
 ) -> subprocess.Popen[str]:
     """A saturating workload (worker.py burn): prints 'ready' once its context exists and
     runs until finish() closes its stdin."""
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [
             sys.executable,
             str(WORKER),
@@ -186,6 +200,8 @@ def start_burn(
         stderr=subprocess.PIPE,
         text=True,
     )
+    _BURNS.append(proc)
+    return proc
 
 
 def wait_ready(procs: list[subprocess.Popen[str]]) -> None:
