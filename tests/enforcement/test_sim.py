@@ -151,8 +151,8 @@ def test_processes_share_one_timeline(sim: Sim) -> None:
     wait_ready(procs)
     a, b = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
     finish(procs)
-    assert a + b == pytest.approx(100, abs=2)
-    assert abs(a - b) < 10
+    assert a + b <= 100.5  # one engine: the two never add up to more than the device
+    assert a > 35 and b > 35  # and it is shared (FIFO: about evenly at equal queue depth)
 
 
 NVML = """
