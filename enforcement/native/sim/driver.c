@@ -399,3 +399,12 @@ SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **str) {
     *str = NULL;
     return CUDA_ERROR_INVALID_VALUE;
 }
+
+/* Older entry points with the same ABI as their _v2 successors (still exported by real
+ * drivers for old binaries). */
+SIM_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
+SIM_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+SIM_EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+    return cuDevicePrimaryCtxRelease_v2(dev);
+}

@@ -301,3 +301,7 @@ SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream hs) {
     sim_enqueue(c, real_stream(hs), e->total_ns, e->nodes);
     return CUDA_SUCCESS;
 }
+
+/* Older entry points with the same ABI as their _v2 successors. */
+SIM_EXPORT CUresult cuStreamDestroy(CUstream s) { return cuStreamDestroy_v2(s); }
+SIM_EXPORT CUresult cuEventDestroy(CUevent e) { return cuEventDestroy_v2(e); }
