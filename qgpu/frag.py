@@ -229,28 +229,31 @@ class FragPolicy(Policy):
             whole = np.where(sums >= count, sums, 0.0)
         else:
             whole = np.floor_divide(sums, count)
-        return np.where(self.k_whole[None, :], whole, sums)[:, self.t_class]
+        copies = np.where(self.k_whole[None, :], whole, sums).astype(np.float32)
+        return copies[:, self.t_class]
 
     def _host_copies(self, cpu: np.ndarray, hostmem: np.ndarray) -> np.ndarray:
         """Per node x type: copies the node's free host CPU and memory can feed."""
         if self.measure == "fgd":
             ok = (cpu[:, None] >= self.t_cpu[None, :]) & (hostmem[:, None] >= self.t_hostmem)
-            return np.where(ok, _MANY, 0.0)
+            return np.where(ok, _MANY, 0.0).astype(np.float32)
         # floor(free / need) in float64: exact for these magnitudes (free and need are
         # integers below 2**50, so a true quotient's fraction is at least 1 / need >> 1e-9)
-        cpu_f = np.minimum(cpu, _MANY).astype(np.float64)[:, None]
-        mem_f = np.minimum(hostmem, _MANY).astype(np.float64)[:, None]
+        cpu_f = np.clip(cpu, 0, _MANY).astype(np.float64)[:, None]
+        mem_f = np.clip(hostmem, 0, _MANY).astype(np.float64)[:, None]
         copies = np.minimum(
             cpu_f * self.t_inv_cpu + self.t_free_cpu,
             mem_f * self.t_inv_hostmem + self.t_free_hostmem,
         )
-        return np.floor(np.clip(copies, 0.0, _MANY) + 1e-9)
+        copies += 1e-9
+        return np.floor(copies, out=copies).astype(np.float32)
 
     def _expected_usable(self, gpu_copies: np.ndarray, host_copies: np.ndarray) -> np.ndarray:
         """Expected usable qgpu-core (times the total weight): sum over types of weight x
-        copies x core per copy."""
+        copies x core per copy. Copies are small whole numbers (or the 2**40 cap), exact in
+        float32; the weighted sum is taken in float64, where it is exact too."""
         copies = np.minimum(gpu_copies, host_copies)
-        return copies @ (self.t_weight * self.t_unit)
+        return copies.astype(np.float64) @ (self.t_weight * self.t_unit)
 
     def _score(self, view: CandidateView) -> np.ndarray:
         """Per GPU (length gpu_total): minus the growth of expected fragmentation if the
