@@ -3,7 +3,8 @@
 Each ``register_*(subparsers)`` adds one subcommand whose handler returns an exit code.
 The device plugin discovers its GPUs through `enforcement.discovery` (NVML, or the
 simulated backend with ``--sim 2xH100-80GB``), publishes them on its Node, serves kubelet
-and re-discovers every ``--health-interval`` seconds to report health changes.
+and re-discovers every ``--health-interval`` seconds to report health changes; with
+``--agent-socket`` it records each slice with the node agent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         hook_library=_hook_library(args.hook_library),
         workload_env=dict(backend.workload_env),
+        agent=_agent(args.agent_socket),
     )
     cfg = PluginConfig(node_name=node, prefix=args.prefix, plugin_dir=Path(args.plugin_dir))
     plugin = QgpuDevicePlugin(cfg, _kube(args), inventory, paths)
@@ -98,6 +101,25 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         plugin.stop()
         backend.close()
     return EXIT_OK
+
+
+def _agent(socket_path: str | None) -> Any:
+    """A client of the node agent (waits up to a minute for it to come up), or None."""
+    if not socket_path:
+        return None
+    from enforcement.agent.client import AgentClient, AgentUnavailable
+
+    client = AgentClient(socket_path)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.node()
+            return client
+        except AgentUnavailable as exc:
+            if time.monotonic() > deadline:
+                logging.warning("%s; Allocate fails until the agent answers", exc)
+                return client
+            time.sleep(1.0)
 
 
 def _hook_library(explicit: str | None) -> Path | None:
@@ -125,6 +147,11 @@ def register_device_plugin(sub: Any) -> None:
     p.add_argument("--hook-library", help="interposer path (default: the built one)")
     p.add_argument("--max-slices", type=int, default=DEFAULT_MAX_SLICES_PER_GPU)
     p.add_argument("--health-interval", type=float, default=10.0)
+    p.add_argument(
+        "--agent-socket",
+        help="record every slice with the node agent on this socket (it writes the limits "
+        "files and watches the pods' processes); default: the plugin writes them itself",
+    )
     p.set_defaults(func=run_device_plugin)
 
 

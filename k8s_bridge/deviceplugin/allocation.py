@@ -18,6 +18,13 @@ a container needs:
   the ``/dev/nvidia*`` device nodes that exist on the host.
 
 Whole GPUs get the device(s) and the slice id only: nothing to cap.
+
+With a node agent (``qgpu device-plugin --agent-socket``), the slice is recorded with the
+agent instead (`enforcement.agent` ``POST /v1/slices/record``, owner = the pod): the agent
+checks it against everything else on the node (Ray, Dask, other pods), writes the limits
+file, and its reconcile and watchdog cover the pod. The agent's limits file and ledger
+directory are then mounted at their host paths, so the paths inside the file hold in the
+container too.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
 from enforcement.limits import (
     allocation_env,
     limits_for_allocation,
@@ -35,7 +43,7 @@ from enforcement.limits import (
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.protocol import ContainerAssignment, Kind
 from qgpu.errors import RuleViolation
-from qgpu.model import Allocation, GpuDevice, Owner, OwnerKind
+from qgpu.model import WHOLE_GPU_CORE, Allocation, GpuDevice, Owner, OwnerKind, SliceRequest
 
 CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits.conf")
 CONTAINER_PRELOAD = Path("/etc/ld.so.preload")
@@ -52,6 +60,7 @@ class AllocationPaths:
     hook_library: Path | None
     dev_dir: Path = Path("/dev")
     workload_env: dict[str, str] = field(default_factory=dict)
+    agent: AgentClient | None = None
 
     @property
     def limits_dir(self) -> Path:
@@ -112,6 +121,8 @@ def container_response(
         isolation=ca.isolation,
         owner=Owner(kind=OwnerKind.POD, id=pod_uid, meta={"container": container}),
     )
+    if paths.agent is not None:
+        return _recorded_by_agent(paths, paths.agent, alloc, ca, gpus, kind)
     env = dict(paths.workload_env)
     env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ca.gpus)
     if ca.core >= 100:
@@ -144,24 +155,14 @@ def container_response(
     try:
         write_limits_file(host_limits, values)
         paths.slices_dir.mkdir(parents=True, exist_ok=True)
-        preload = paths.preload_file
-        preload.parent.mkdir(parents=True, exist_ok=True)
-        text = f"{CONTAINER_HOOK}\n"
-        if not preload.exists() or preload.read_text() != text:
-            tmp = preload.with_name(f".{preload.name}.{os.getpid()}")
-            tmp.write_text(text)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, preload)
+        preload = _preload_file(paths)
     except OSError as exc:
         raise AllocationError(f"cannot write the slice's files on the host: {exc}") from exc
     mounts = [
         pb.Mount(
             container_path=str(CONTAINER_LIMITS_FILE), host_path=str(host_limits), read_only=True
         ),
-        pb.Mount(container_path=str(CONTAINER_PRELOAD), host_path=str(preload), read_only=True),
-        pb.Mount(
-            container_path=str(CONTAINER_HOOK), host_path=str(paths.hook_library), read_only=True
-        ),
+        *_preload_mounts(paths, preload),
         pb.Mount(
             container_path=str(CONTAINER_STATE_DIR),
             host_path=str(paths.slices_dir),
@@ -169,3 +170,75 @@ def container_response(
         ),
     ]
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=_device_specs(paths, gpus))
+
+
+def _preload_file(paths: AllocationPaths) -> Path:
+    """The host file bind-mounted as the container's /etc/ld.so.preload."""
+    preload = paths.preload_file
+    preload.parent.mkdir(parents=True, exist_ok=True)
+    text = f"{CONTAINER_HOOK}\n"
+    if not preload.exists() or preload.read_text() != text:
+        tmp = preload.with_name(f".{preload.name}.{os.getpid()}")
+        tmp.write_text(text)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, preload)
+    return preload
+
+
+def _preload_mounts(paths: AllocationPaths, preload: Path) -> list[pb.Mount]:
+    return [
+        pb.Mount(container_path=str(CONTAINER_PRELOAD), host_path=str(preload), read_only=True),
+        pb.Mount(
+            container_path=str(CONTAINER_HOOK), host_path=str(paths.hook_library), read_only=True
+        ),
+    ]
+
+
+def _recorded_by_agent(
+    paths: AllocationPaths,
+    agent: AgentClient,
+    alloc: Allocation,
+    ca: ContainerAssignment,
+    gpus: list[GpuDevice],
+    kind: Kind,
+) -> pb.ContainerAllocateResponse:
+    """The slice as the node agent records and enforces it (a repeat is a no-op there)."""
+    whole = ca.core >= WHOLE_GPU_CORE
+    request = SliceRequest(
+        core=WHOLE_GPU_CORE * len(ca.gpus) if whole else ca.core,
+        memory_gib=None if whole else ca.memory_gib[0],
+        isolation=ca.isolation,
+    )
+    try:
+        res = agent.record(alloc.slice_id, request, list(ca.gpus), alloc.owner)
+    except AgentUnavailable as exc:
+        raise AllocationError(str(exc)) from exc
+    except AgentError as exc:
+        raise AllocationError(f"the node agent refused the slice: {exc}") from exc
+    env = {k: v for k, v in res.env.items() if k != "LD_PRELOAD"}  # /etc/ld.so.preload does
+    env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ca.gpus)
+    if kind != "core":
+        return pb.ContainerAllocateResponse(envs=env)
+    devices = _device_specs(paths, gpus)
+    if res.enforcement == "none":
+        return pb.ContainerAllocateResponse(envs=env, devices=devices)
+    if res.enforcement != "interposer" or not res.limits_file or "QGPU_STATE_DIR" not in env:
+        raise AllocationError(
+            f"the node agent enforces this slice with {res.enforcement}, which the device "
+            "plugin cannot hand to a container; run the agent with --enforcement interposer"
+        )
+    if paths.hook_library is None or not paths.hook_library.is_file():
+        raise AllocationError(
+            f"the interposer library is not available on this node ({paths.hook_library})"
+        )
+    try:
+        preload = _preload_file(paths)
+    except OSError as exc:
+        raise AllocationError(f"cannot write {paths.preload_file}: {exc}") from exc
+    state_dir = env["QGPU_STATE_DIR"]
+    mounts = [
+        pb.Mount(container_path=res.limits_file, host_path=res.limits_file, read_only=True),
+        *_preload_mounts(paths, preload),
+        pb.Mount(container_path=state_dir, host_path=state_dir, read_only=False),
+    ]
+    return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=devices)

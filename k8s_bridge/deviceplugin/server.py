@@ -424,7 +424,17 @@ class QgpuDevicePlugin:
                 f"no allocated container on node {self.cfg.node_name} holds these {kind} IDs",
             )
         if kind == "core" and c.slice.core < 100:
-            path = limits_file_for(self.paths, k8s_slice_id(c.uid, c.container))
+            sid = k8s_slice_id(c.uid, c.container)
+            path = limits_file_for(self.paths, sid)
+            if self.paths.agent is not None:
+                try:
+                    held = self.paths.agent.get(sid)
+                except QgpuError as exc:  # the agent's errors and its absence
+                    raise PluginError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"the node agent does not hold slice {sid}: {exc}",
+                    ) from exc
+                path = Path(held.limits_file or "/nonexistent")
             if not path.is_file():
                 raise PluginError(
                     grpc.StatusCode.FAILED_PRECONDITION, f"the limits file {path} is missing"

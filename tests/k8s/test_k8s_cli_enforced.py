@@ -2,8 +2,9 @@
 
 ``qgpu device-plugin`` (simulated GPUs through `enforcement.discovery`), ``qgpu extender``
 and ``qgpu webhook`` run as separate processes against the fake apiserver and the fake
-kubelet; a pod goes webhook -> filter -> prioritize -> bind -> Allocate; then a workload
-runs with exactly what kubelet would give the container: the Allocate env, and the
+kubelet, once with the plugin writing the limits itself and once recording the slice with
+a running ``qgpu agent``; a pod goes webhook -> filter -> prioritize -> bind -> Allocate;
+then a workload runs with exactly what kubelet would give the container: the Allocate env, and the
 mounts reproduced in a private mount namespace (the slice ledger directory at its
 container path). The compiled interposer (named by the mounted ``ld.so.preload`` file,
 loaded here with LD_PRELOAD) reads the mounted limits file and caps the simulated GPU.
@@ -76,13 +77,22 @@ def _wait_http(url: str, ok, proc: subprocess.Popen[str], timeout: float = 30) -
     raise AssertionError(f"{url} not ready")
 
 
-@pytest.fixture
-def stack(apiserver: FakeApiserver) -> Iterator[dict]:
+@pytest.fixture(params=["plugin-writes-limits", "node-agent-records"])
+def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[dict]:
     tmp = Path(tempfile.mkdtemp(dir="/tmp", prefix="qc"))
     apiserver.store.create("nodes", node_object("n0", {NAMES.policy_label: "fs"}))
     kubelet = FakeKubelet(tmp / "dp").start()
     procs: list[subprocess.Popen[str]] = []
+    agent_socket = None
     try:
+        extra = []
+        if request.param == "node-agent-records":
+            agent_socket = tmp / "agent" / "agent.sock"
+            agent = _qgpu(
+                "agent", "--sim=2xT4-16GB", "--node-name=n0", f"--state-dir={tmp / 'agent'}"
+            )
+            procs.append(agent)
+            extra = [f"--agent-socket={agent_socket}"]
         plugin = _qgpu(
             "device-plugin",
             "--node-name=n0",
@@ -91,6 +101,7 @@ def stack(apiserver: FakeApiserver) -> Iterator[dict]:
             "--backend=sim",
             "--sim=2xT4-16GB",
             f"--apiserver={apiserver.url}",
+            *extra,
         )
         procs.append(plugin)
         kubelet.wait_ready([NAMES.core, NAMES.memory], timeout=60)
@@ -108,7 +119,13 @@ def stack(apiserver: FakeApiserver) -> Iterator[dict]:
         ext_url, hook_url = f"http://127.0.0.1:{ext_port}", f"http://127.0.0.1:{hook_port}"
         _wait_http(f"{ext_url}/healthz", lambda r: r.json()["nodes"] == 1, ext)
         _wait_http(f"{hook_url}/healthz", lambda r: r.status_code == 200, web)
-        yield {"tmp": tmp, "kubelet": kubelet, "ext": ext_url, "hook": hook_url}
+        yield {
+            "tmp": tmp,
+            "kubelet": kubelet,
+            "ext": ext_url,
+            "hook": hook_url,
+            "agent": agent_socket,
+        }
     finally:
         for p in procs:
             p.terminate()
@@ -135,10 +152,10 @@ class Workload:
         # Stand-ins for what the runtime does with the mounts: the hook named by the mounted
         # /etc/ld.so.preload, the limits file at a path we can reach without a new /etc.
         env["LD_PRELOAD"] = mounts["/usr/local/qgpu/lib/libqgpu_hook.so"]
-        env["QGPU_LIMITS_FILE"] = mounts["/etc/qgpu/limits.conf"]
-        script = (
-            "mount -t tmpfs none /run && mkdir -p /run/qgpu/slices && "
-            'mount --bind "$1" /run/qgpu/slices && exec "$2" "$3" serve'
+        env["QGPU_LIMITS_FILE"] = mounts[envs["QGPU_LIMITS_FILE"]]
+        state = envs["QGPU_STATE_DIR"]  # its container path; mounted from the host below
+        script = ("mount -t tmpfs none /run && " if state.startswith("/run/") else "") + (
+            'mkdir -p "$2" && mount --bind "$1" "$2" && exec "$3" "$4" serve'
         )
         self.proc = subprocess.Popen(
             [
@@ -150,7 +167,8 @@ class Workload:
                 "-c",
                 script,
                 "sh",
-                mounts["/run/qgpu/slices"],
+                mounts[state],
+                state,
                 sys.executable,
                 str(WORKER),
             ],
@@ -194,6 +212,14 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
     mounts = {m.container_path: m.host_path for m in res.mounts}
     preload = Path(mounts["/etc/ld.so.preload"]).read_text().split()
     assert preload == ["/usr/local/qgpu/lib/libqgpu_hook.so"]
+    assert "LD_PRELOAD" not in envs  # the mounted /etc/ld.so.preload loads the interposer
+    if stack["agent"] is not None:  # the node agent recorded the pod's slice and owns it
+        from enforcement.agent.client import AgentClient
+
+        with AgentClient(stack["agent"]) as agent:
+            (held,) = [x for x in agent.slices().slices if x.slice_id == envs["QGPU_SLICE_ID"]]
+        assert held.owner.kind.value == "pod" and held.core == 30 and held.memory_gib == 4
+        assert held.limits_file == envs["QGPU_LIMITS_FILE"]
 
     w = Workload(envs, mounts)
     try:
@@ -206,5 +232,5 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
         assert (int(free), int(total)) == (GIB, 4 * GIB)
     finally:
         w.close()
-    # the slice's shared ledger lives in the host directory the plugin mounted
-    assert any(Path(mounts["/run/qgpu/slices"]).iterdir())
+    # the slice's shared ledger lives in the host directory that was mounted
+    assert any(Path(mounts[envs["QGPU_STATE_DIR"]]).iterdir())
