@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from qgpu.errors import NoFit, RuleViolation
 from qgpu.model import Allocation, IsolationPolicy, PlacementPolicy, SliceRequest
 from qgpu.placement import Decision, Engine
+from qgpu_ray import agent_link
 from qgpu_ray.env import slice_env
 from qgpu_ray.resources import (
     LABEL_ISOLATION,
@@ -67,6 +68,7 @@ class Binding:
 
 _binding: Binding | None = None
 _last_error: str | None = None
+_recorded = False
 
 
 def holder_name(slice_id: str, node_id: str, pid: int, start_time: int) -> str:
@@ -175,7 +177,8 @@ def bind() -> Binding | None:
                 raise FragmentedError(_fragment_message(req, nodes[0].name, state, exc)) from exc
             slice_id = "p-" + uuid.uuid4().hex[:16]
             name = holder_name(slice_id, node_id, pid, process_start_time(pid))
-            if _hold(decision, name) is None:
+            holder = _hold(decision, name)
+            if holder is None:
                 time.sleep(0.2 * (attempt + 1))
                 continue  # another worker won the race for that GPU: decide again
             default = nodes[0].labels.get(LABEL_ISOLATION)
@@ -190,6 +193,13 @@ def bind() -> Binding | None:
                 memory_gib=min(decision.memory_gib_per_gpu),
                 isolation=isolation,
             )
+            try:
+                agent_link.record(alloc, req, _ray_meta("plain"))
+            except agent_link.AgentRefused:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(holder)
+                raise
             env = slice_env(alloc)
             env.pop("LD_PRELOAD", None)  # already loaded in this process
             os.environ.update(env)
@@ -205,9 +215,12 @@ def _on_cuinit() -> int:
     """The interposer's bind callback: 0 = go on with cuInit, non-zero = refuse it."""
     global _last_error
     try:
-        bind()
+        if os.environ.get("QGPU_SLICE_ID"):
+            _record_sdk_slice()
+        else:
+            bind()
         return 0
-    except (FragmentedError, RuleViolation) as exc:
+    except (FragmentedError, RuleViolation, agent_link.AgentRefused) as exc:
         _last_error = str(exc)
     except Exception as exc:
         _last_error = f"qgpu: binding this worker to a GPU failed: {exc!r}"
@@ -215,8 +228,40 @@ def _on_cuinit() -> int:
     return 1
 
 
+def _ray_meta(path: str) -> dict[str, str]:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    meta = {"path": path, "ray_node": ctx.get_node_id()}
+    actor = ctx.get_actor_id()
+    if actor:
+        meta["ray_actor"] = actor
+    return meta
+
+
+def _record_sdk_slice() -> None:
+    """SDK path: the slice came in the environment; an actor has its node agent record it.
+
+    Tasks are not recorded: their worker outlives the task (Ray reuses it), so the agent
+    could not tell when the slice ends; Ray's own accounting covers them.
+    """
+    global _recorded
+    if _recorded:
+        return
+    alloc = agent_link.allocation_from_env()
+    if alloc is None:
+        return
+    meta = _ray_meta("sdk")
+    if "ray_actor" in meta:
+        agent_link.record(alloc, agent_link.request_of(alloc), meta)
+    _recorded = True
+
+
 def install() -> None:
-    """Ray worker-process setup hook: register the bind callback with the interposer."""
+    """Ray worker-process setup hook: register the bind callback with the interposer.
+
+    At the worker's first CUDA call the callback binds a plain-path worker to a GPU, or
+    records an SDK-path actor's slice with the node agent."""
     global _callback_ref
     os.environ.setdefault(BIND_ENV, "ray")
     try:

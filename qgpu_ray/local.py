@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +38,69 @@ class LocalNode:
     sim_config: Path | None
     ray_node: Any
     env: dict[str, str]
+    agent: NodeAgent | None = None
+
+
+class NodeAgent:
+    """A `qgpu agent` process serving one local node (its own GPUs, ledger and socket)."""
+
+    def __init__(self, name: str, spec: str, root: Path, policy: PlacementPolicy) -> None:
+        from enforcement.agent.client import AgentClient
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.socket = root / "agent.sock"
+        self.log_path = root / "agent.log"
+        backend = ["--backend", "nvml"] if spec == "real" else ["--sim", spec]
+        command = [
+            sys.executable,
+            "-m",
+            "qgpu.cli",
+            "agent",
+            *backend,
+            "--node-name",
+            name,
+            "--state-dir",
+            str(root),
+            "--socket",
+            str(self.socket),
+            "--placement",
+            policy.value,
+            "--reconcile-interval",
+            "1",
+            "--test-mode",
+            "--log-level",
+            "warning",
+        ]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the agent
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.client = AgentClient(self.socket, timeout=10.0)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"qgpu agent for {name} exited ({self.process.returncode}): "
+                    + self.log_path.read_text()[-2000:]
+                )
+            if self.socket.exists():
+                try:
+                    self.node = self.client.node()
+                    break
+                except Exception:
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"qgpu agent for {name} did not start within 60 s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
 
 
 @contextmanager
@@ -77,9 +144,12 @@ class LocalCluster:
         reaper_interval: float = 0.5,
         ray_init_kwargs: dict[str, Any] | None = None,
         extra_node_args: dict[str, Any] | None = None,
+        agents: bool = True,
     ) -> None:
         """`nodes` lists one simulated-GPU spec per node (``["2xH100-80GB", "T4"]``);
-        the special spec ``"real"`` uses this machine's GPUs through NVML."""
+        the special spec ``"real"`` uses this machine's GPUs through NVML. With `agents`,
+        each node gets its own `qgpu agent` (its GPUs, ledger, metrics) that records the
+        node's Ray slices; without, the nodes are configured directly."""
         from ray.cluster_utils import Cluster
 
         self._own_root = root is None
@@ -87,6 +157,7 @@ class LocalCluster:
         self.policy = PlacementPolicy.parse(policy, "policy")
         self.cpus_per_node = cpus_per_node
         self.extra_node_args = dict(extra_node_args or {})
+        self.agents = agents
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": head_cpus, "include_dashboard": False},
@@ -109,13 +180,22 @@ class LocalCluster:
         name = name or f"qgpu-node-{len(self.nodes)}"
         node_root = self.root / name
         node_root.mkdir(parents=True, exist_ok=True)
-        if spec == "real":
+        agent = None
+        if self.agents:
+            agent = NodeAgent(name, spec, node_root / "agent", self.policy)
+            inventory = agent.node.inventory
+            sim_config = agent.node.workload_env.get("QGPU_SIM_CONFIG")
+            state_dir = Path(agent.node.workload_env["QGPU_STATE_DIR"])
+        elif spec == "real":
             inventory, sim_config = _real_gpu_node(name, node_root)
+            state_dir = node_root / "state"
         else:
             inventory, sim_config = sim_node(spec, name, node_root)
-        state_dir = node_root / "state"
-        state_dir.mkdir(exist_ok=True)
+            state_dir = node_root / "state"
+        state_dir.mkdir(parents=True, exist_ok=True)
         env = worker_environment(state_dir, sim_config=sim_config, policy=self.policy)
+        if agent is not None:
+            env["QGPU_AGENT_SOCKET"] = str(agent.socket)
         with _keep_ld_preload():
             ray_node = self.cluster.add_node(
                 num_cpus=self.cpus_per_node,
@@ -124,13 +204,15 @@ class LocalCluster:
                 env_vars=env,
                 **self.extra_node_args,
             )
-        node = LocalNode(name, inventory, state_dir, sim_config, ray_node, env)
+        node = LocalNode(name, inventory, state_dir, sim_config, ray_node, env, agent)
         self.nodes.append(node)
         return node
 
     def remove_node(self, node: LocalNode) -> None:
         self.cluster.remove_node(node.ray_node)
         self.nodes.remove(node)
+        if node.agent is not None:
+            node.agent.stop()
 
     def node_of(self, gpu_uuid: str) -> LocalNode:
         for node in self.nodes:
@@ -146,6 +228,9 @@ class LocalCluster:
         if ray.is_initialized():
             ray.shutdown()
         self.cluster.shutdown()
+        for node in self.nodes:
+            if node.agent is not None:
+                node.agent.stop()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -51,7 +51,7 @@ from enforcement.agent.slice_stats import BusyRate, ledger_path, read_slice_ledg
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
 from enforcement.native import HOOK_LIBRARY
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.ledger import Ledger
+from qgpu.ledger import Ledger, OverCommit
 from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind
 from qgpu.units import BYTES_PER_GIB
 
@@ -257,9 +257,17 @@ class Agent:
             isolation=req.effective_isolation(self.inventory.default_isolation),
             owner=self._checked_owner(body.owner),
         )
-        with self._stripe(alloc.slice_id):
-            with self._write_lock:
+        try:
+            with self._stripe(alloc.slice_id), self._write_lock:
                 alloc = self.ledger.record(alloc, req)
+        except OverCommit:
+            # The placer (Ray, the extender) freed and re-used the GPU before this agent's
+            # periodic reconcile saw the old owner die: reconcile now, then check again.
+            if not self.reconcile():
+                raise
+            with self._stripe(alloc.slice_id), self._write_lock:
+                alloc = self.ledger.record(alloc, req)
+        with self._stripe(alloc.slice_id):
             try:
                 self._write_limits(alloc)
             except BaseException:

@@ -25,8 +25,9 @@ void hook_fail(const char *fmt, ...) {
     __atomic_store_n(&g_hook_state, HOOK_ERROR, __ATOMIC_RELEASE);
 }
 
-/* The bind callback of the plain Ray path (qgpu_ray/bind.py): a worker without slice limits
- * registers a function that chooses its GPU slice and puts the limits into the environment.
+/* The bind callback of Ray workers (qgpu_ray/bind.py): a worker registers a function that,
+ * when it has no slice limits yet, chooses its GPU slice and puts the limits into the
+ * environment (and that records the slice with the node agent either way).
  * It runs once, just before the limits are read (the first CUDA call of the process), so the
  * slice is known before the real cuInit sees CUDA_VISIBLE_DEVICES. Non-zero = refuse. */
 static int (*g_bind_cb)(void);
@@ -38,9 +39,7 @@ QGPU_EXPORT int qgpu_hook_set_bind_callback(int (*cb)(void)) {
 
 static int run_bind_callback(void) {
     int (*cb)(void) = __atomic_load_n(&g_bind_cb, __ATOMIC_ACQUIRE);
-    const char *slice = getenv("QGPU_SLICE_ID");
-    if (!cb || (slice && slice[0])) return 0;
-    return cb();
+    return cb ? cb() : 0; /* the callback also sees workers that already have a slice */
 }
 
 static void load_config(void) {
