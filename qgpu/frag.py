@@ -13,7 +13,7 @@ is scored by how much placing the request there grows the node's expected fragme
 equivalently, how much expected *usable* capacity it destroys beyond the request's own
 share -- and the smallest growth wins. A node is scored by its best GPU, so node and GPU are
 chosen jointly. Exact ties (common: many empty nodes) go to binpack's choice, the fuller node
-and GPU; before any request has been observed frag behaves like binpack.
+and GPU.
 
 Two measures of "usable by a type" (``measure=``):
 
@@ -34,6 +34,10 @@ experiments and measured worse with the fill measure (docs/placement.md).
 Vectorised over GPUs x request types; the engine's per-node and per-GPU vectors are read
 directly, usable counts per GPU are kept incrementally, and candidates in identical
 situations (same node state, same GPU state) are scored once.
+
+A policy that has observed nothing (an engine made for one decision, as the ledger and the
+Ray SDK do) takes the slices already placed in the cluster as the mix; in an empty cluster it
+then chooses exactly like binpack.
 """
 
 from __future__ import annotations
@@ -103,23 +107,54 @@ class FragPolicy(Policy):
 
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
-        core = request.core_per_gpu
-        count = request.gpu_count
-        ckey = (core, request.memory_gib or 0, count, request.model_names)
+        self._count(
+            request.core_per_gpu,
+            request.memory_gib or 0,
+            request.gpu_count,
+            request.model_names,
+            request.cpu_milli,
+            request.host_memory_mib,
+        )
+
+    def _seed_from_live(self, state: ClusterState) -> None:
+        """With nothing observed, take the live slices as the mix seen so far.
+
+        Engines made for a single decision (the ledger's `reserve`, the Ray SDK) never call
+        `observe` before deciding; the slices already placed are then the best record of the
+        requests this cluster gets. Model constraints are not recorded in the state, so the
+        seeded types allow any model.
+        """
+        for held in state.held.values():
+            count = len(held.gpus)
+            if count == 0:
+                continue  # host-only work does not use GPUs
+            memory = 0 if held.core >= WHOLE_GPU_CORE else int(held.memory[0])
+            self._count(held.core, memory, count, (), held.cpu_milli, held.host_memory_mib)
+
+    def _count(
+        self,
+        core: int,
+        memory: int,
+        count: int,
+        models: tuple[str, ...],
+        cpu_milli: int,
+        host_memory_mib: int,
+    ) -> None:
+        ckey = (core, memory, count, models)
         k = self._class_index.get(ckey)
         if k is None:
             k = self._class_index[ckey] = len(self._k_core)
             self._k_core.append(core)
-            self._k_mem.append(request.memory_gib or 0)
+            self._k_mem.append(memory)
             self._k_count.append(count)
-            self._k_models.append(request.model_names)
-        tkey = (k, request.cpu_milli, request.host_memory_mib)
+            self._k_models.append(models)
+        tkey = (k, cpu_milli, host_memory_mib)
         t = self._type_index.get(tkey)
         if t is None:
             t = self._type_index[tkey] = len(self._t_class)
             self._t_class.append(k)
-            self._t_cpu.append(request.cpu_milli)
-            self._t_hostmem.append(request.host_memory_mib)
+            self._t_cpu.append(cpu_milli)
+            self._t_hostmem.append(host_memory_mib)
             self._t_weight.append(0)
         if self.weight == "demand":
             self._t_weight[t] += core * count
@@ -267,6 +302,8 @@ class FragPolicy(Policy):
         if len(cand) == 0:
             return out
         if not self._k_core:
+            self._seed_from_live(s)
+        if not self._k_core:
             out[cand] = 0.0
             return out
         self._refresh(s)
@@ -314,6 +351,8 @@ class FragPolicy(Policy):
         """A host-only workload only changes how many copies of each type a node can feed."""
         s = view.state
         fill = _TIE_WEIGHT * _host_fill(view) / 2
+        if not self._k_core:
+            self._seed_from_live(s)
         if not self._k_core:
             return fill
         self._refresh(s)

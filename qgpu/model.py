@@ -95,7 +95,7 @@ class PlacementPolicy(StrEnum):
         raise RuleViolation(field, value, f"must be one of {names}")
 
 
-DEFAULT_PLACEMENT = PlacementPolicy.BINPACK
+DEFAULT_PLACEMENT = PlacementPolicy.FRAG  # measured best on the Alibaba trace (docs/placement.md)
 DEFAULT_ISOLATION = IsolationPolicy.BEST_EFFORT
 
 

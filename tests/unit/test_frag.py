@@ -167,21 +167,27 @@ def test_cpu_only_work_goes_where_it_strands_no_gpu():
     assert binpack.place("gpu-pod", share(30, cpu=6000)).node == "big"
 
 
-def test_without_observations_frag_chooses_like_binpack():
+def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
     rng = random.Random(3)
-    nodes = [node(f"n{i}", rng.choice([1, 2, 4])) for i in range(6)]
-    binpack, frag = _two_engines(nodes)
-    frag_policy = frag.node_policy
-    assert isinstance(frag_policy, FragPolicy)
-    for i in range(30):
-        req = share(rng.choice([10, 20, 30, 45, 60])) if rng.random() < 0.8 else WHOLE
-        try:
-            expected = binpack.decide(req)
-        except NoFit:
-            continue
-        assert frag.decide(req) == expected  # decide() alone does not observe
-        binpack.state.apply_decision(f"s{i}", expected, req)
-        frag.state.apply_decision(f"s{i}", expected, req)
+    for _ in range(20):
+        nodes = [node(f"n{i}", rng.choice([1, 2, 4])) for i in range(4)]
+        req = share(rng.choice([10, 30, 60])) if rng.random() < 0.7 else WHOLE
+        expected = Engine(ClusterState(nodes), "binpack").decide(req)
+        assert Engine(ClusterState(nodes), "frag").decide(req) == expected
+
+
+def test_a_fresh_engine_learns_the_mix_from_the_live_slices():
+    # the ledger and the Ray SDK make an engine per decision and never call observe():
+    # frag then takes the placed slices as the mix. Same layout as the whole-GPU case above,
+    # but nothing observed: the live whole-GPU slice on x is enough to keep x's last GPU whole.
+    state = ClusterState([node("x", 2), node("y", 2)])
+    state.apply("x-full", [gpu_of(state, "x-g0")], 100, [16])
+    state.apply("y-0", [gpu_of(state, "y-g0")], 30, [4])
+    state.apply("y-1", [gpu_of(state, "y-g1")], 30, [4])
+    assert Engine(state, "binpack").decide(share(30)).node == "x"
+    policy = FragPolicy()
+    assert Engine(state, policy).decide(share(30)).node == "y"
+    assert policy.mix() == {(100, 1, 0, 0): 1 / 3, (30, 1, 0, 0): 2 / 3}
 
 
 # -- frag's choice is optimal under its measure (brute force on small clusters) ------------
