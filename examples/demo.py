@@ -1,43 +1,249 @@
-"""`make demo`: place the example requests with binpack and then spread, and show the result.
+"""`make demo`: fractional GPUs on a local Ray cluster, placed and enforced end to end.
 
-This is the placement demo of the foundation: it runs the core engine over
-examples/nodes.yaml and examples/requests.yaml and prints where every slice lands, the
-per-GPU use, what did not fit and why, and how an invalid request is refused.
+1. Starts a local Ray cluster of two qgpu nodes, each with its own node agent: this
+   machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
+2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
+   ``qgpu_ray.options``), plus one actor through plain ``resources=``. Every actor starts
+   CUDA through the interposer, loads its "weights" into GPU memory and runs inference
+   kernels for a few seconds.
+3. Prints where each actor landed and the per-slice memory and core use reported by the
+   node agents while the work runs.
+4. Shows an over-cap allocation refused by the interposer, then shuts everything down.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
+import tempfile
+import time
+from dataclasses import dataclass
 
+import ray
 from rich.console import Console
-from rich.rule import Rule
+from rich.table import Table
 
-from qgpu.cli import main as qgpu_main
-from qgpu.cli import render_plan
-from qgpu.plan import load_nodes, load_requests, plan
+import qgpu_ray
 
-HERE = Path(__file__).resolve().parent
+console = Console(width=None if sys.stdout.isatty() else 120)
+GIB = 1 << 30
 
 
-def run() -> int:
-    console = Console()
-    nodes = load_nodes(HERE / "nodes.yaml")
-    requests = load_requests(HERE / "requests.yaml")
-    gpus = sum(len(n.gpus) for n in nodes)
+@dataclass(frozen=True)
+class Model:
+    name: str
+    core: int
+    memory: int
+    isolation: str
+
+
+MIX = [
+    Model("embedder-a", 20, 8, "fixed-share"),
+    Model("embedder-b", 20, 8, "fixed-share"),
+    Model("llm-a", 40, 24, "burst-share"),
+    Model("llm-b", 40, 24, "fixed-share"),
+    Model("reranker", 10, 4, "best-effort"),
+]
+
+
+@ray.remote
+class InferenceActor:
+    """Loads weights into its slice's GPU memory and runs batches of kernels."""
+
+    def __init__(self, weights_fraction: float = 0.6) -> None:
+        from enforcement import simcuda
+
+        self.driver = simcuda.Driver()
+        self.driver.init()  # first CUDA call: the interposer applies the slice's caps here
+        self.driver.context(0)
+        _free, total = self.driver.mem_get_info()
+        self.total = total
+        self.weights = self.driver.mem_alloc(int(total * weights_fraction))
+        self.simulated = bool(os.environ.get("QGPU_SIM_CONFIG"))
+        self.stream = self.driver.stream()
+
+    def where(self) -> dict[str, str]:
+        return {
+            "device": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+            "slice": os.environ.get("QGPU_SLICE_ID", ""),
+        }
+
+    def serve(self, seconds: float) -> int:
+        """Run 2 ms inference kernels back to back for `seconds`; returns batches done."""
+        if not self.simulated:
+            time.sleep(seconds)  # real GPUs: the demo only shows memory caps
+            return 0
+        batches = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for _ in range(5):
+                self.driver.launch_busy(2_000_000, self.stream)
+            self.driver.stream_synchronize(self.stream)
+            batches += 5
+        return batches
+
+    def try_allocate(self, nbytes: int) -> dict[str, object]:
+        from enforcement import simcuda
+
+        code, alloc = self.driver.try_mem_alloc(nbytes)
+        if alloc is not None:
+            self.driver.mem_free(alloc)
+        free, total = self.driver.mem_get_info()
+        return {
+            "code": code,
+            "name": simcuda.ERROR_NAMES.get(code, str(code)),
+            "free": free,
+            "total": total,
+        }
+
+
+def slice_usage(cluster: qgpu_ray.LocalCluster) -> dict[str, object]:
+    out = {}
+    for node in cluster.nodes:
+        for s in node.agent.client.slices().slices:
+            out[s.slice_id] = s
+    return out
+
+
+def start_mix(policy: str) -> list[tuple[Model, object]]:
+    actors = []
+    for m in MIX:
+        opts = qgpu_ray.options(
+            core=m.core,
+            memory=m.memory,
+            isolation=m.isolation,
+            policy=policy,
+            num_cpus=0,
+            name=f"{policy}-{m.name}",
+        )
+        actors.append((m, InferenceActor.options(**opts).remote()))
+    return actors
+
+
+def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
+    wheres = ray.get([a.where.remote() for _, a in actors], timeout=120)
+    work = [a.serve.remote(4.5) for _, a in actors]
+    time.sleep(1.0)
+    slice_usage(cluster)  # the agents measure core use between two samples
+    time.sleep(2.5)
+    usage = slice_usage(cluster)
+    ray.get(work, timeout=120)
+    gpu_label = {g.uuid: f"{n.name} #{g.index}" for n in cluster.nodes for g in n.inventory.gpus}
+    table = Table(title=title)
+    for col in (
+        "actor",
+        "node / GPU",
+        "slice",
+        "core cap",
+        "core used",
+        "memory cap",
+        "memory used",
+        "isolation",
+    ):
+        table.add_column(col)
+    for (m, _), where in zip(actors, wheres, strict=True):
+        s = usage.get(where["slice"])
+        used = (
+            "-"
+            if s is None or s.usage.memory_used_bytes is None
+            else (f"{s.usage.memory_used_bytes / GIB:.1f} GiB")
+        )
+        core = (
+            "-"
+            if s is None or s.usage.core_used_percent is None
+            else (f"{s.usage.core_used_percent:.0f} %")
+        )
+        table.add_row(
+            m.name,
+            gpu_label.get(where["device"], where["device"]),
+            where["slice"],
+            f"{m.core} %",
+            core,
+            f"{m.memory} GiB",
+            used,
+            m.isolation,
+        )
+    console.print(table)
+    per_gpu: dict[str, int] = {}
+    for (m, _), where in zip(actors, wheres, strict=True):
+        per_gpu[where["device"]] = per_gpu.get(where["device"], 0) + m.core
     console.print(
-        f"[bold]qgpu placement demo[/]: {len(nodes)} nodes, {gpus} GPUs, "
-        f"{sum(r.count for r in requests)} slice requests"
+        "GPUs used: "
+        + ", ".join(
+            f"{gpu_label.get(u, u)} ({c} % committed)"
+            for u, c in sorted(per_gpu.items(), key=lambda kv: gpu_label.get(kv[0], kv[0]))
+        )
     )
-    for policy in ("binpack", "spread"):
-        console.print(Rule(f"policy: {policy}"))
-        render_plan(plan(nodes, requests, policy), console, title=policy)
-    console.print(Rule("an invalid request is refused with the field, the value and the rule"))
-    console.print("$ qgpu validate --core 150 --memory 8")
-    code = qgpu_main(["validate", "--core", "150", "--memory", "8"])
-    console.print(f"exit code {code}")
-    return 0 if code == 2 else 1
+
+
+def main() -> int:
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="qgpu-demo-ray-", dir="/tmp"))
+    from enforcement.discovery import nvml_available
+
+    real = nvml_available() and os.environ.get("QGPU_BACKEND") != "sim"
+    specs = ["real"] if real else ["2xH100-80GB", "2xH100-80GB"]
+    what = (
+        "this machine's GPUs"
+        if real
+        else "simulated GPUs (2 nodes x 2 H100-80GB; no NVIDIA driver found)"
+    )
+    t0 = time.monotonic()
+    with console.status(f"Starting a local Ray cluster on {what}..."):
+        cluster = qgpu_ray.LocalCluster(
+            specs,
+            cpus_per_node=2,
+            ray_init_kwargs={"logging_level": "ERROR", "log_to_driver": False},
+        )
+    console.print(
+        f"[green]cluster up[/] in {time.monotonic() - t0:.1f} s: "
+        + ", ".join(
+            f"{n.name} ({len(n.inventory.gpus)} GPUs, agent {n.agent.socket})"
+            for n in cluster.nodes
+        )
+    )
+    try:
+        for policy in ("binpack", "spread"):
+            with console.status(f"Placing {len(MIX)} inference actors with {policy}..."):
+                actors = start_mix(policy)
+                ray.get([a.where.remote() for _, a in actors], timeout=180)
+            with console.status("Running inference through the interposer (4 s)..."):
+                show(
+                    cluster,
+                    f"{policy}: placements and per-slice use (from the node agents)",
+                    actors,
+                )
+            for _, a in actors:
+                ray.kill(a)
+            time.sleep(1.0)
+            qgpu_ray.view.PENDING.clear()
+
+        console.rule("plain resources= and an over-cap allocation")
+        with console.status(
+            "Starting an actor with resources={'qgpu-core': 30, 'qgpu-memory': 8}..."
+        ):
+            plain = InferenceActor.options(
+                num_cpus=0, resources={"qgpu-core": 30, "qgpu-memory": 8}
+            ).remote()
+            where = ray.get(plain.where.remote(), timeout=180)
+        console.print(
+            f"bound at its first CUDA call to {where['device']} as slice {where['slice']}"
+        )
+        result = ray.get(plain.try_allocate.remote(12 * GIB), timeout=60)
+        console.print(
+            f"cuMemGetInfo inside the slice: total {result['total'] / GIB:.0f} GiB, "
+            f"free {result['free'] / GIB:.1f} GiB"
+        )
+        console.print(
+            f"cuMemAlloc(12 GiB) in an 8 GiB slice -> [bold red]{result['name']}[/] "
+            "(refused by the interposer; the process lives on)"
+        )
+        ok = result["code"] == 2
+    finally:
+        with console.status("Shutting down..."):
+            cluster.shutdown()
+    console.print(f"[green]done[/] in {time.monotonic() - t0:.0f} s")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    sys.exit(main())
