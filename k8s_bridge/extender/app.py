@@ -4,14 +4,14 @@ Bodies and replies use kube-scheduler's Go field names (`k8s_bridge.extender.mod
 hot verbs validate the raw body with pydantic-core's JSON parser and serialize the reply
 once (FastAPI's own body/response models would validate 1,000-entry lists twice). Filter
 and prioritize are short CPU work and run on the event loop; bind talks to the apiserver
-and runs in the thread pool, so binds to different nodes proceed in parallel (as
-kube-scheduler's asynchronous binding cycle issues them).
+and runs on a few threads (`BIND_THREADS`), so binds to different nodes proceed in
+parallel (as kube-scheduler's asynchronous binding cycle issues them).
 """
 
 from __future__ import annotations
 
+import anyio
 from fastapi import FastAPI, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ValidationError
 
 from k8s_bridge.extender.models import (
@@ -38,8 +38,14 @@ def _bad_request(exc: ValidationError) -> Response:
     )
 
 
-def create_app(extender: Extender) -> FastAPI:
+BIND_THREADS = 4
+
+
+def create_app(extender: Extender, bind_threads: int = BIND_THREADS) -> FastAPI:
     app = FastAPI(title="qgpu scheduler extender", docs_url=None, redoc_url=None)
+    # Binds wait on the apiserver, but every thread also competes for the GIL with the
+    # event loop and the watches: a few threads keep binds parallel without the thrash.
+    binders = anyio.CapacityLimiter(bind_threads)
 
     @app.post("/filter")
     async def filter_(request: Request) -> Response:
@@ -64,7 +70,7 @@ def create_app(extender: Extender) -> FastAPI:
             args = ExtenderBindingArgs.model_validate_json(await request.body())
         except ValidationError as exc:
             return _bad_request(exc)
-        return _json(await run_in_threadpool(extender.bind, args))
+        return _json(await anyio.to_thread.run_sync(extender.bind, args, limiter=binders))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:
