@@ -2,13 +2,15 @@
 
 Owns the wire formats that outlive a process, so both sides can rebuild their state after a
 restart from the apiserver alone:
-- `Assignment` (pod annotation ``<prefix>/qgpu-assignment``): written by the extender at
-  bind, before the Binding exists: node, per-container GPU(s), caps, isolation, and how many
-  device IDs of each resource kubelet must hand out from each GPU.
+- `Assignment` (pod annotation ``<prefix>/qgpu-assignment``): chosen by the extender and
+  set by the Binding itself (in the same write as ``spec.nodeName``): node, per-container
+  GPU(s), caps, isolation, and how many device IDs of each resource kubelet must hand out
+  from each GPU.
 - `Allocated` (pod annotation ``<prefix>/qgpu-allocated``): written by the device plugin as
   kubelet allocates: per container, which resources ("core", "memory") are claimed.
 - `PublishedInventory` (node annotation ``<prefix>/qgpu-inventory``): the node's GPUs.
-- `NodeLock` (node annotation ``<prefix>/qgpu-node-lock``): holder and expiry.
+- `NodeLock` (node annotation ``<prefix>/qgpu-node-lock``): holder and expiry (with an
+  epoch annotation ``<prefix>/qgpu-node-epoch`` bumped by every lock).
 - Device IDs: ``<gpu-uuid>_c<i>`` (100 per GPU) and ``<gpu-uuid>_m<i>`` (one per GiB); GPU
   UUIDs never contain ``_``, so the GPU of every ID kubelet hands out is known and kubelet's
   own accounting is exact per GPU.
