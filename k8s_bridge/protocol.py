@@ -86,7 +86,10 @@ class ContainerAssignment(_Wire):
 class Assignment(_Wire):
     node: str
     containers: dict[str, ContainerAssignment]
-    assumed_at: float = Field(description="unix time the extender chose it")
+    bound_at: float = Field(
+        description="unix time of the bind; binds to one node are serialized by its lock, so "
+        "this is the order in which that node's kubelet sees (and admits) its pods"
+    )
 
     def dumps(self) -> str:
         return self.model_dump_json()

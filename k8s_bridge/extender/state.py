@@ -432,7 +432,7 @@ class ExtenderState:
             for sid in placed:
                 self.state.release(sid)
             raise
-        return Assignment(node=node, containers=containers, assumed_at=time.time())
+        return Assignment(node=node, containers=containers, bound_at=time.time())
 
     def assume(self, uid: str, reqs: list[ContainerRequest], node: str) -> bool:
         """Hold the pod's GPUs on the node prioritize ranked first, until bind or expiry.
@@ -461,7 +461,8 @@ class ExtenderState:
                 raise NoFit(f"pod {namespace}/{name} already holds GPUs on {self.pods[uid].node}")
             held = self.assumed.pop(uid, None)
             if held is not None and held.node == node:
-                assignment = held.assignment
+                # stamped now, under the node's lock: the order kubelet will see binds in
+                assignment = held.assignment.model_copy(update={"bound_at": time.time()})
             else:
                 if held is not None:
                     self._release_slices(uid, held.assignment)

@@ -210,25 +210,27 @@ def test_kubelet_restart_reregisters_and_keeps_allocations(apiserver, node_with_
 
 
 def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
-    """Both bound before kubelet admits either; each container is claimed exactly once,
-    kubelet's device IDs and the env always name the same GPU, nothing is over-committed;
-    admitted in creation order, each pod gets exactly its own assignment."""
+    """Two identical replicas created in the same second, both bound before kubelet admits
+    either, bound in the reverse of their names' order: kubelet sees them in binding order,
+    and the plugin matches in binding order, so each pod gets exactly its own assignment
+    (ordering by name, or by the one-second creationTimestamp, would swap them). Each
+    container is claimed once; kubelet's device IDs and the env name the same GPU."""
     kl, ext = node_with_plugin["kubelet"], node_with_plugin["extender"]
-    for n in ("first", "second"):
+    order = ("zeta", "alpha")
+    for n in order:
         apiserver.store.create("pods", pod_object(n, [(60, 8)]))
-        time.sleep(1.05)  # creationTimestamp has one-second resolution
-    for n in ("first", "second"):
+    for n in order:
         assert ext.bind(_bind_args(apiserver, n, "n0")).error == ""
-    gpus = {n: assignment_of(apiserver, n).containers["c0"].gpus[0] for n in ("first", "second")}
-    assert gpus["first"] != gpus["second"]  # 60 + 60 > 100: two GPUs
+    gpus = {n: assignment_of(apiserver, n).containers["c0"].gpus[0] for n in order}
+    assert gpus["zeta"] != gpus["alpha"]  # 60 + 60 > 100: two GPUs
     envs = {}
-    for n in ("first", "second"):
+    for n in order:  # kubelet's watch delivers them in binding order
         res = kl.admit(apiserver.store.get("pods", "default", n))["c0"]
         envs[n] = res.envs["CUDA_VISIBLE_DEVICES"]
         for ids in res.ids.values():
             assert {d.rpartition("_")[0] for d in ids} == {envs[n]}
     assert envs == gpus
-    for n in ("first", "second"):
+    for n in order:
         ann = apiserver.store.get("pods", "default", n)["metadata"]["annotations"]
         assert json.loads(ann[NAMES.allocated_annotation]) == {
             "containers": {"c0": ["core", "memory"]}
