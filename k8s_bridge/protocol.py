@@ -86,9 +86,12 @@ class ContainerAssignment(_Wire):
 class Assignment(_Wire):
     node: str
     containers: dict[str, ContainerAssignment]
-    bound_at: float = Field(
-        description="unix time of the bind; binds to one node are serialized by its lock, so "
-        "this is the order in which that node's kubelet sees (and admits) its pods"
+    bound_at: float = Field(description="unix time of the bind")
+    lock_epoch: int = Field(
+        default=0,
+        ge=0,
+        description="the node's lock epoch this bind held: binds to one node are serialized "
+        "by its lock, so this is the order in which the node's kubelet sees its pods",
     )
 
     def dumps(self) -> str:

@@ -8,9 +8,10 @@ whose resource is not claimed yet. Among several, the order is:
 
 1. a container whose other resource is already claimed (kubelet is mid-way through it);
 2. a container of a pod that already has claims (kubelet admits one pod at a time);
-3. the pod bound first (``bound_at``: binds to one node are serialized by the node lock,
-   and kubelet's watch delivers that node's pods in binding order), then the oldest pod
-   (kubelet sorts a batch of new pods by creation time), then namespace/name.
+3. the pod bound first (``lock_epoch``, then ``bound_at``: binds to one node are
+   serialized by the node lock, whose epoch grows with every bind, and kubelet's watch
+   delivers that node's pods in binding order), then the oldest pod (kubelet sorts a batch
+   of new pods by creation time), then namespace/name.
 
 The claim is written to the pod (``<prefix>/qgpu-allocated``) with a resourceVersion
 precondition, so plugin restarts lose nothing and two claims never take one container.
@@ -74,13 +75,14 @@ def pending_pods(names: Names, node: str, pod_objs: list[dict[str, Any]]) -> lis
     return out
 
 
-def _rank(c: Candidate, kind: Kind) -> tuple[int, int, float, str, str]:
+def _rank(c: Candidate, kind: Kind) -> tuple[int, int, int, float, str, str]:
     other = c.allocated.claimed(c.container) - {kind}
     in_progress = 0 if other else 1
     pod_started = 0 if c.allocated.containers else 1
     return (
         in_progress,
         pod_started,
+        c.assignment.lock_epoch,
         c.assignment.bound_at,
         c.pod.metadata.creation_timestamp or "",
         c.pod.key,

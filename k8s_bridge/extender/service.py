@@ -310,17 +310,19 @@ class Extender:
                     on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
                     self.state.resync_node(node, on_node)
                 self.epochs[node] = handle.epoch
-                self._write_and_bind(pod, reqs, node)
+                self._write_and_bind(pod, reqs, node, handle.epoch)
             finally:
                 try:
                     self.locker.release(handle)
                 except KubeError as exc:
                     log.warning("releasing the lock of node %s: %s", node, exc)
 
-    def _write_and_bind(self, pod: PodModel, reqs: list[ContainerRequest], node: str) -> None:
+    def _write_and_bind(
+        self, pod: PodModel, reqs: list[ContainerRequest], node: str, lock_epoch: int
+    ) -> None:
         uid, ns, name = pod.metadata.uid, pod.metadata.namespace, pod.metadata.name
         try:
-            assignment = self.state.reserve(uid, ns, name, reqs, node)
+            assignment = self.state.reserve(uid, ns, name, reqs, node, lock_epoch)
         except NoFit as exc:
             raise NoFit(f"node {node} cannot take pod {ns}/{name}: {exc}", exc.reasons) from exc
         annotations = {self.names.assignment_annotation: assignment.dumps()}

@@ -453,7 +453,13 @@ class ExtenderState:
             return True
 
     def reserve(
-        self, uid: str, namespace: str, name: str, reqs: list[ContainerRequest], node: str
+        self,
+        uid: str,
+        namespace: str,
+        name: str,
+        reqs: list[ContainerRequest],
+        node: str,
+        lock_epoch: int = 0,
     ) -> Assignment:
         """Hold the pod's GPU(s) on `node` (its assumption there, or a new choice)."""
         with self.lock:
@@ -461,12 +467,15 @@ class ExtenderState:
                 raise NoFit(f"pod {namespace}/{name} already holds GPUs on {self.pods[uid].node}")
             held = self.assumed.pop(uid, None)
             if held is not None and held.node == node:
-                # stamped now, under the node's lock: the order kubelet will see binds in
-                assignment = held.assignment.model_copy(update={"bound_at": time.time()})
+                assignment = held.assignment
             else:
                 if held is not None:
                     self._release_slices(uid, held.assignment)
                 assignment = self._place(uid, reqs, node)
+            # stamped under the node's lock: the order kubelet will see the binds in
+            assignment = assignment.model_copy(
+                update={"bound_at": time.time(), "lock_epoch": lock_epoch}
+            )
             self.pods[uid] = PodRecord(uid, namespace, name, node, assignment)
             return assignment
 
