@@ -184,7 +184,13 @@ class FragPolicy(Policy):
             self.k_mem = np.asarray(self._k_mem, dtype=np.int64)
             self.k_count = np.asarray(self._k_count, dtype=np.int64)
             self.k_whole = self.k_core >= WHOLE_GPU_CORE
+            self.whole_cols = np.flatnonzero(self.k_whole)
             self.t_class = np.asarray(self._t_class, dtype=np.int64)
+            # types grouped by class (every class has at least one type)
+            self.t_by_class = np.argsort(self.t_class, kind="stable")
+            self.class_starts = np.searchsorted(
+                self.t_class[self.t_by_class], np.arange(len(self._k_core))
+            )
             self.t_cpu = np.asarray(self._t_cpu, dtype=np.int64)
             self.t_hostmem = np.asarray(self._t_hostmem, dtype=np.int64)
             self.t_weight = np.asarray(self._t_weight, dtype=np.float64)
@@ -222,13 +228,21 @@ class FragPolicy(Policy):
     def _copies(self, core: np.ndarray, mem: np.ndarray, room: np.ndarray) -> np.ndarray:
         """Per GPU x class: copies of a share class a GPU with this free core, memory and
         slice room holds ("fgd": all its free core once one copy fits)."""
+        # GPUs repeat the same few states: compute each distinct (core, memory, room) once
+        room = np.clip(room, 0, 255).astype(np.int64)
+        key = (np.clip(core, -1, 1 << 20).astype(np.int64) + 1) << 28
+        key |= (np.clip(mem, -1, 1 << 19).astype(np.int64) + 1) << 8
+        key |= room
+        states, at = np.unique(key, return_inverse=True)
+        u_core = ((states >> 28) - 1)[:, None]
+        u_mem = (((states >> 8) & ((1 << 20) - 1)) - 1)[:, None]
+        u_room = (states & 255)[:, None]
         k_core = self.k_core[None, :]
         if self.measure == "fgd":
-            fits = (core[:, None] >= k_core) & (mem[:, None] >= self.k_mem[None, :])
-            fits &= (room >= 1)[:, None]
-            return (fits * core[:, None]).astype(np.float64)
-        n = np.minimum(core[:, None] // k_core, mem[:, None] // np.maximum(self.k_mem, 1))
-        return np.minimum(n, np.maximum(room, 0)[:, None]).astype(np.float64)
+            fits = (u_core >= k_core) & (u_mem >= self.k_mem[None, :]) & (u_room >= 1)
+            return (fits * u_core).astype(np.float64)[at]
+        n = np.minimum(u_core // k_core, u_mem // np.maximum(self.k_mem, 1)[None, :])
+        return np.minimum(n, u_room).astype(np.float64)[at]
 
     def _rows(self, s: ClusterState, idx: np.ndarray) -> np.ndarray:
         """Per GPU x class: copies of a share class, or 1 for a free whole GPU."""
@@ -259,13 +273,19 @@ class FragPolicy(Policy):
 
     def _gpu_copies(self, sums: np.ndarray) -> np.ndarray:
         """Per node (or candidate) x class -> per type: copies the node's GPUs can hold."""
-        count = self.k_count[None, :]
-        if self.measure == "fgd":
-            whole = np.where(sums >= count, sums, 0.0)
-        else:
-            whole = np.floor_divide(sums, count)
-        copies = np.where(self.k_whole[None, :], whole, sums).astype(np.float32)
+        copies = sums.astype(np.float32)
+        cols = self.whole_cols
+        if len(cols):
+            copies[:, cols] = self._whole(sums[:, cols], cols)
         return copies[:, self.t_class]
+
+    def _whole(self, free: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Copies of whole classes `cols` that `free` whole GPUs (per row) hold ("fgd": all
+        of them once there are enough for one copy)."""
+        count = self.k_count[cols][None, :]
+        if self.measure == "fgd":
+            return np.where(free >= count, free, 0.0)
+        return np.floor_divide(free, count)
 
     def _host_copies(self, cpu: np.ndarray, hostmem: np.ndarray) -> np.ndarray:
         """Per node x type: copies the node's free host CPU and memory can feed."""
@@ -315,19 +335,37 @@ class FragPolicy(Policy):
         nodes, at = np.unique(n, return_inverse=True)  # host terms are per node
         cpu = s.node_free_cpu[nodes]
         hostmem = s.node_free_hostmem[nodes]
-        before = self._expected_usable(
-            self._gpu_copies(per_node[nodes]), self._host_copies(cpu, hostmem)
-        )[at]
-        host_after = self._host_copies(cpu - req.cpu_milli, hostmem - req.host_memory_mib)[at]
+        values = self.t_weight * self.t_unit
+        gpu_before = self._gpu_copies(per_node[nodes])
+        host_after = self._host_copies(cpu - req.cpu_milli, hostmem - req.host_memory_mib)
+        before = self._expected_usable(gpu_before, self._host_copies(cpu, hostmem))
+        host_only = self._expected_usable(gpu_before, host_after)  # GPUs untouched
+        # copies of each class the candidate GPU(s) would take away from their node
         room_after = np.where(s.healthy[g], s.max_slices[g] - s.slices[g] - 1, 0)
         share_after = self._copies(
             s.free_core[g] - view.core, s.free_mem[g] - view.memory[g], room_after
         )
         after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[g]
-        lost = per_gpu[g] - after_gpu  # whole classes: 1 when a free whole GPU is taken
-        after_sums = per_node[n] - req.gpu_count * lost
-        after = self._expected_usable(self._gpu_copies(after_sums), host_after)
-        out[cand] = (after - before)[inverse]
+        drop = req.gpu_count * (per_gpu[g] - after_gpu)
+        cols = self.whole_cols
+        if len(cols):  # whole classes count groups of `count` free GPUs: not linear
+            free = per_node[n][:, cols]
+            drop[:, cols] = self._whole(free, cols) - self._whole(free - drop[:, cols], cols)
+        # A type loses min(G, H) - min(G - d, H) = clip(H - G + d, 0, d) copies, G and H
+        # the copies its node's GPUs and host (after the request) hold, d the drop. Where
+        # the host has slack (H >= G) that is all of d: summed per class, a cheap product.
+        slack = host_after - gpu_before
+        has_slack = slack >= 0
+        by_class = np.add.reduceat(
+            (has_slack * values)[:, self.t_by_class], self.class_starts, axis=1
+        )
+        lost = np.einsum("rk,rk->r", drop, by_class[at])
+        tight = np.flatnonzero(~has_slack.all(axis=0))
+        if len(tight):  # types the host limits somewhere: only the part beyond the slack
+            short = slack[:, tight][at]
+            d = drop[:, self.t_class[tight]]
+            lost += np.where(short < 0, np.maximum(short + d, 0.0), 0.0) @ values[tight]
+        out[cand] = (host_only[at] - lost - before[at])[inverse]
         return out
 
     # -- Policy interface -----------------------------------------------------------------
