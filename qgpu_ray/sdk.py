@@ -132,7 +132,7 @@ def options(
         raise _no_fit(req, exc) from exc
     alloc = _allocation(decision, req, view.nodes[decision.node])
     resources = decision_resources(decision)
-    PENDING.add(_per_gpu(resources), view.available)
+    PENDING.add(_per_gpu(resources), view.effective)
     ray_options.setdefault("num_gpus", 0)
     return _merge(ray_options, resources, slice_env(alloc))
 
@@ -276,5 +276,5 @@ def placement_group(
         allocations.append(_allocation(decision, req, view.nodes[decision.node]))
     bundles = [decision_resources(d) for d in decisions]
     pg = ray_placement_group(bundles, strategy=strategy, name=name)
-    tokens = [PENDING.add(_per_gpu(b), view.available) for b in bundles]
+    tokens = [PENDING.add(_per_gpu(b), view.effective) for b in bundles]
     return SlicePlacementGroup(pg, decisions, allocations, tokens)

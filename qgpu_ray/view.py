@@ -29,7 +29,7 @@ from qgpu_ray.resources import (
     parse_gpu_resource,
 )
 
-PENDING_TTL_S = 3.0
+PENDING_TTL_S = 10.0
 
 
 @dataclass
@@ -45,7 +45,7 @@ class RayNode:
 class _Pending:
     expires: float
     amounts: dict[str, float]
-    baseline: dict[str, float]  # Ray's availability of each key when the decision was made
+    baseline: dict[str, float]  # free amount of each key the decision was made against
 
 
 @dataclass
@@ -170,6 +170,7 @@ class LiveView:
     state: ClusterState
     nodes: dict[str, RayNode]  # by node name
     available: dict[str, float]  # flat: per-GPU resource name -> Ray's available amount
+    effective: dict[str, float]  # the same minus this process's not-yet-visible decisions
 
 
 def live_state(
@@ -199,4 +200,5 @@ def live_state(
     state.node_free_mem[:] = 0
     np.add.at(state.node_free_core, state.gpu_node, state.free_core)
     np.add.at(state.node_free_mem, state.gpu_node, state.free_mem)
-    return LiveView(state, {n.name: n for n in nodes}, flat)
+    effective = {k: v - pending.get(k, 0.0) for k, v in flat.items()}
+    return LiveView(state, {n.name: n for n in nodes}, flat, effective)
