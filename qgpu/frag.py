@@ -329,7 +329,7 @@ class FragPolicy(Policy):
         self._refresh(s)
         per_gpu, per_node = self._usable_per_gpu(s)
         # score each distinct (node state, GPU state) once
-        reps, inverse = _distinct(s, cand)
+        reps, inverse, gpu_key = _distinct(s, cand)
         g = cand[reps]
         n = s.gpu_node[g]
         nodes, at = np.unique(n, return_inverse=True)  # host terms are per node
@@ -341,12 +341,15 @@ class FragPolicy(Policy):
         before = self._expected_usable(gpu_before, self._host_copies(cpu, hostmem))
         host_only = self._expected_usable(gpu_before, host_after)  # GPUs untouched
         # copies of each class the candidate GPU(s) would take away from their node
-        room_after = np.where(s.healthy[g], s.max_slices[g] - s.slices[g] - 1, 0)
+        # (computed once per distinct GPU state, then spread to the candidates)
+        _, first, state_of = np.unique(gpu_key[g], return_index=True, return_inverse=True)
+        gu = g[first]
+        room_after = np.where(s.healthy[gu], s.max_slices[gu] - s.slices[gu] - 1, 0)
         share_after = self._copies(
-            s.free_core[g] - view.core, s.free_mem[g] - view.memory[g], room_after
+            s.free_core[gu] - view.core, s.free_mem[gu] - view.memory[gu], room_after
         )
-        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[g]
-        drop = req.gpu_count * (per_gpu[g] - after_gpu)
+        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[gu]
+        drop = (req.gpu_count * (per_gpu[gu] - after_gpu))[state_of]
         cols = self.whole_cols
         if len(cols):  # whole classes count groups of `count` free GPUs: not linear
             free = per_node[n][:, cols]
@@ -449,14 +452,17 @@ def _node_hash(s: ClusterState, gpu_key: np.ndarray) -> np.ndarray:
     return node_hash
 
 
-def _distinct(s: ClusterState, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices into `cand` of one GPU per distinct (node state, GPU state), lowest first,
-    and for each candidate the index of its representative."""
+def _distinct(s: ClusterState, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices into `cand` of one GPU per distinct (node state, GPU state), lowest first;
+    for each candidate the index of its representative; and every GPU's state key.
+
+    Keys are 64-bit hashes: a collision (never seen, ~2**-64 per pair) would only give one
+    candidate another's score, never an infeasible placement (the engine filters those)."""
     gpu_key = _gpu_hash(s)
     node_hash = _node_hash(s, gpu_key)
     key = _mixed(node_hash[s.gpu_node[cand]] ^ gpu_key[cand]) ^ _mixed(gpu_key[cand])
     _, reps, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return reps, inverse
+    return reps, inverse, gpu_key
 
 
 register_policy(PlacementPolicy.FRAG, FragPolicy)
