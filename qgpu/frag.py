@@ -8,7 +8,7 @@ The idea is FGD's (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
 with Fragmentation Gradient Descent", USENIX ATC'23), implemented here from the paper's
 description. Free GPU capacity on a node is *fragmented for a request type* when that type
 cannot use it; the *expected* fragmentation of a node averages this over the request mix
-seen so far (`observe`), weighted by each type's share of the demand. A candidate (node, GPU)
+seen so far (`observe`), weighted by how often each type arrived. A candidate (node, GPU)
 is scored by how much placing the request there grows the node's expected fragmentation --
 equivalently, how much expected *usable* capacity it destroys beyond the request's own
 share -- and the smallest growth wins. A node is scored by its best GPU, so node and GPU are
@@ -94,9 +94,9 @@ class FragPolicy(Policy):
         self._t_weight: list[int] = []
         self._arrays_version = -1
         self._version = 0
-        self._allowed_for: tuple[int, int] | None = None
+        self._allowed_for: tuple[ClusterState, int] | None = None
         self._allowed = np.zeros((0, 0), dtype=bool)
-        self._cache_key: tuple[int, int] | None = None
+        self._cache_key: tuple[ClusterState, int] | None = None
         self._snap = np.zeros((4, 0), dtype=np.int64)
         self._per_gpu = np.zeros((0, 0))
         self._per_node = np.zeros((0, 0))
@@ -209,8 +209,9 @@ class FragPolicy(Policy):
                 unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
             self.t_unit = unit[self.t_class].astype(np.float64)
             self._arrays_version = self._version
-        key = (id(state), len(self._k_core))
-        if self._allowed_for != key:
+        # keyed on the state object itself (held, so its id cannot be reused by another)
+        key = (state, len(self._k_core))
+        if self._allowed_for is None or not _same(self._allowed_for, key):
             cols = []
             for names, whole, need in zip(self._k_models, self.k_whole, self.k_mem, strict=True):
                 mask = state.model_mask(names)
@@ -255,9 +256,9 @@ class FragPolicy(Policy):
         """(per GPU x class copies, the same summed per node), kept incrementally: only GPUs
         whose free core / memory / slice count / health changed since the last call are
         recomputed (a decision touches one node)."""
-        key = (id(s), len(self._k_core))
+        key = (s, len(self._k_core))
         now = np.stack([s.free_core, s.free_mem, s.slices, s.healthy]).astype(np.int64)
-        if self._cache_key != key:
+        if self._cache_key is None or not _same(self._cache_key, key):
             self._cache_key = key
             self._snap = now
             self._per_gpu = self._rows(s, np.arange(s.gpu_total))
@@ -411,6 +412,10 @@ class FragPolicy(Policy):
             gpu_copies, self._host_copies(cpu - view.cpu_milli, hostmem - view.host_memory_mib)
         )
         return (after - before)[inverse] + fill
+
+
+def _same(a: tuple[ClusterState, int], b: tuple[ClusterState, int]) -> bool:
+    return a[0] is b[0] and a[1] == b[1]
 
 
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:

@@ -288,3 +288,21 @@ def test_fgd_measure_counts_all_free_core_once_one_request_fits():
         view = CandidateView(state, req, mask, req.core, memory, np.array([0]))
         scores = policy._score(view)
         assert scores[0] == pytest.approx(-expected * 4)
+
+
+def test_one_policy_object_across_cluster_states():
+    # caches are tied to the state object: a second, different cluster gets fresh counts
+    policy = FragPolicy()
+    first = Engine(ClusterState([node("a", 2)]), policy)
+    first.place("s1", share(30))
+    first.place("s2", share(60))
+    nodes = [node("x", 4), node("y", 1), node("z", 2)]
+    state = ClusterState(nodes)
+    state.apply("pre", [gpu_of(state, "x-g0")], 70, [11])
+    fresh = FragPolicy()
+    for req in (share(30), share(60)):
+        fresh.observe(req)
+    req = share(30)
+    got = Engine(state, policy).decide(req)
+    assert got == Engine(state, fresh).decide(req)
+    assert got.gpu_uuids == ("x-g0",)  # the 30% gap beside the 70% slice fits it exactly
