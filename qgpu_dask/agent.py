@@ -125,7 +125,7 @@ class LocalAgent:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks taken
+            preexec_fn=_die_with_parent,
         )
         self.client = AgentClient(self.socket, timeout=30.0)
         self.node: NodeInfo = self._wait_ready(start_timeout)
