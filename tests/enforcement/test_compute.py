@@ -79,8 +79,9 @@ def test_burst_share_keeps_its_guarantee_against_a_fixed_share_neighbour(sim: Si
 
 def test_best_effort_two_slices_share_evenly(sim: Sim) -> None:
     procs = [
-        start_burn(sim.slice_env("be-x", gpu=0, core=30, policy="best-effort")),
-        start_burn(sim.slice_env("be-y", gpu=0, core=70, policy="best-effort")),
+        # equal (deep) queues: the device alternates between them
+        start_burn(sim.slice_env("be-x", gpu=0, core=30, policy="best-effort"), depth=20),
+        start_burn(sim.slice_env("be-y", gpu=0, core=70, policy="best-effort"), depth=20),
     ]
     wait_ready(procs)
     x, y = measure_shares(sim, [(0, procs[0]), (0, procs[1])])

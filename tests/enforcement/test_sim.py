@@ -147,7 +147,7 @@ def test_kernels_occupy_the_timeline_and_sync_waits(sim: Sim) -> None:
 
 def test_processes_share_one_timeline(sim: Sim) -> None:
     env = sim.base_env(0)
-    procs = [start_burn(env), start_burn(env)]
+    procs = [start_burn(env, depth=20), start_burn(env, depth=20)]
     wait_ready(procs)
     a, b = measure_shares(sim, [(0, procs[0]), (0, procs[1])])
     finish(procs)
@@ -191,7 +191,7 @@ def test_pynvml_uses_the_simulated_nvml(sim: Sim) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    burn = start_burn(sim.base_env(0))
+    burn = start_burn(sim.base_env(0), depth=20)
     try:
         assert holder.stdout and holder.stdout.readline()
         wait_ready([burn])
@@ -221,4 +221,4 @@ def test_pynvml_uses_the_simulated_nvml(sim: Sim) -> None:
     assert out["sms"] == 132
     assert out["numa"] == 0 and out["ecc"] == 0
     assert out["bus"].startswith("00000000:")
-    assert out["util"] >= 90
+    assert out["util"] > 50  # busy (an idle GPU reports 0)

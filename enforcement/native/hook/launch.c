@@ -12,6 +12,9 @@
 #define MAX_FREE 256
 #define MIN_WAIT_NS 20000LL
 #define MAX_WAIT_NS 2000000LL
+/* A burst-share slice bursting alone keeps at most this much work queued, so a slice that
+ * arrives is not stuck behind a long queue (and is seen as active within the window). */
+#define BURST_QUEUE_NS 20000000LL
 
 typedef struct {
     CUevent start, end;
@@ -85,8 +88,9 @@ int gate_before(CUstream stream, void **pair_out) {
         int alone = 0;
         int64_t now = qgpu_now_ns();
         int64_t avail = ledger_compute_avail(now, inflight, &alone);
-        if (alone || avail > 0) break;
-        int64_t wait = (-avail) * 100 / g_lim.core;
+        if (alone ? inflight < BURST_QUEUE_NS : avail > 0) break;
+        int64_t wait = alone ? (mean_ns > MIN_WAIT_NS ? mean_ns / 2 : MIN_WAIT_NS)
+                             : (-avail) * 100 / g_lim.core;
         if (wait < MIN_WAIT_NS) wait = MIN_WAIT_NS;
         if (wait > MAX_WAIT_NS) wait = MAX_WAIT_NS;
         qgpu_sleep_ns(wait);
