@@ -105,7 +105,7 @@ class NoFitPlugin(SchedulerPlugin):
             return  # a fitting worker exists; the task waits for other reasons
         qgpu_offers = [{k: o.get(k, 0.0) for k in QGPU_RESOURCES} for o in offers]
         message = no_fit_message(key, wanted, qgpu_offers)
-        log.warning("%s", message)
+        log.info("%s", message)
         stimulus_id = f"qgpu-no-fit-{key}"
         recommendations = self.scheduler.transition(
             key,

@@ -1,0 +1,58 @@
+"""SliceCluster against a node agent it did not start: spread placement, release on close,
+all-or-nothing reservation, and invalid requests rejected by the core model."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client
+
+from qgpu.errors import NoFit, RuleViolation
+from qgpu_dask import SliceCluster
+from tests.dask import workloads
+from tests.dask.conftest import live_slices
+
+
+def test_spread_places_slices_on_different_gpus_and_close_releases_them(agent):
+    slices = [{"core": 30, "memory": 8}, {"core": 30, "memory": 8}]
+    with SliceCluster(slices, policy="spread", agent_socket=agent.socket) as cluster:
+        uuids = {res.device_uuid for res in cluster.slices.values()}
+        assert len(uuids) == 2
+        assert {s.slice_id for s in live_slices(agent)} == {
+            res.slice_id for res in cluster.slices.values()
+        }
+        with Client(cluster) as client:
+            seen = client.run(lambda: __import__("os").environ["CUDA_VISIBLE_DEVICES"])
+            assert set(seen.values()) == uuids
+            out = client.submit(workloads.where, pure=False).result(timeout=60)
+            assert out["QGPU_SLICE_ID"] in {r.slice_id for r in cluster.slices.values()}
+    assert live_slices(agent) == []
+
+
+def test_binpack_against_the_same_agent_uses_one_gpu(agent):
+    slices = [{"core": 30, "memory": 8}, {"core": 30, "memory": 8}]
+    cluster = SliceCluster(slices, policy="binpack", agent_socket=agent.socket)
+    try:
+        assert len({res.device_uuid for res in cluster.slices.values()}) == 1
+    finally:
+        cluster.close()
+    assert live_slices(agent) == []
+
+
+def test_slices_that_do_not_fit_fail_before_any_worker_and_keep_nothing(agent):
+    slices = [{"core": 60, "memory": 30}] * 3  # two H100s hold two of them
+    with pytest.raises(NoFit, match=r"slices\[2\]"):
+        SliceCluster(slices, agent_socket=agent.socket)
+    assert live_slices(agent) == []
+
+
+def test_invalid_requests_name_field_value_and_rule(agent):
+    with pytest.raises(RuleViolation) as err:
+        SliceCluster([{"core": 150, "memory": 8}], agent_socket=agent.socket)
+    assert err.value.field == "qgpu-core" and err.value.value == 150
+    with pytest.raises(RuleViolation) as err:
+        SliceCluster([{"core": 30}], agent_socket=agent.socket)
+    assert err.value.field == "qgpu-memory"
+    with pytest.raises(RuleViolation) as err:  # the card's limit, checked by the agent
+        SliceCluster([{"core": 30, "memory": 90}], agent_socket=agent.socket)
+    assert err.value.field == "slices[0].qgpu-memory" and "exceed" in err.value.rule
+    assert live_slices(agent) == []

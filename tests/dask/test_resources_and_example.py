@@ -1,0 +1,59 @@
+"""task_resources validates through the core model; the no-fit message; the runnable example."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qgpu.errors import RuleViolation
+from qgpu_dask import task_resources
+from qgpu_dask.nofit import no_fit_message
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_task_resources_accept_the_model_units():
+    assert task_resources("30", "8Gi") == {"qgpu-core": 30.0, "qgpu-memory": 8.0}
+    assert task_resources(30, "8192Mi") == {"qgpu-core": 30.0, "qgpu-memory": 8.0}
+    assert task_resources(200) == {"qgpu-core": 200.0}
+
+
+@pytest.mark.parametrize(
+    ("core", "memory", "field"),
+    [(150, 8, "qgpu-core"), (0, 8, "qgpu-core"), (30, None, "qgpu-memory"), (30, 0, "qgpu-memory")],
+)
+def test_task_resources_reject_what_the_model_rejects(core, memory, field):
+    with pytest.raises(RuleViolation) as err:
+        task_resources(core, memory)
+    assert err.value.field == field
+
+
+def test_no_fit_message_names_the_request_and_the_largest_slices():
+    offers = [{"qgpu-core": 30.0, "qgpu-memory": 8.0}, {"qgpu-core": 20.0, "qgpu-memory": 40.0}]
+    text = no_fit_message("k", {"qgpu-core": 40.0, "qgpu-memory": 10.0}, offers)
+    assert "asks for qgpu-core=40, qgpu-memory=10" in text
+    assert "largest slice: qgpu-core=30, qgpu-memory=8" in text
+    assert "most memory: qgpu-core=20, qgpu-memory=40" in text
+    assert "no slice workers are connected" in no_fit_message("k", {"qgpu-core": 1.0}, [])
+
+
+def test_the_example_runs_on_simulated_gpus():
+    proc = subprocess.run(
+        [sys.executable, "examples/dask_inference.py", "--policy", "spread"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("oversized load -> CUDA_ERROR_OUT_OF_MEMORY") == 6
+    assert "qgpu-core=20 qgpu-memory=8 fixed-share" in out
+    # the large batches (40 %, 16 GiB) fit only the 40 %/24 GiB slices
+    for line in out.splitlines():
+        if line.strip().startswith(("batch 2:", "batch 3:", "batch 4:", "batch 5:")):
+            assert "sees 24.0 GiB" in line and "core cap 40%" in line
+    assert "batch 99 refused" in out and "qgpu-core=60, qgpu-memory=40" in out
