@@ -6,12 +6,15 @@ GPUs so both paths have the same capacity), in one run, alternating rounds:
 - ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` — Ray places fractions, isolates nothing;
 - ``qgpu sdk``: ``Actor.options(**qgpu_ray.options(core=30, memory=8))`` — placement by the
   core engine, per-GPU accounting, interposer and caps in the worker's environment;
+- ``qgpu sdk/resources``: the same with ``via="resources"`` (no runtime_env; the worker
+  binds at its first CUDA call to the GPU named by its per-GPU resources);
 - ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})`` and the
   actor's first ``cuInit`` binds it to a GPU (placement + holder group + caps).
 
-Each round creates N actors, waits until every one answered a call (for the qgpu paths the
-call starts CUDA, so the slice is bound and capped), then kills them and waits until the
-resources are back. Prints seconds per round, the median per path and the ratio to Ray's.
+Each round creates N actors, waits until every one answered a call that starts CUDA (on
+the qgpu paths that binds and caps the slice; on Ray's path it is the same driver call with
+nothing to enforce), then kills them and waits until the resources are back. Prints
+seconds per round, the median per path and the ratio to Ray's.
 Run: ``.venv/bin/python bench/ray_overhead.py [--actors 40] [--rounds 3]``.
 """
 
@@ -58,10 +61,11 @@ def run_round(path: str, n: int, total_core: float) -> float:
     t0 = time.perf_counter()
     if path == "ray num_gpus":
         actors = [Replica.options(num_gpus=0.3, num_cpus=0).remote() for _ in range(n)]
-        ray.get([a.ready.remote(False) for a in actors], timeout=600)
-    elif path == "qgpu sdk":
+        ray.get([a.ready.remote(True) for a in actors], timeout=600)
+    elif path.startswith("qgpu sdk"):
+        via = "resources" if path.endswith("resources") else "runtime_env"
         actors = [
-            Replica.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0)).remote()
+            Replica.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0, via=via)).remote()
             for _ in range(n)
         ]
         ray.get([a.ready.remote(True) for a in actors], timeout=600)
@@ -88,7 +92,7 @@ def main() -> None:
     cluster = qgpu_ray.LocalCluster(
         [spec], cpus_per_node=2, extra_node_args={"num_gpus": args.gpus}
     )
-    paths = ["ray num_gpus", "qgpu sdk", "qgpu plain"]
+    paths = ["ray num_gpus", "qgpu sdk", "qgpu sdk/resources", "qgpu plain"]
     times: dict[str, list[float]] = {p: [] for p in paths}
     try:
         total_core = 100.0 * args.gpus
@@ -96,14 +100,14 @@ def main() -> None:
             for path in paths:
                 t = run_round(path, args.actors, total_core)
                 times[path].append(t)
-                print(f"round {r + 1} {path:<13} {args.actors} actors in {t:6.2f} s", flush=True)
+                print(f"round {r + 1} {path:<19} {args.actors} actors in {t:6.2f} s", flush=True)
     finally:
         cluster.shutdown()
     base = statistics.median(times["ray num_gpus"])
-    print(f"\n{'path':<14}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
+    print(f"\n{'path':<20}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
     for path in paths:
         med = statistics.median(times[path])
-        print(f"{path:<14}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
+        print(f"{path:<20}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,13 @@ from qgpu.placement import Decision, Engine
 from qgpu_ray import agent_link
 from qgpu_ray.env import slice_env
 from qgpu_ray.resources import (
+    ISOLATION_PREFIX,
     LABEL_ISOLATION,
     SLOTS,
     TOTAL_CORE,
     TOTAL_MEMORY,
     gpu_resource,
+    parse_gpu_resource,
 )
 from qgpu_ray.view import live_state, ray_nodes
 
@@ -103,10 +105,13 @@ def last_error() -> str | None:
     return _last_error
 
 
-def _assigned_request() -> SliceRequest | None:
+def _assigned() -> dict[str, float]:
     import ray
 
-    assigned = ray.get_runtime_context().get_assigned_resources()
+    return ray.get_runtime_context().get_assigned_resources()
+
+
+def _assigned_request(assigned: dict[str, float]) -> SliceRequest | None:
     core = assigned.get(TOTAL_CORE)
     if not core:
         return None
@@ -115,6 +120,25 @@ def _assigned_request() -> SliceRequest | None:
     if memory:
         raw["memory"] = memory
     return SliceRequest.model_validate(raw)
+
+
+def _pinned_gpus(assigned: dict[str, float]) -> list[str]:
+    """GPUs named by per-GPU resources (the SDK's resource-only mode chose them)."""
+    out = []
+    for name in assigned:
+        parsed = parse_gpu_resource(name)
+        if parsed and parsed[0] == TOTAL_CORE:
+            out.append(parsed[1])
+    return sorted(out)
+
+
+def _isolation(assigned: dict[str, float], node_default: str | None) -> IsolationPolicy:
+    for name in assigned:
+        if name.startswith(ISOLATION_PREFIX):
+            return IsolationPolicy.parse(name.removeprefix(ISOLATION_PREFIX))
+    return IsolationPolicy.parse(
+        os.environ.get("QGPU_RAY_ISOLATION") or node_default or "best-effort"
+    )
 
 
 def _fragment_message(req: SliceRequest, node: str, state, exc: NoFit) -> str:
@@ -146,12 +170,23 @@ def _hold(decision: Decision, name: str) -> object | None:
     return None
 
 
+def _apply(alloc: Allocation, req: SliceRequest, path: str, holder: str = "") -> Binding:
+    """Record the slice with the node agent and put device and caps into the environment."""
+    global _binding
+    agent_link.record(alloc, req, _ray_meta(path))
+    env = slice_env(alloc)
+    env.pop("LD_PRELOAD", None)  # already loaded in this process
+    os.environ.update(env)
+    _binding = Binding(alloc, env, holder)
+    return _binding
+
+
 def bind() -> Binding | None:
     """Bind this worker to a GPU slice of its node (idempotent). None = not a qgpu worker.
 
-    Raises RuleViolation for invalid amounts and FragmentedError when only fragments fit.
+    Raises RuleViolation for invalid amounts, FragmentedError when only fragments fit and
+    agent_link.AgentRefused when the node agent refuses the slice.
     """
-    global _binding
     with _lock:
         if _binding is not None:
             return _binding
@@ -159,56 +194,67 @@ def bind() -> Binding | None:
             return None  # the SDK path already put this worker in a slice
         import ray
 
-        req = _assigned_request()
+        assigned = _assigned()
+        req = _assigned_request(assigned)
         if req is None:
             return None
-        ctx = ray.get_runtime_context()
-        node_id = ctx.get_node_id()
-        policy = PlacementPolicy.parse(os.environ.get(POLICY_ENV, "binpack"), POLICY_ENV)
-        pid = os.getpid()
-        for attempt in range(ATTEMPTS):
-            nodes = [n for n in ray_nodes() if n.node_id == node_id]
-            if not nodes:
-                raise FragmentedError(f"qgpu: node {node_id} advertises no qgpu GPUs")
-            state = live_state(nodes).state
-            try:
-                decision = Engine(state, policy).decide(req)
-            except NoFit as exc:
-                raise FragmentedError(_fragment_message(req, nodes[0].name, state, exc)) from exc
-            slice_id = "p-" + uuid.uuid4().hex[:16]
-            name = holder_name(slice_id, node_id, pid, process_start_time(pid))
-            holder = _hold(decision, name)
-            if holder is None:
-                time.sleep(0.2 * (attempt + 1))
-                continue  # another worker won the race for that GPU: decide again
-            default = nodes[0].labels.get(LABEL_ISOLATION)
-            isolation = IsolationPolicy.parse(
-                os.environ.get("QGPU_RAY_ISOLATION") or default or "best-effort"
-            )
+        node_id = ray.get_runtime_context().get_node_id()
+        nodes = [n for n in ray_nodes() if n.node_id == node_id]
+        if not nodes:
+            raise FragmentedError(f"qgpu: node {node_id} advertises no qgpu GPUs")
+        isolation = _isolation(assigned, nodes[0].labels.get(LABEL_ISOLATION))
+        pinned = _pinned_gpus(assigned)
+        if pinned:  # the SDK chose the GPU(s); Ray already holds their per-GPU resources
             alloc = Allocation(
-                slice_id=slice_id,
-                node=decision.node,
-                gpu_uuids=list(decision.gpu_uuids),
-                core=decision.core_per_gpu,
-                memory_gib=min(decision.memory_gib_per_gpu),
+                slice_id="r-" + uuid.uuid4().hex[:16],
+                node=nodes[0].name,
+                gpu_uuids=pinned,
+                core=req.core_per_gpu,
+                memory_gib=req.memory_gib or 1,
                 isolation=isolation,
             )
-            try:
-                agent_link.record(alloc, req, _ray_meta("plain"))
-            except agent_link.AgentRefused:
-                from ray.util.placement_group import remove_placement_group
+            return _apply(alloc, req, "sdk-resources")
+        return _bind_plain(req, node_id, nodes, isolation)
 
-                remove_placement_group(holder)
-                raise
-            env = slice_env(alloc)
-            env.pop("LD_PRELOAD", None)  # already loaded in this process
-            os.environ.update(env)
-            _binding = Binding(alloc, env, name)
-            return _binding
-        raise FragmentedError(
-            f"qgpu: could not reserve a GPU for qgpu-core={req.core} "
-            f"qgpu-memory={req.memory_gib} on node {node_id} after {ATTEMPTS} attempts"
+
+def _bind_plain(
+    req: SliceRequest, node_id: str, nodes: list, isolation: IsolationPolicy
+) -> Binding:
+    from ray.util.placement_group import remove_placement_group
+
+    policy = PlacementPolicy.parse(os.environ.get(POLICY_ENV, "binpack"), POLICY_ENV)
+    pid = os.getpid()
+    for attempt in range(ATTEMPTS):
+        if attempt:
+            nodes = [n for n in ray_nodes() if n.node_id == node_id]
+        state = live_state(nodes).state
+        try:
+            decision = Engine(state, policy).decide(req)
+        except NoFit as exc:
+            raise FragmentedError(_fragment_message(req, nodes[0].name, state, exc)) from exc
+        slice_id = "p-" + uuid.uuid4().hex[:16]
+        name = holder_name(slice_id, node_id, pid, process_start_time(pid))
+        holder = _hold(decision, name)
+        if holder is None:
+            time.sleep(0.2 * (attempt + 1))
+            continue  # another worker won the race for that GPU: decide again
+        alloc = Allocation(
+            slice_id=slice_id,
+            node=decision.node,
+            gpu_uuids=list(decision.gpu_uuids),
+            core=decision.core_per_gpu,
+            memory_gib=min(decision.memory_gib_per_gpu),
+            isolation=isolation,
         )
+        try:
+            return _apply(alloc, req, "plain", name)
+        except agent_link.AgentRefused:
+            remove_placement_group(holder)
+            raise
+    raise FragmentedError(
+        f"qgpu: could not reserve a GPU for qgpu-core={req.core} "
+        f"qgpu-memory={req.memory_gib} on node {node_id} after {ATTEMPTS} attempts"
+    )
 
 
 def _on_cuinit() -> int:

@@ -4,7 +4,8 @@ A node advertises the totals ``qgpu-core`` (100 x GPUs) and ``qgpu-memory`` (sum
 GiB) and, per physical GPU, a cluster-unique triple named after the GPU's UUID:
 ``qgpu-core/<uuid>`` (100), ``qgpu-memory/<uuid>`` (card GiB) and ``qgpu-slots/<uuid>``
 (the slice limit of that GPU). A slice consumes the totals plus its GPU's triple, so Ray's
-own accounting never over-commits a GPU in core, memory or slice count.
+own accounting never over-commits a GPU in core, memory or slice count. Each node also
+advertises ``qgpu-isolation/<policy>`` markers (see ISOLATION_PREFIX).
 
 Labels: ``qgpu.io/node`` (the agent's node name), ``qgpu.io/gpu-model`` (the model, or
 ``mixed``), ``qgpu.io/gpu-count``, ``qgpu.io/isolation`` (the node's default isolation)
@@ -15,13 +16,19 @@ from __future__ import annotations
 
 import re
 
-from qgpu.model import NodeInventory
+from qgpu.model import IsolationPolicy, NodeInventory
 from qgpu.units import CORE_FIELD, MEMORY_FIELD
 
 TOTAL_CORE = CORE_FIELD  # "qgpu-core"
 TOTAL_MEMORY = MEMORY_FIELD  # "qgpu-memory"
 SLOTS = "qgpu-slots"
 GPU_KINDS = (TOTAL_CORE, TOTAL_MEMORY, SLOTS)
+# Isolation markers: every qgpu node advertises ISOLATION_CAPACITY of each; a worker that
+# asks for ISOLATION_AMOUNT of one carries its isolation policy in its assigned resources
+# (the SDK's resource-only mode), without a runtime_env.
+ISOLATION_PREFIX = "qgpu-isolation/"
+ISOLATION_CAPACITY = 1000.0
+ISOLATION_AMOUNT = 0.001
 
 LABEL_NODE = "qgpu.io/node"
 LABEL_MODEL = "qgpu.io/gpu-model"
@@ -63,6 +70,9 @@ def node_resources(inventory: NodeInventory) -> dict[str, float]:
         out[gpu_resource(TOTAL_CORE, gpu.uuid)] = 100.0
         out[gpu_resource(TOTAL_MEMORY, gpu.uuid)] = float(gpu.memory_gib)
         out[gpu_resource(SLOTS, gpu.uuid)] = float(gpu.max_slices(inventory.max_slices_per_gpu))
+    if gpus:
+        for policy in IsolationPolicy:
+            out[ISOLATION_PREFIX + policy.value] = ISOLATION_CAPACITY
     return out
 
 

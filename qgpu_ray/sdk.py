@@ -16,11 +16,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qgpu.errors import NoFit, first_violation
+from qgpu.errors import NoFit, RuleViolation, first_violation
 from qgpu.model import Allocation, IsolationPolicy, PlacementPolicy, SliceRequest
 from qgpu.placement import Decision, Engine
 from qgpu_ray.env import slice_env
 from qgpu_ray.resources import (
+    ISOLATION_AMOUNT,
+    ISOLATION_PREFIX,
     LABEL_ISOLATION,
     SLOTS,
     TOTAL_CORE,
@@ -85,11 +87,12 @@ def _merge(base: dict[str, Any], resources: dict[str, float], env: dict[str, str
             raise ValueError(f"resources already names {key!r}; let qgpu_ray set it")
     res.update(resources)
     out["resources"] = res
-    runtime_env = dict(out.get("runtime_env") or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
-    env_vars.update(env)
-    runtime_env["env_vars"] = env_vars
-    out["runtime_env"] = runtime_env
+    if env:
+        runtime_env = dict(out.get("runtime_env") or {})
+        env_vars = dict(runtime_env.get("env_vars") or {})
+        env_vars.update(env)
+        runtime_env["env_vars"] = env_vars
+        out["runtime_env"] = runtime_env
     return out
 
 
@@ -107,13 +110,22 @@ def options(
     model: str | None = None,
     include_uuids: list[str] | None = None,
     exclude_uuids: list[str] | None = None,
+    via: str = "runtime_env",
     **ray_options: Any,
 ) -> dict[str, Any]:
     """kwargs for ``.options()`` that put the task or actor on one slice (see module doc).
 
     Extra keyword arguments (num_cpus, runtime_env, name, ...) are passed through;
     ``runtime_env.env_vars`` is merged with the slice's variables.
+
+    ``via="resources"`` leaves the runtime_env out: the chosen GPU travels in the per-GPU
+    resources alone (and the isolation in a ``qgpu-isolation/<policy>`` marker), and the
+    worker's bind hook applies device and caps at its first CUDA call. Workers are then
+    reused from Ray's pool instead of started per runtime_env (much faster start-up); it
+    needs nodes started by ``qgpu-ray start`` / `LocalCluster` (the bind hook installed).
     """
+    if via not in ("runtime_env", "resources"):
+        raise RuleViolation("via", via, "must be 'runtime_env' or 'resources'")
     req = build_request(
         core,
         memory,
@@ -134,6 +146,10 @@ def options(
     resources = decision_resources(decision)
     PENDING.add(_per_gpu(resources), view.effective)
     ray_options.setdefault("num_gpus", 0)
+    if via == "resources":
+        if not decision.core_per_gpu >= 100:
+            resources[ISOLATION_PREFIX + alloc.isolation.value] = ISOLATION_AMOUNT
+        return _merge(ray_options, resources, {})
     return _merge(ray_options, resources, slice_env(alloc))
 
 
@@ -162,6 +178,7 @@ class SliceRemote:
         slice_kwargs = {**self._slice_kwargs}
         for key in list(overrides):
             if key in {
+                "via",
                 "core",
                 "memory",
                 "policy",
@@ -191,7 +208,15 @@ def remote(core: Any, memory: Any = None, **kwargs: Any) -> Callable[[Any], Slic
     Keyword arguments that are slice fields (policy, gpu_policy, isolation, model,
     include_uuids, exclude_uuids) select the slice; the rest go to Ray's ``.options()``.
     """
-    slice_keys = {"policy", "gpu_policy", "isolation", "model", "include_uuids", "exclude_uuids"}
+    slice_keys = {
+        "policy",
+        "gpu_policy",
+        "isolation",
+        "model",
+        "include_uuids",
+        "exclude_uuids",
+        "via",
+    }
     slice_kwargs = {"core": core, "memory": memory}
     slice_kwargs.update({k: v for k, v in kwargs.items() if k in slice_keys})
     ray_kwargs = {k: v for k, v in kwargs.items() if k not in slice_keys}

@@ -29,8 +29,9 @@ def agent_slices(cluster):
 
 
 def test_sdk_and_plain_slices_are_recorded_and_released(cluster, _clean):
-    sdk = SliceProbe.options(**qgpu_ray.options(core=25, memory=6, isolation="bs",
-                                                num_cpus=0)).remote()
+    sdk = SliceProbe.options(
+        **qgpu_ray.options(core=25, memory=6, isolation="bs", num_cpus=0)
+    ).remote()
     plain = SliceProbe.options(num_cpus=0, resources={"qgpu-core": 35, "qgpu-memory": 5}).remote()
     _clean.extend([sdk, plain])
     sdk_env = ray.get(sdk.env.remote(), timeout=60)
@@ -40,9 +41,13 @@ def test_sdk_and_plain_slices_are_recorded_and_released(cluster, _clean):
     # the SDK actor allocates memory through the interposer; the agent reports it
     assert ray.get(sdk.cuda.remote(), timeout=60)["init"] == 0
 
-    recorded = wait_until(lambda: (lambda s: s if {sdk_env["QGPU_SLICE_ID"],
-                                                    plain_env["QGPU_SLICE_ID"]} <= set(s) else None)
-                          (agent_slices(cluster)))
+    recorded = wait_until(
+        lambda: (
+            lambda s: (
+                s if {sdk_env["QGPU_SLICE_ID"], plain_env["QGPU_SLICE_ID"]} <= set(s) else None
+            )
+        )(agent_slices(cluster))
+    )
     _, s = recorded[sdk_env["QGPU_SLICE_ID"]]
     assert (s.core, s.memory_gib, s.isolation) == (25, 6, "burst-share")
     assert s.device_uuid == sdk_env["CUDA_VISIBLE_DEVICES"]

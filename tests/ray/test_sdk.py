@@ -131,3 +131,23 @@ def test_invalid_and_unfittable_requests(cluster):
         qgpu_ray.options(core=30, memory="lots")
     with pytest.raises(NoFit, match="Ray cluster"):
         qgpu_ray.options(core=600)
+
+
+def test_resource_only_mode_binds_to_the_chosen_gpu(cluster, _clean):
+    opts = qgpu_ray.options(core=35, memory=6, isolation="fs", via="resources", num_cpus=0)
+    assert "runtime_env" not in opts
+    chosen = [k.split("/", 1)[1] for k in opts["resources"] if k.startswith("qgpu-core/")]
+    assert opts["resources"]["qgpu-isolation/fixed-share"] == 0.001
+    actor = SliceProbe.options(**opts).remote()
+    _clean.append(actor)
+    assert ray.get(actor.env.remote(), timeout=60)["QGPU_SLICE_ID"] == ""
+    out = ray.get(actor.cuda.remote(), timeout=60)
+    assert out["init"] == 0, out.get("bind_error")
+    assert out["uuid"] == chosen[0] == out["env"]["CUDA_VISIBLE_DEVICES"]
+    assert out["env"]["QGPU_CORE_LIMIT"] == "35"
+    assert out["env"]["QGPU_ISOLATION"] == "fixed-share"
+    assert out["total"] == 6 << 30 and out["over_cap"] == 2
+    assert gpu_free(chosen[0]) == 65  # held by the actor itself: no holder group
+    with pytest.raises(RuleViolation) as info:
+        qgpu_ray.options(core=10, memory=1, via="magic")
+    assert info.value.field == "via"
