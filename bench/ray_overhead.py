@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -87,7 +88,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=14, help="simulated 80 GiB GPUs on the node")
     args = ap.parse_args()
-    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp"))
+    own_tmp = None
+    if "RAY_TMPDIR" not in os.environ:
+        own_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp")
     spec = f"{args.gpus}xH100-80GB"
     cluster = qgpu_ray.LocalCluster(
         [spec], cpus_per_node=2, extra_node_args={"num_gpus": args.gpus}
@@ -103,6 +106,8 @@ def main() -> None:
                 print(f"round {r + 1} {path:<19} {args.actors} actors in {t:6.2f} s", flush=True)
     finally:
         cluster.shutdown()
+        if own_tmp:
+            shutil.rmtree(own_tmp, ignore_errors=True)
     base = statistics.median(times["ray num_gpus"])
     print(f"\n{'path':<20}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
     for path in paths:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -177,7 +178,9 @@ def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
 
 
 def main() -> int:
-    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="qgpu-demo-ray-", dir="/tmp"))
+    own_tmp = None
+    if "RAY_TMPDIR" not in os.environ:  # Ray's session files: private, removed at the end
+        own_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="qgpu-demo-ray-", dir="/tmp")
     from enforcement.discovery import nvml_available
 
     real = nvml_available() and os.environ.get("QGPU_BACKEND") != "sim"
@@ -241,6 +244,8 @@ def main() -> int:
     finally:
         with console.status("Shutting down..."):
             cluster.shutdown()
+            if own_tmp:
+                shutil.rmtree(own_tmp, ignore_errors=True)
     console.print(f"[green]done[/] in {time.monotonic() - t0:.0f} s")
     return 0 if ok else 1
 

@@ -7,6 +7,7 @@ each. Ray's temp dir is private to the session (RAY_TMPDIR).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 
@@ -25,6 +26,7 @@ def _private_ray_tmpdir():
         os.environ.pop("RAY_TMPDIR", None)
     else:
         os.environ["RAY_TMPDIR"] = old
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
