@@ -131,7 +131,12 @@ class SliceCluster(SpecCluster):
                     "host": "127.0.0.1",
                     "dashboard": False,
                     "dashboard_address": None,
-                    "plugins": [NoFitPlugin(grace=no_fit_grace)],
+                    "plugins": [
+                        NoFitPlugin(
+                            grace=no_fit_grace,
+                            slices=[slice_resources(r) for r in self.slices.values()],
+                        )
+                    ],
                     **dict(scheduler_options or {}),
                 },
             }

@@ -9,11 +9,16 @@ the requested amounts, the task is failed with `NoSliceFits`, whose message name
 request and the largest slices of the cluster. Tasks without qgpu restrictions are left
 alone, and a worker that joins within the grace period (``qgpu-dask-worker`` on another
 node) is used as usual.
+
+A cluster that knows its slices up front (`SliceCluster`) declares them as ``slices``: they
+count as offers even while their worker is away (restarting after a crash), so a task
+waiting for a restarting slice is not failed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -53,7 +58,7 @@ def no_fit_message(key: Any, wanted: dict[str, float], offers: list[dict[str, fl
     )
     if most_memory != largest:
         text += f"; most memory: {_fmt(most_memory)}"
-    return text + f"; {len(offers)} slice worker(s)). Ask for at most what one slice holds."
+    return text + f"; {len(offers)} slice(s) known). Ask for at most what one slice holds."
 
 
 class NoFitPlugin(SchedulerPlugin):
@@ -62,8 +67,9 @@ class NoFitPlugin(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True
 
-    def __init__(self, grace: float = 0.0) -> None:
+    def __init__(self, grace: float = 0.0, slices: Sequence[Mapping[str, float]] = ()) -> None:
         self.grace = float(grace)
+        self.slices = [{k: float(v) for k, v in s.items()} for s in slices]
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -86,10 +92,10 @@ class NoFitPlugin(SchedulerPlugin):
         return {k: float(v) for k, v in restrictions.items()}
 
     def _offers(self) -> list[dict[str, float]]:
-        out = []
+        out = list(self.slices)
         for ws in self.scheduler.workers.values():
             offer = {k: float(v) for k, v in (ws.resources or {}).items()}
-            if any(name in offer for name in QGPU_RESOURCES):
+            if any(name in offer for name in QGPU_RESOURCES) and offer not in self.slices:
                 out.append(offer)
         return out
 

@@ -113,3 +113,14 @@ def test_scaling_beyond_the_slices_is_refused(cluster):
 
     with pytest.raises(QgpuError, match="one worker per reserved slice"):
         cluster.scale(3)
+
+
+def test_a_restarted_worker_comes_back_inside_its_slice(client, cluster):
+    before = client.submit(workloads.where, workers=["slice-1"], pure=False).result(timeout=60)
+    client.restart_workers(["slice-1"], timeout=60)
+    after = client.submit(workloads.cuda_probe, workers=["slice-1"], pure=False).result(timeout=60)
+    assert after["pid"] != before["pid"]
+    assert after["QGPU_SLICE_ID"] == cluster.slice_of("slice-1").slice_id
+    assert after["preloaded"] is True
+    assert after["total"] == 20 * GIB
+    assert after["over_cap"] == simcuda.CUDA_ERROR_OUT_OF_MEMORY

@@ -57,3 +57,47 @@ def test_the_example_runs_on_simulated_gpus():
         if line.strip().startswith(("batch 2:", "batch 3:", "batch 4:", "batch 5:")):
             assert "sees 24.0 GiB" in line and "core cap 40%" in line
     assert "batch 99 refused" in out and "qgpu-core=60, qgpu-memory=40" in out
+
+
+class _FakeScheduler:
+    """What NoFitPlugin reads from the scheduler, and what it calls to fail a task."""
+
+    def __init__(self, tasks, workers):
+        self.tasks = tasks
+        self.workers = workers
+        self.erred: list = []
+
+    def transition(self, key, finish, stimulus_id, **kwargs):
+        self.erred.append((key, finish, kwargs["exception_text"]))
+        return {}
+
+    def transitions(self, recommendations, stimulus_id):
+        assert recommendations == {}
+
+
+def _task(state, restrictions):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(state=state, resource_restrictions=restrictions)
+
+
+def test_declared_slices_count_while_their_worker_is_away():
+    import asyncio
+    from types import SimpleNamespace
+
+    from qgpu_dask import NoFitPlugin
+
+    tasks = {
+        "fits-away": _task("no-worker", {"qgpu-core": 50}),
+        "too-big": _task("no-worker", {"qgpu-core": 60}),
+        "other": _task("no-worker", {"GPU": 1}),
+        "fits-connected": _task("no-worker", {"qgpu-memory": 30}),
+    }
+    workers = {"w": SimpleNamespace(resources={"qgpu-core": 10, "qgpu-memory": 30})}
+    sched = _FakeScheduler(tasks, workers)
+    plugin = NoFitPlugin(slices=[{"qgpu-core": 50, "qgpu-memory": 20}])
+    asyncio.run(plugin.start(sched))
+    for key in tasks:
+        plugin._check(key)
+    assert [(k, f) for k, f, _ in sched.erred] == [("too-big", "erred")]
+    assert "largest slice: qgpu-core=50, qgpu-memory=20" in sched.erred[0][2]

@@ -1,0 +1,56 @@
+"""A SliceCluster process killed with SIGKILL: its worker processes exit, the agent's
+reconcile releases its slices (their owner pid is gone), and an agent the cluster started
+itself does not outlive it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from enforcement.agent.reconcile import proc_start_time
+from tests.dask.conftest import live_slices, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "dask" / "cluster_process.py"
+
+
+def _run_and_kill(target: str) -> dict:
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), target],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, f"cluster process exited {proc.wait()}"
+        report = json.loads(line)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return report
+
+
+def test_sigkilled_cluster_slices_are_released_by_reconcile(agent):
+    report = _run_and_kill(str(agent.socket))
+    assert len(report["slices"]) == 2 and len(report["worker_pids"]) == 2
+    wait_until(lambda: not live_slices(agent), timeout=30)
+    for pid in report["worker_pids"]:
+        wait_until(lambda pid=pid: proc_start_time(pid) is None, timeout=30)
+
+
+def test_an_agent_the_cluster_started_dies_with_it():
+    report = _run_and_kill("sim")
+    assert report["agent_pid"] is not None
+    wait_until(lambda: proc_start_time(report["agent_pid"]) is None, timeout=30)
+    for pid in report["worker_pids"]:
+        wait_until(lambda pid=pid: proc_start_time(pid) is None, timeout=30)
