@@ -102,9 +102,13 @@ def containers(workload: Obj, init: bool = False) -> dict[str, Obj]:
     return {c["name"]: c for c in spec.get("initContainers" if init else "containers") or []}
 
 
-def command(container: Obj) -> list[str]:
-    """The container's argv with $(VAR) references expanded from its env."""
-    env = {e["name"]: e.get("value", f"<{e['name']}>") for e in container.get("env") or []}
+def command(container: Obj, **downward: str) -> list[str]:
+    """The container's argv with $(VAR) references expanded from its env; variables from
+    the downward API (valueFrom) take the value given here, else ``<NAME>``."""
+    env = {
+        e["name"]: e.get("value", downward.get(e["name"], f"<{e['name']}>"))
+        for e in container.get("env") or []
+    }
     argv = []
     for arg in container["command"] + (container.get("args") or []):
         for k, v in env.items():
