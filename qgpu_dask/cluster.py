@@ -107,6 +107,8 @@ class SliceCluster(SpecCluster):
                             f"left: {exc.rule}",
                             exc.reasons,
                         ) from exc
+                    if exc.status != 422:
+                        raise
                     violation = exc.as_violation()
                     raise RuleViolation(
                         f"slices[{i}].{violation.field}", violation.value, violation.rule

@@ -172,7 +172,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         except AgentError as exc:
             if exc.is_no_fit:
                 raise QgpuError(f"the slice does not fit on this node's GPUs: {exc}") from exc
-            raise exc.as_violation() from exc
+            if exc.status == 422:
+                raise exc.as_violation() from exc
+            raise
         print(
             f"qgpu-dask-worker: slice {reservation.slice_id} on {reservation.device_uuid} "
             f"(qgpu-core={reservation.core}, qgpu-memory={reservation.memory_gib})",
