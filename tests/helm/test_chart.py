@@ -42,11 +42,20 @@ def default() -> Rendered:
 # --- lint and schemas --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kube_version", ["1.28.0", "1.30.0", "1.34.0"])
-def test_lint_strict_has_no_errors_or_warnings(kube_version: str) -> None:
+@pytest.mark.parametrize(
+    ("kube_version", "values"),
+    [
+        ("1.28.0", {}),
+        ("1.30.0", {}),
+        ("1.34.0", {}),
+        ("1.30.0", {"webhook": {"certManager": {"enabled": True}}}),
+        ("1.30.0", {"webhook": {"enabled": False}, "manager": {"agent": {"enabled": False}}}),
+    ],
+)
+def test_lint_strict_has_no_errors_or_warnings(kube_version: str, values: dict[str, Any]) -> None:
     from tests.helm.chart import CHART
 
-    result = helm_python.lint(str(CHART), strict=True, kube_version=kube_version)
+    result = helm_python.lint(str(CHART), values, strict=True, kube_version=kube_version)
     assert result["errors"] == []
     # severity 1 is INFO (only "icon is recommended"); 2 WARNING, 3 ERROR
     assert [m for m in result["messages"] if m["severity"] > 1] == []
