@@ -6,7 +6,9 @@ dynamic loader reads ``LD_PRELOAD`` only at exec, and the interposer reads its c
 worker process is spawned (``Nanny(env=...)`` and ``distributed.nanny.environ`` are
 applied inside the already running child — fine for ``CUDA_VISIBLE_DEVICES``, too late for
 ``LD_PRELOAD``). `SliceNanny` therefore adds the slice's whole environment to
-``pre_spawn_env`` (and to ``env``, so a worker restart gets it too).
+``pre_spawn_env`` (and to ``env``, so a worker restart gets it too). Preloads the worker
+would otherwise inherit (``LD_PRELOAD`` of the parent or of the pre-spawn config) are kept
+after the interposer.
 
 Dask applies the pre-spawn environment by updating ``os.environ`` of the nanny's process
 and never undoing it. With several nannies in one process (a `SliceCluster`) that would
@@ -54,6 +56,12 @@ class SliceNanny(Nanny):
         check_spawn_method()
         super().__init__(*args, **kwargs)
         self.slice_env = {str(k): str(v) for k, v in (slice_env or {}).items()}
+        hook = self.slice_env.get("LD_PRELOAD")
+        inherited = self.pre_spawn_env.get("LD_PRELOAD") or os.environ.get("LD_PRELOAD", "")
+        if hook and inherited:
+            # keep the user's preloads (jemalloc, ...) after the interposer
+            others = [p for p in inherited.replace(" ", ":").split(":") if p and p != hook]
+            self.slice_env["LD_PRELOAD"] = ":".join([hook, *others])
         self.pre_spawn_env.update(self.slice_env)
         self.env.update(self.slice_env)
 

@@ -101,3 +101,22 @@ def test_declared_slices_count_while_their_worker_is_away():
         plugin._check(key)
     assert [(k, f) for k, f, _ in sched.erred] == [("too-big", "erred")]
     assert "largest slice: qgpu-core=50, qgpu-memory=20" in sched.erred[0][2]
+
+
+def test_the_nanny_keeps_inherited_preloads_after_the_interposer(monkeypatch):
+    import asyncio
+
+    from qgpu_dask import SliceNanny
+
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libjemalloc.so /hook/libqgpu_hook.so")
+
+    async def build() -> dict[str, str]:
+        nanny = SliceNanny(
+            "tcp://127.0.0.1:9",
+            slice_env={"LD_PRELOAD": "/hook/libqgpu_hook.so", "QGPU_SLICE_ID": "s-1"},
+        )
+        return dict(nanny.pre_spawn_env)
+
+    env = asyncio.run(build())
+    assert env["LD_PRELOAD"] == "/hook/libqgpu_hook.so:/opt/libjemalloc.so"
+    assert env["QGPU_SLICE_ID"] == "s-1"
