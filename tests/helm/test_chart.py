@@ -209,7 +209,7 @@ def test_install_interposer_init_container_installs_the_built_hook(
     target = tmp_path / "usr-local-qgpu-lib"
     env = {**os.environ, "QGPU_INTERPOSER_DIR": str(target)}
     for _ in range(2):  # the init container runs again on every pod restart
-        subprocess.run([sys.executable, *argv[1:]], env=env, check=True, cwd=native.__path__[0])
+        subprocess.run([sys.executable, *argv[1:]], env=env, check=True)
     installed = target / "libqgpu_hook.so"
     assert installed.read_bytes() == built.read_bytes()
     assert installed.stat().st_mode & 0o777 == 0o755
