@@ -28,11 +28,22 @@ def test_spread_places_slices_on_different_gpus_and_close_releases_them(agent):
     assert live_slices(agent) == []
 
 
-def test_binpack_against_the_same_agent_uses_one_gpu(agent):
-    slices = [{"core": 30, "memory": 8}, {"core": 30, "memory": 8}]
+def test_binpack_fills_one_gpu_and_a_whole_gpu_slice_takes_the_other(agent):
+    slices = [{"core": 100}, {"core": 30, "memory": 8}, {"core": 30, "memory": 8}]
     cluster = SliceCluster(slices, policy="binpack", agent_socket=agent.socket)
     try:
-        assert len({res.device_uuid for res in cluster.slices.values()}) == 1
+        whole, a, b = (cluster.slice_of(f"slice-{i}") for i in range(3))
+        assert a.device_uuid == b.device_uuid != whole.device_uuid
+        assert whole.enforcement == "none" and whole.memory_gib == 80
+        with Client(cluster) as client:
+            offered = {
+                w["name"]: w["resources"] for w in client.scheduler_info()["workers"].values()
+            }
+            assert offered["slice-0"] == {"qgpu-core": 100, "qgpu-memory": 80}
+            out = client.submit(workloads.where, resources={"qgpu-core": 100}, pure=False)
+            out = out.result(timeout=60)
+            assert out["worker"] == "slice-0"
+            assert out["CUDA_VISIBLE_DEVICES"] == whole.device_uuid
     finally:
         cluster.close()
     assert live_slices(agent) == []
