@@ -573,3 +573,51 @@ def test_external_extender_url_and_failure_policy() -> None:
     )
     assert r.scheduler_config()["extenders"][0]["urlPrefix"] == url
     assert _webhook(r)["failurePolicy"] == "Ignore"
+
+
+def test_every_value_is_documented_and_in_the_schema() -> None:
+    """Each key of values.yaml has its own comment line right above it, and the schema
+    (additionalProperties false, every key required) knows exactly these keys."""
+    import json
+    import re
+
+    from tests.helm.chart import CHART
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    structured: dict[str, dict[str, Any]] = {"": schema}  # path -> schema node with properties
+    known: set[str] = set()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, sub in (node.get("properties") or {}).items():
+            if k == "global":
+                continue
+            path = prefix + k
+            known.add(path)
+            if "required" in sub:  # a group of values (resources, issuerRef: map values)
+                structured[path] = sub
+                walk(sub, path + ".")
+
+    walk(schema, "")
+    for path, node in structured.items():
+        assert node.get("additionalProperties") is False, path
+        assert set(node["required"]) == set(node["properties"]) - {"global"}, path
+
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    found: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^( *)([A-Za-z][\w-]*):", line)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = ".".join(s for _, s in stack)
+        stack.append((indent, m.group(2)))
+        if parent not in structured:
+            continue  # inside a map or list value (a default selector, toleration, quantity)
+        path = f"{parent}.{m.group(2)}" if parent else m.group(2)
+        assert path in known, f"values.yaml: {path} is not in values.schema.json"
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml: {path} has no comment"
+        found.add(path)
+    assert found == known
