@@ -32,6 +32,11 @@ from qgpu_ray.resources import (
 )
 from qgpu_ray.view import PENDING, RayNode, live_state
 
+# keyword arguments of options()/remote() that describe the slice (the rest go to Ray)
+SLICE_KEYS = frozenset(
+    {"policy", "gpu_policy", "isolation", "model", "include_uuids", "exclude_uuids", "via"}
+)
+
 
 def pg_strategy(policy: PlacementPolicy) -> str:
     """Ray placement-group strategy for a qgpu policy: spread -> SPREAD, others -> PACK."""
@@ -177,17 +182,7 @@ class SliceRemote:
     def _call(self, overrides: dict[str, Any], args: tuple, kwargs: dict) -> Any:
         slice_kwargs = {**self._slice_kwargs}
         for key in list(overrides):
-            if key in {
-                "via",
-                "core",
-                "memory",
-                "policy",
-                "gpu_policy",
-                "isolation",
-                "model",
-                "include_uuids",
-                "exclude_uuids",
-            }:
+            if key in SLICE_KEYS | {"core", "memory"}:
                 slice_kwargs[key] = overrides.pop(key)
         opts = options(**slice_kwargs, **{**self._ray_kwargs, **overrides})
         return self._remote.options(**opts).remote(*args, **kwargs)
@@ -208,15 +203,7 @@ def remote(core: Any, memory: Any = None, **kwargs: Any) -> Callable[[Any], Slic
     Keyword arguments that are slice fields (policy, gpu_policy, isolation, model,
     include_uuids, exclude_uuids) select the slice; the rest go to Ray's ``.options()``.
     """
-    slice_keys = {
-        "policy",
-        "gpu_policy",
-        "isolation",
-        "model",
-        "include_uuids",
-        "exclude_uuids",
-        "via",
-    }
+    slice_keys = SLICE_KEYS
     slice_kwargs = {"core": core, "memory": memory}
     slice_kwargs.update({k: v for k, v in kwargs.items() if k in slice_keys})
     ray_kwargs = {k: v for k, v in kwargs.items() if k not in slice_keys}

@@ -60,3 +60,28 @@ def all_free(cluster) -> bool:
         for n in cluster.nodes
         for g in n.inventory.gpus
     )
+
+
+def holders() -> list[str]:
+    """Live holder placement groups of plain-path slices."""
+    return [
+        v["name"]
+        for v in ray.util.placement_group_table().values()
+        if v["name"].startswith("qgpu-hold:") and v["state"] != "REMOVED"
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _clean(request):
+    """Actors a test appends here are killed after it; every test ends with all GPUs free."""
+    actors: list = []
+    yield actors
+    if "cluster" not in request.fixturenames:
+        return
+    import qgpu_ray
+
+    cluster = request.getfixturevalue("cluster")
+    for a in actors:
+        ray.kill(a)
+    wait_until(lambda: all_free(cluster) and not holders())
+    qgpu_ray.view.PENDING.clear()

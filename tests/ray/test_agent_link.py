@@ -3,21 +3,9 @@ released there when their worker is gone."""
 
 from __future__ import annotations
 
-import pytest
-
 import qgpu_ray
-from tests.ray.conftest import all_free, ray, wait_until
+from tests.ray.conftest import ray, wait_until
 from tests.ray.workloads import SliceProbe
-
-
-@pytest.fixture(autouse=True)
-def _clean(cluster):
-    actors: list = []
-    yield actors
-    for a in actors:
-        ray.kill(a)
-    wait_until(lambda: all_free(cluster))
-    qgpu_ray.view.PENDING.clear()
 
 
 def agent_slices(cluster):

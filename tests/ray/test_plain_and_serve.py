@@ -6,28 +6,10 @@ import pytest
 
 import qgpu_ray
 from qgpu_ray.resources import LABEL_NODE
-from tests.ray.conftest import all_free, gpu_free, ray, wait_until
+from tests.ray.conftest import gpu_free, holders, ray, wait_until
 from tests.ray.workloads import SliceProbe
 
 PLAIN = {"qgpu-core": 30, "qgpu-memory": 8}
-
-
-def holders() -> list[str]:
-    return [
-        v["name"]
-        for v in ray.util.placement_group_table().values()
-        if v["name"].startswith("qgpu-hold:") and v["state"] != "REMOVED"
-    ]
-
-
-@pytest.fixture(autouse=True)
-def _clean(cluster):
-    actors: list = []
-    yield actors
-    for a in actors:
-        ray.kill(a)
-    wait_until(lambda: all_free(cluster) and not holders())
-    qgpu_ray.view.PENDING.clear()
 
 
 def plain_actor(actors, node=None, resources=PLAIN):

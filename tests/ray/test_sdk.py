@@ -10,16 +10,6 @@ from tests.ray.conftest import all_free, gpu_free, ray, wait_until
 from tests.ray.workloads import SliceProbe
 
 
-@pytest.fixture(autouse=True)
-def _clean(cluster):
-    actors: list = []
-    yield actors
-    for a in actors:
-        ray.kill(a)
-    wait_until(lambda: all_free(cluster))
-    qgpu_ray.view.PENDING.clear()
-
-
 def start(actors, n, **slice_kwargs):
     made = []
     for _ in range(n):
