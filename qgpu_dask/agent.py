@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +72,20 @@ def default_gpus() -> str:
     return "2xH100-80GB"
 
 
-def _die_with_parent() -> None:
+_PR_SET_PDEATHSIG = 1
+# resolved here, not in the forked child: a child of a threaded process must not dlopen
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_parent_of(parent: int) -> Callable[[], None]:
     """preexec_fn: the kernel sends SIGTERM to the agent when its parent dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 class LocalAgent:
@@ -125,7 +134,7 @@ class LocalAgent:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent_of(os.getpid()),
         )
         self.client = AgentClient(self.socket, timeout=30.0)
         self.node: NodeInfo = self._wait_ready(start_timeout)

@@ -85,11 +85,16 @@ class SliceCluster(SpecCluster):
         self.root = Path(root or tempfile.mkdtemp(prefix="qgpu-dask-", dir="/tmp"))
         self.agent: LocalAgent | None = None
         if agent_socket is None:
-            self.agent = LocalAgent(
-                self.root / "agent",
-                gpus=sim or default_gpus(),
-                policy=placement or PlacementPolicy.FRAG,
-            )
+            try:
+                self.agent = LocalAgent(
+                    self.root / "agent",
+                    gpus=sim or default_gpus(),
+                    policy=placement or PlacementPolicy.FRAG,
+                )
+            except BaseException:
+                if self._own_root:
+                    shutil.rmtree(self.root, ignore_errors=True)
+                raise
             self.client = self.agent.client
         else:
             self.client = AgentClient(agent_socket, timeout=30.0)

@@ -1,6 +1,6 @@
 """A process that holds a SliceCluster until it is killed (for the SIGKILL tests).
 
-    python tests/dask/cluster_process.py AGENT_SOCKET|sim
+    python tests/dask/cluster_process.py AGENT_SOCKET|sim ROOT
 
 Prints one JSON line: slice ids, worker process pids and (own agent) the agent's pid.
 """
@@ -18,9 +18,10 @@ def main() -> None:
 
     from qgpu_dask import SliceCluster
 
-    target = sys.argv[1]
+    target, root = sys.argv[1], sys.argv[2]
     where = {"sim": "1xH100-80GB"} if target == "sim" else {"agent_socket": target}
-    cluster = SliceCluster([{"core": 30, "memory": 8}, {"core": 20, "memory": 4}], **where)
+    slices = [{"core": 30, "memory": 8}, {"core": 20, "memory": 4}]
+    cluster = SliceCluster(slices, root=root, **where)
     with Client(cluster) as client:
         pids = sorted(client.run(os.getpid).values())
     report = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from distributed import Client
 
-from qgpu.errors import NoFit, RuleViolation
+from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu_dask import SliceCluster
 from tests.dask import workloads
 from tests.dask.conftest import live_slices
@@ -67,3 +67,8 @@ def test_invalid_requests_name_field_value_and_rule(agent):
         SliceCluster([{"core": 30, "memory": 90}], agent_socket=agent.socket)
     assert err.value.field == "slices[0].qgpu-memory" and "exceed" in err.value.rule
     assert live_slices(agent) == []
+
+
+def test_an_agent_that_cannot_start_is_a_clear_error():
+    with pytest.raises(QgpuError, match="unknown model"):
+        SliceCluster([{"core": 30, "memory": 8}], sim="2xNOPE-8GB")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from enforcement.agent.reconcile import proc_start_time
@@ -18,9 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "dask" / "cluster_process.py"
 
 
-def _run_and_kill(target: str) -> dict:
+def _run_and_kill(target: str, root: Path) -> dict:
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), target],
+        [sys.executable, str(SCRIPT), target, str(root)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -40,8 +42,8 @@ def _run_and_kill(target: str) -> dict:
     return report
 
 
-def test_sigkilled_cluster_slices_are_released_by_reconcile(agent):
-    report = _run_and_kill(str(agent.socket))
+def test_sigkilled_cluster_slices_are_released_by_reconcile(agent, tmp_path):
+    report = _run_and_kill(str(agent.socket), tmp_path)
     assert len(report["slices"]) == 2 and len(report["worker_pids"]) == 2
     wait_until(lambda: not live_slices(agent), timeout=30)
     for pid in report["worker_pids"]:
@@ -49,7 +51,11 @@ def test_sigkilled_cluster_slices_are_released_by_reconcile(agent):
 
 
 def test_an_agent_the_cluster_started_dies_with_it():
-    report = _run_and_kill("sim")
+    root = Path(tempfile.mkdtemp(prefix="qgpu-dask-t-", dir="/tmp"))  # short socket path
+    try:
+        report = _run_and_kill("sim", root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     assert report["agent_pid"] is not None
     wait_until(lambda: proc_start_time(report["agent_pid"]) is None, timeout=30)
     for pid in report["worker_pids"]:
