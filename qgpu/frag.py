@@ -209,26 +209,30 @@ class FragPolicy(Policy):
                 unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
             self.t_unit = unit[self.t_class].astype(np.float64)
             self._arrays_version = self._version
-        # keyed on the state object itself (held, so its id cannot be reused by another)
-        key = (state, len(self._k_core))
-        if self._allowed_for is None or not _same(self._allowed_for, key):
-            cols = []
-            for names, whole, need in zip(self._k_models, self.k_whole, self.k_mem, strict=True):
-                mask = state.model_mask(names)
+        # keyed on the state object itself (held, so its id cannot be reused by another);
+        # classes only ever get added, so a known state only needs the new columns
+        k = len(self._k_core)
+        known = self._allowed_for is not None and self._allowed_for[0] is state
+        start = self._allowed.shape[1] if known else 0
+        if not known or start < k:
+            cols = [np.zeros(state.gpu_total, dtype=bool)]  # keeps the stack 2-D when k == 0
+            for c in range(start, k):
+                mask = state.model_mask(self._k_models[c])
                 col = np.ones(state.gpu_total, dtype=bool) if mask is None else mask.copy()
-                if whole:
-                    col &= state.cap_mem >= need
+                if self.k_whole[c]:
+                    col &= state.cap_mem >= self.k_mem[c]
                 cols.append(col)
-            self._allowed = (
-                np.stack(cols, axis=1) if cols else np.zeros((state.gpu_total, 0), dtype=bool)
-            )
-            self._allowed_for = key
+            new = np.stack(cols, axis=1)[:, 1:]
+            self._allowed = np.concatenate([self._allowed, new], axis=1) if known else new
+            self._allowed_for = (state, k)
 
     # -- the measure ----------------------------------------------------------------------
 
-    def _copies(self, core: np.ndarray, mem: np.ndarray, room: np.ndarray) -> np.ndarray:
-        """Per GPU x class: copies of a share class a GPU with this free core, memory and
-        slice room holds ("fgd": all its free core once one copy fits)."""
+    def _copies(
+        self, core: np.ndarray, mem: np.ndarray, room: np.ndarray, cls: slice = slice(None)
+    ) -> np.ndarray:
+        """Per GPU x class (classes `cls`): copies of a share class a GPU with this free
+        core, memory and slice room holds ("fgd": all its free core once one copy fits)."""
         # GPUs repeat the same few states: compute each distinct (core, memory, room) once
         room = np.clip(room, 0, 255).astype(np.int64)
         key = (np.clip(core, -1, 1 << 20).astype(np.int64) + 1) << 28
@@ -238,32 +242,41 @@ class FragPolicy(Policy):
         u_core = ((states >> 28) - 1)[:, None]
         u_mem = (((states >> 8) & ((1 << 20) - 1)) - 1)[:, None]
         u_room = (states & 255)[:, None]
-        k_core = self.k_core[None, :]
+        k_core = self.k_core[None, cls]
+        k_mem = self.k_mem[None, cls]
         if self.measure == "fgd":
-            fits = (u_core >= k_core) & (u_mem >= self.k_mem[None, :]) & (u_room >= 1)
+            fits = (u_core >= k_core) & (u_mem >= k_mem) & (u_room >= 1)
             return (fits * u_core).astype(np.float64)[at]
-        n = np.minimum(u_core // k_core, u_mem // np.maximum(self.k_mem, 1)[None, :])
+        n = np.minimum(u_core // k_core, u_mem // np.maximum(k_mem, 1))
         return np.minimum(n, u_room).astype(np.float64)[at]
 
-    def _rows(self, s: ClusterState, idx: np.ndarray) -> np.ndarray:
-        """Per GPU x class: copies of a share class, or 1 for a free whole GPU."""
+    def _rows(self, s: ClusterState, idx: np.ndarray, cls: slice = slice(None)) -> np.ndarray:
+        """Per GPU x class (classes `cls`): copies of a share class, or 1 for a free whole
+        GPU."""
         room = np.where(s.healthy[idx], s.max_slices[idx] - s.slices[idx], 0)
-        share = self._copies(s.free_core[idx], s.free_mem[idx], room)
+        share = self._copies(s.free_core[idx], s.free_mem[idx], room, cls)
         full = (s.slices[idx] == 0) & (s.free_core[idx] == s.cap_core[idx]) & s.healthy[idx]
-        return np.where(self.k_whole[None, :], full[:, None], share) * self._allowed[idx]
+        rows = np.where(self.k_whole[None, cls], full[:, None], share)
+        return rows * self._allowed[idx][:, cls]
 
     def _usable_per_gpu(self, s: ClusterState) -> tuple[np.ndarray, np.ndarray]:
         """(per GPU x class copies, the same summed per node), kept incrementally: only GPUs
         whose free core / memory / slice count / health changed since the last call are
         recomputed (a decision touches one node)."""
-        key = (s, len(self._k_core))
+        k = len(self._k_core)
         now = np.stack([s.free_core, s.free_mem, s.slices, s.healthy]).astype(np.int64)
-        if self._cache_key is None or not _same(self._cache_key, key):
-            self._cache_key = key
+        if self._cache_key is None or self._cache_key[0] is not s:
+            self._cache_key = (s, k)
             self._snap = now
             self._per_gpu = self._rows(s, np.arange(s.gpu_total))
             self._per_node = _sum_per_node(s, self._per_gpu)
             return self._per_gpu, self._per_node
+        known = self._cache_key[1]
+        if known < k:  # new classes: their columns from the current state
+            new = self._rows(s, np.arange(s.gpu_total), slice(known, k))
+            self._per_gpu = np.concatenate([self._per_gpu, new], axis=1)
+            self._per_node = np.concatenate([self._per_node, _sum_per_node(s, new)], axis=1)
+            self._cache_key = (s, k)
         changed = np.flatnonzero(np.any(now != self._snap, axis=0))
         if len(changed):
             rows = self._rows(s, changed)
@@ -412,10 +425,6 @@ class FragPolicy(Policy):
             gpu_copies, self._host_copies(cpu - view.cpu_milli, hostmem - view.host_memory_mib)
         )
         return (after - before)[inverse] + fill
-
-
-def _same(a: tuple[ClusterState, int], b: tuple[ClusterState, int]) -> bool:
-    return a[0] is b[0] and a[1] == b[1]
 
 
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
