@@ -11,6 +11,7 @@ alone and next to a busy neighbour; best-effort pairs. Prints a table, no assert
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -68,6 +69,17 @@ def slice_env(cfg: SimConfig, gpu: int, state: Path, sl: Slice, tag: str) -> dic
     return env
 
 
+def _boost() -> None:
+    """Workers run at a higher priority where allowed, so CPU load from elsewhere does not
+    leave the simulated device idle (the accuracy measured is the hook's, not the CPU's)."""
+    with contextlib.suppress(OSError):
+        os.setsid()  # its own session: its own scheduler autogroup, at a higher weight
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("-15")
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, -15)
+
+
 def run_scenario(
     cfg: SimConfig, gpu: int, state: Path, slices: list[Slice], tag: str, window: float
 ) -> list[float]:
@@ -78,6 +90,7 @@ def run_scenario(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=_boost,
         )
         for sl in slices
     ]
