@@ -13,6 +13,7 @@ releases them (their owner is this process).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -193,7 +194,12 @@ class SliceCluster(SpecCluster):
             await super()._close()
         finally:
             if self.slices or self.agent is not None:
-                self._release_slices()
+                # blocking HTTP and the agent's exit: keep them off the event loop, except
+                # at interpreter exit, when no new thread can be started
+                try:
+                    await asyncio.to_thread(self._release_slices)
+                except RuntimeError:
+                    self._release_slices()
 
 
 def _describe(request: SliceRequest) -> str:

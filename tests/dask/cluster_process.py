@@ -1,6 +1,7 @@
-"""A process that holds a SliceCluster until it is killed (for the SIGKILL tests).
+"""A process that holds a SliceCluster until it is killed (for the SIGKILL tests), or with
+``exit`` returns without closing it (the interpreter's exit hook must release the slices).
 
-    python tests/dask/cluster_process.py AGENT_SOCKET|sim ROOT
+    python tests/dask/cluster_process.py AGENT_SOCKET|sim ROOT [exit]
 
 Prints one JSON line: slice ids, worker process pids and (own agent) the agent's pid.
 """
@@ -30,6 +31,8 @@ def main() -> None:
         "agent_pid": cluster.agent.process.pid if cluster.agent is not None else None,
     }
     print(json.dumps(report), flush=True)
+    if sys.argv[3:] == ["exit"]:
+        return
     while True:
         time.sleep(1)
 

@@ -1,6 +1,7 @@
 """A SliceCluster process killed with SIGKILL: its worker processes exit, the agent's
 reconcile releases its slices (their owner pid is gone), and an agent the cluster started
-itself does not outlive it."""
+itself does not outlive it. A process that ends without closing its cluster releases the
+slices itself."""
 
 from __future__ import annotations
 
@@ -60,3 +61,26 @@ def test_an_agent_the_cluster_started_dies_with_it():
     wait_until(lambda: proc_start_time(report["agent_pid"]) is None, timeout=30)
     for pid in report["worker_pids"]:
         wait_until(lambda pid=pid: proc_start_time(pid) is None, timeout=30)
+
+
+def _owner_gone_releases(agent) -> float:
+    for line in agent.client.metrics().splitlines():
+        if line.startswith("qgpu_agent_releases_total") and 'reason="owner-gone"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_process_that_exits_without_close_releases_its_slices(agent, tmp_path):
+    reconciled = _owner_gone_releases(agent)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(agent.socket), str(tmp_path), "exit"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads(proc.stdout.splitlines()[0])["slices"]) == 2
+    assert live_slices(agent) == []
+    assert _owner_gone_releases(agent) == reconciled  # released by the exit hook, not reconcile
