@@ -366,7 +366,7 @@ class FragPolicy(Policy):
         drop = (req.gpu_count * (per_gpu[gu] - after_gpu))[state_of]
         cols = self.whole_cols
         if len(cols):  # whole classes count groups of `count` free GPUs: not linear
-            free = per_node[n][:, cols]
+            free = per_node[:, cols][n]
             drop[:, cols] = self._whole(free, cols) - self._whole(free - drop[:, cols], cols)
         # A type loses min(G, H) - min(G - d, H) = clip(H - G + d, 0, d) copies, G and H
         # the copies its node's GPUs and host (after the request) hold, d the drop. Where
