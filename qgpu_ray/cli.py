@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.model import PlacementPolicy
@@ -56,7 +57,8 @@ def _address_from(ray_args: list[str]) -> str | None:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    ray_bin = shutil.which("ray")
+    beside = Path(sys.executable).parent / "ray"  # the same environment as this command
+    ray_bin = str(beside) if beside.exists() else shutil.which("ray")
     if ray_bin is None:
         raise QgpuError("the `ray` command is not installed (pip install 'qgpu[ray]')")
     node = _node(args)
@@ -132,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="interposer state dir when the agent does not name one",
     )
     start.add_argument("--no-reaper", action="store_true", help="do not start the reaper")
-    start.add_argument("ray_args", nargs=argparse.REMAINDER, help="arguments for ray start")
+    start.add_argument(
+        "ray_args",
+        nargs=argparse.REMAINDER,
+        help="arguments for ray start (any option qgpu-ray does not know)",
+    )
     start.set_defaults(func=cmd_start)
 
     res = sub.add_parser("resources", help="print the resources and labels start would use")
@@ -153,7 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command != "start":
+            parser.error("unrecognized arguments: " + " ".join(unknown))
+        args.ray_args = [*unknown, *args.ray_args]
     try:
         return int(args.func(args))
     except RuleViolation as exc:
