@@ -164,7 +164,9 @@ def to_request(pod: Pod, memory_mode: str, card_gib: dict[str, int]) -> SliceReq
     if core < 100:
         if memory_mode == "fraction":
             allowed = pod.gpu_spec.split("|") if pod.gpu_spec else list(card_gib)
-            smallest = min(card_gib[m] for m in allowed if m in card_gib)
+            sizes = [card_gib[m] for m in allowed if m in card_gib]
+            # no allowed model in the cluster: the model filter refuses it anyway
+            smallest = min(sizes) if sizes else 1
             memory = max(1, math.ceil(core * smallest / 100))
         else:
             memory = 1

@@ -95,6 +95,8 @@ def test_pod_to_request_mapping():
     assert (req.core, req.memory_gib, req.cpu_milli, req.host_memory_mib) == (46, 7, 6000, 12288)
     assert tr.to_request(tr.Pod("p", 0, 0, 1, 460, "G2"), "fraction", card_gib).memory_gib == 9
     assert tr.to_request(pod, "ignore", card_gib).memory_gib == 1
+    absent = tr.to_request(tr.Pod("p", 0, 0, 1, 460, "A100"), "fraction", card_gib)
+    assert (absent.model, absent.memory_gib) == ("A100", 1)  # fits nowhere; no crash
     whole = tr.to_request(tr.Pod("p", 0, 0, 2, 1000, "T4|G2"), "fraction", card_gib)
     assert (whole.core, whole.memory_gib, whole.model) == (200, None, "T4|G2")
 
