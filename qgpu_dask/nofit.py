@@ -74,6 +74,10 @@ class NoFitPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        # tasks that entered no-worker before the plugin was installed (a qgpu-dask-worker
+        # installs it on a running scheduler) are checked too
+        for key in [ts.key for ts in scheduler.unrunnable if self._wanted(ts)]:
+            scheduler.loop.call_later(self.grace, self._check, key)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish != "no-worker" or self.scheduler is None:

@@ -59,12 +59,22 @@ def test_the_example_runs_on_simulated_gpus():
     assert "batch 99 refused" in out and "qgpu-core=60, qgpu-memory=40" in out
 
 
+class _FakeLoop:
+    def __init__(self):
+        self.later: list = []
+
+    def call_later(self, delay, fn, *args):
+        self.later.append((delay, fn, args))
+
+
 class _FakeScheduler:
     """What NoFitPlugin reads from the scheduler, and what it calls to fail a task."""
 
     def __init__(self, tasks, workers):
         self.tasks = tasks
         self.workers = workers
+        self.unrunnable = {ts: 0.0 for ts in tasks.values() if ts.state == "no-worker"}
+        self.loop = _FakeLoop()
         self.erred: list = []
 
     def transition(self, key, finish, stimulus_id, **kwargs):
@@ -75,10 +85,15 @@ class _FakeScheduler:
         assert recommendations == {}
 
 
-def _task(state, restrictions):
-    from types import SimpleNamespace
+class _Task:
+    def __init__(self, key, state, restrictions):
+        self.key = key
+        self.state = state
+        self.resource_restrictions = restrictions
 
-    return SimpleNamespace(state=state, resource_restrictions=restrictions)
+
+def _task(state, restrictions, key="k"):
+    return _Task(key, state, restrictions)
 
 
 def test_declared_slices_count_while_their_worker_is_away():
@@ -87,18 +102,23 @@ def test_declared_slices_count_while_their_worker_is_away():
 
     from qgpu_dask import NoFitPlugin
 
-    tasks = {
-        "fits-away": _task("no-worker", {"qgpu-core": 50}),
-        "too-big": _task("no-worker", {"qgpu-core": 60}),
-        "other": _task("no-worker", {"GPU": 1}),
-        "fits-connected": _task("no-worker", {"qgpu-memory": 30}),
+    wanted = {
+        "fits-away": {"qgpu-core": 50},
+        "too-big": {"qgpu-core": 60},
+        "other": {"GPU": 1},
+        "fits-connected": {"qgpu-memory": 30},
     }
+    tasks = {key: _task("no-worker", r, key) for key, r in wanted.items()}
     workers = {"w": SimpleNamespace(resources={"qgpu-core": 10, "qgpu-memory": 30})}
     sched = _FakeScheduler(tasks, workers)
-    plugin = NoFitPlugin(slices=[{"qgpu-core": 50, "qgpu-memory": 20}])
+    plugin = NoFitPlugin(grace=2.0, slices=[{"qgpu-core": 50, "qgpu-memory": 20}])
     asyncio.run(plugin.start(sched))
-    for key in tasks:
-        plugin._check(key)
+    # tasks already waiting when the plugin starts are checked after the grace period
+    scheduled = sorted(args[0] for _delay, _fn, args in sched.loop.later)
+    assert scheduled == ["fits-away", "fits-connected", "too-big"]
+    assert {delay for delay, _fn, _args in sched.loop.later} == {2.0}
+    for _delay, fn, args in sched.loop.later:
+        fn(*args)
     assert [(k, f) for k, f, _ in sched.erred] == [("too-big", "erred")]
     assert "largest slice: qgpu-core=50, qgpu-memory=20" in sched.erred[0][2]
 

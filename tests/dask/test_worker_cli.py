@@ -16,7 +16,7 @@ from enforcement import simcuda
 from enforcement.agent.reconcile import proc_start_time
 from qgpu.model import OwnerKind
 from qgpu_dask.agent import LocalAgent
-from qgpu_dask.nofit import NoSliceFits
+from qgpu_dask.nofit import PLUGIN_NAME, NoSliceFits
 from tests.dask import workloads
 from tests.dask.conftest import live_slices, wait_until
 
@@ -24,8 +24,9 @@ WORKER_CLI = [sys.executable, "-m", "qgpu_dask.worker_cli"]
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def scheduler():
+    """A fresh plain scheduler per test (no qgpu plugin until a qgpu-dask-worker joins)."""
     with LocalCluster(
         n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=None
     ) as cluster:
@@ -70,6 +71,9 @@ def joined(client: Client, proc: subprocess.Popen[str]) -> None:
 
 
 def test_sigterm_runs_inside_the_slice_then_releases_it(scheduler, client, agent):
+    assert PLUGIN_NAME not in scheduler.scheduler.plugins
+    # waits in no-worker before any worker (and the plugin) exists
+    too_big = client.submit(workloads.where, resources={"qgpu-memory": 9}, pure=False)
     proc = start_worker(scheduler, agent, "--isolation", "fs", "--name", "w-term")
     try:
         joined(client, proc)
@@ -83,8 +87,11 @@ def test_sigterm_runs_inside_the_slice_then_releases_it(scheduler, client, agent
         assert out["preloaded"] and out["uuid"] == res.device_uuid
         assert out["total"] == 8 * (1 << 30)
         assert out["over_cap"] == simcuda.CUDA_ERROR_OUT_OF_MEMORY
-        # the worker installed the no-fit plugin on this (plain) scheduler
-        too_big = client.submit(workloads.where, resources={"qgpu-memory": 9}, pure=False)
+        # the worker installed the no-fit plugin on this plain scheduler; it also fails the
+        # task that was waiting before, and one submitted now
+        with pytest.raises(NoSliceFits, match="qgpu-memory=9"):
+            too_big.result(timeout=30)
+        too_big = client.submit(workloads.where, resources={"qgpu-core": 31}, pure=False)
         with pytest.raises(NoSliceFits, match="largest slice: qgpu-core=30, qgpu-memory=8"):
             too_big.result(timeout=30)
         proc.send_signal(signal.SIGTERM)
