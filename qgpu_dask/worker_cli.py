@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,13 +185,32 @@ def run(argv: Sequence[str] | None = None) -> int:
         try:
             return asyncio.run(serve(options, reservation, name))
         finally:
-            result = agent.release(reservation.slice_id)
+            _release(agent, reservation.slice_id)
+
+
+def _release(agent: AgentClient, slice_id: str, attempts: int = 3) -> None:
+    """Release the slice; if the agent is away, its reconcile releases it after we exit."""
+    for attempt in range(attempts):
+        try:
+            result = agent.release(slice_id)
+        except AgentUnavailable as exc:
+            if attempt + 1 < attempts:
+                time.sleep(0.5)
+                continue
             print(
-                f"qgpu-dask-worker: released slice {reservation.slice_id}"
-                + ("" if result.released else " (already gone)"),
+                f"qgpu-dask-worker: could not release slice {slice_id} ({exc}); the agent's "
+                "reconcile releases it once this process has exited",
                 file=sys.stderr,
                 flush=True,
             )
+            return
+        print(
+            f"qgpu-dask-worker: released slice {slice_id}"
+            + ("" if result.released else " (already gone)"),
+            file=sys.stderr,
+            flush=True,
+        )
+        return
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,9 +4,11 @@ reconcile (the owner process is gone), and bad input exits with a clear message.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,29 @@ def test_an_unreachable_scheduler_fails_and_releases_the_slice(agent):
     assert "could not start against tcp://127.0.0.1:9" in proc.stderr
     assert "released slice" in proc.stderr
     assert live_slices(agent) == []
+
+
+def test_an_agent_away_at_exit_leaves_the_slice_to_its_reconcile(scheduler, client):
+    root = Path(tempfile.mkdtemp(prefix="qgpu-dask-t-", dir="/tmp"))
+    own = LocalAgent(root / "agent", gpus="1xH100-80GB", reconcile_interval=0.5)
+    try:
+        proc = start_worker(scheduler, own, "--name", "w-away")
+        try:
+            joined(client, proc)
+            (res,) = live_slices(own)
+            own.stop()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+            out = proc.stdout.read()
+            assert f"could not release slice {res.slice_id}" in out
+            assert "reconcile releases it" in out
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        # the restarted agent finds the owner gone and releases the slice
+        own = LocalAgent(root / "agent", gpus="1xH100-80GB", reconcile_interval=0.5)
+        wait_until(lambda: not live_slices(own), timeout=30)
+    finally:
+        own.stop()
+        shutil.rmtree(root, ignore_errors=True)
