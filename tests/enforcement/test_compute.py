@@ -129,3 +129,13 @@ def test_uncapped_slice_is_not_slowed(sim: Sim) -> None:
     hooked, raw = measure_shares(sim, [(0, procs[0]), (1, procs[1])])
     finish(procs)
     assert hooked > 95 and raw > 95, (hooked, raw)
+
+
+def test_no_overshoot_when_a_deep_queue_starts(sim: Sim) -> None:
+    """A fresh slice whose workload queues 50 kernels at once stays at its share from the
+    first second on (nothing is known about kernel times before the first one is timed)."""
+    proc = start_burn(sim.slice_env("fs-start", gpu=0, core=20, policy="fixed-share"), depth=50)
+    wait_ready([proc])
+    (share,) = measure_shares(sim, [(0, proc)], warmup=0.0, window=0.5)
+    finish([proc])
+    assert share <= 20 + TOLERANCE, share

@@ -83,14 +83,16 @@ int gate_before(CUstream stream, void **pair_out) {
     for (;;) {
         pthread_mutex_lock(&gate_lock);
         poll_locked();
-        int64_t inflight = (int64_t)npending * mean_ns;
+        /* until a first kernel has been timed, one launch in flight at a time */
+        int64_t inflight = mean_ns ? (int64_t)npending * mean_ns : (npending ? INT64_MAX / 4 : 0);
         pthread_mutex_unlock(&gate_lock);
         int alone = 0;
         int64_t now = qgpu_now_ns();
         int64_t avail = ledger_compute_avail(now, inflight, &alone);
         if (alone ? inflight < BURST_QUEUE_NS : avail > 0) break;
-        int64_t wait = alone ? (mean_ns > MIN_WAIT_NS ? mean_ns / 2 : MIN_WAIT_NS)
-                             : (-avail) * 100 / g_lim.core;
+        int64_t wait = alone || inflight >= INT64_MAX / 4
+                           ? (mean_ns > MIN_WAIT_NS ? mean_ns / 2 : MIN_WAIT_NS)
+                           : (-avail) * 100 / g_lim.core;
         if (wait < MIN_WAIT_NS) wait = MIN_WAIT_NS;
         if (wait > MAX_WAIT_NS) wait = MAX_WAIT_NS;
         qgpu_sleep_ns(wait);
