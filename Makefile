@@ -5,7 +5,7 @@ PYTHON_BOOT ?= $(shell command -v python3.11 || command -v python3)
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.qgpu-installed
-NATIVE_SRC  := $(wildcard enforcement/native/*.c enforcement/native/*.h enforcement/native/sim/*.c enforcement/native/sim/*.h)
+NATIVE_SRC  := $(wildcard setup.py enforcement/native/*/*.c enforcement/native/*/*.h)
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench install clean
