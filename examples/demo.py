@@ -181,9 +181,9 @@ def main() -> int:
     own_tmp = None
     if "RAY_TMPDIR" not in os.environ:  # Ray's session files: private, removed at the end
         own_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="qgpu-demo-ray-", dir="/tmp")
-    from enforcement.discovery import nvml_available
+    from enforcement.agent.local import REAL_GPUS, default_gpus
 
-    real = nvml_available() and os.environ.get("QGPU_BACKEND") != "sim"
+    real = default_gpus() == REAL_GPUS
     specs = ["real"] if real else ["2xH100-80GB", "2xH100-80GB"]
     what = (
         "this machine's GPUs"

@@ -44,10 +44,7 @@ def request_from_args(args: argparse.Namespace) -> SliceRequest:
         value = getattr(args, key, None)
         if value is not None:
             raw[key] = value
-    try:
-        return SliceRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise first_violation(exc) from exc
+    return SliceRequest.parse(raw)
 
 
 def add_request_options(parser: argparse.ArgumentParser, memory_required: bool = False) -> None:

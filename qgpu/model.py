@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Self
 
@@ -27,11 +28,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
-from qgpu.errors import RuleViolation
+from qgpu.errors import RuleViolation, first_violation
 from qgpu.units import CORE_FIELD, MEMORY_FIELD, mib_to_gib_floor, parse_core, parse_memory_gib
 
 DEFAULT_MAX_SLICES_PER_GPU = 16
@@ -200,6 +202,20 @@ class SliceRequest(BaseModel):
                 "exclude_uuids", sorted(overlap)[0], "a GPU cannot be both included and excluded"
             )
         return self
+
+    @classmethod
+    def parse(cls, value: SliceRequest | Mapping[str, Any], where: str = "request") -> SliceRequest:
+        """Validate a mapping (or pass a request through); a broken rule raises
+        `RuleViolation` naming the field, the value and the rule — the one entry point
+        adapters use for requests that arrive as plain data."""
+        if isinstance(value, SliceRequest):
+            return value
+        if not isinstance(value, Mapping):
+            raise RuleViolation(where, value, "must be a mapping such as {'core': 30, 'memory': 8}")
+        try:
+            return cls.model_validate(dict(value))
+        except ValidationError as exc:
+            raise first_violation(exc) from exc
 
     @property
     def is_whole_gpu(self) -> bool:

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from enforcement.agent.local import LocalAgent, default_gpus
 from qgpu.model import NodeInventory, PlacementPolicy
 from qgpu_ray.provider import sim_node, worker_environment
 from qgpu_ray.reaper import Reaper
@@ -38,69 +35,7 @@ class LocalNode:
     sim_config: Path | None
     ray_node: Any
     env: dict[str, str]
-    agent: NodeAgent | None = None
-
-
-class NodeAgent:
-    """A `qgpu agent` process serving one local node (its own GPUs, ledger and socket)."""
-
-    def __init__(self, name: str, spec: str, root: Path, policy: PlacementPolicy) -> None:
-        from enforcement.agent.client import AgentClient
-
-        root.mkdir(parents=True, exist_ok=True)
-        self.socket = root / "agent.sock"
-        self.log_path = root / "agent.log"
-        backend = ["--backend", "nvml"] if spec == "real" else ["--sim", spec]
-        command = [
-            sys.executable,
-            "-m",
-            "qgpu.cli",
-            "agent",
-            *backend,
-            "--node-name",
-            name,
-            "--state-dir",
-            str(root),
-            "--socket",
-            str(self.socket),
-            "--placement",
-            policy.value,
-            "--reconcile-interval",
-            "1",
-            "--test-mode",
-            "--log-level",
-            "warning",
-        ]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the agent
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-        self.client = AgentClient(self.socket, timeout=10.0)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"qgpu agent for {name} exited ({self.process.returncode}): "
-                    + self.log_path.read_text()[-2000:]
-                )
-            if self.socket.exists():
-                try:
-                    self.node = self.client.node()
-                    break
-                except Exception:
-                    pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"qgpu agent for {name} did not start within 60 s")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
+    agent: LocalAgent | None = None
 
 
 @contextmanager
@@ -182,7 +117,7 @@ class LocalCluster:
         node_root.mkdir(parents=True, exist_ok=True)
         agent = None
         if self.agents:
-            agent = NodeAgent(name, spec, node_root / "agent", self.policy)
+            agent = LocalAgent(node_root / "agent", gpus=spec, policy=self.policy, node_name=name)
             inventory = agent.node.inventory
             sim_config = agent.node.workload_env.get("QGPU_SIM_CONFIG")
             state_dir = Path(agent.node.workload_env["QGPU_STATE_DIR"])
@@ -248,12 +183,4 @@ def init_local(
 
     Without ``sim`` the real GPUs are used when NVML is available, else ``2xH100-80GB``.
     """
-    if sim is None:
-        from enforcement.discovery import nvml_available
-
-        sim = (
-            "real"
-            if nvml_available() and os.environ.get("QGPU_BACKEND") != "sim"
-            else ("2xH100-80GB")
-        )
-    return LocalCluster([sim], policy=policy, **kwargs)
+    return LocalCluster([sim or default_gpus()], policy=policy, **kwargs)

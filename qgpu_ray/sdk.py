@@ -14,9 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import ValidationError
-
-from qgpu.errors import NoFit, RuleViolation, first_violation
+from qgpu.errors import NoFit, RuleViolation
 from qgpu.model import Allocation, IsolationPolicy, PlacementPolicy, SliceRequest
 from qgpu.placement import Decision, Engine
 from qgpu_ray.env import slice_env
@@ -48,10 +46,7 @@ def build_request(core: Any, memory: Any = None, **fields: Any) -> SliceRequest:
     raw = {"core": core, **{k: v for k, v in fields.items() if v is not None}}
     if memory is not None:
         raw["memory"] = memory
-    try:
-        return SliceRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise first_violation(exc) from exc
+    return SliceRequest.parse(raw)
 
 
 def decision_resources(decision: Decision) -> dict[str, float]:
