@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -201,17 +202,39 @@ def render_limits(limits: SliceLimits | Mapping[str, str]) -> str:
 
 
 def write_limits_file(
-    path: str | os.PathLike[str], limits: SliceLimits | Mapping[str, str], *, mode: int = 0o444
+    path: str | os.PathLike[str],
+    limits: SliceLimits | Mapping[str, str],
+    *,
+    mode: int = 0o444,
+    root_owned: bool = False,
+    fsync: bool = True,
 ) -> Path:
-    """Write a limits file atomically. Written by root with the default mode it is the
-    authoritative source the workload cannot loosen."""
+    """Write a limits file atomically (temp file, rename); an identical file with the right
+    mode (and owner) is left alone. Written by root (``root_owned``: chown 0:0) with the
+    default mode it is the authoritative source the workload cannot loosen. ``fsync=False``
+    suits writers that can rebuild the file from their own durable state (the node agent
+    rewrites every limits file from its ledger when it starts)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = render_limits(limits)
+    try:
+        st = path.stat()
+        if (
+            (st.st_mode & 0o777) == mode
+            and (not root_owned or (st.st_uid, st.st_gid) == (0, 0))
+            and path.read_text() == text
+        ):
+            return path
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, render_limits(limits).encode())
-        os.fsync(fd)
+        os.write(fd, text.encode())
+        if fsync:
+            os.fsync(fd)
+        if root_owned:
+            os.fchown(fd, 0, 0)
         os.fchmod(fd, mode)
     finally:
         os.close(fd)

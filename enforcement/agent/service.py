@@ -49,6 +49,7 @@ from enforcement.agent.reconcile import (
 )
 from enforcement.agent.slice_stats import BusyRate, ledger_path, read_slice_ledger
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
+from enforcement.limits import write_limits_file
 from enforcement.native import HOOK_LIBRARY
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.ledger import Ledger, OverCommit
@@ -355,10 +356,13 @@ class Agent:
     def _write_limits(self, alloc: Allocation) -> None:
         if self._enforcement(alloc) != "interposer":
             return
-        slice_env.write_limits_file(
+        # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
+        # rewrites every limits file from it when it starts
+        write_limits_file(
             self._limits_path(alloc.slice_id),
             self._limits(alloc),
             root_owned=not self.config.test_mode and os.geteuid() == 0,
+            fsync=False,
         )
 
     def reservation(self, alloc: Allocation) -> Reservation:

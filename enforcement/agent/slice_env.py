@@ -15,8 +15,6 @@ Whole-GPU slices need no cap: they get the device and the slice id only.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +23,6 @@ from enforcement.limits import (
     SliceLimits,
     allocation_env,
     limits_for_allocation,
-    render_limits,
 )
 from qgpu.model import Allocation
 
@@ -63,34 +60,6 @@ def limits_values(
     ).to_env()
     values["QGPU_LIMITS_FILE"] = str(limits_file)
     return values
-
-
-def write_limits_file(path: Path, values: Mapping[str, str], *, root_owned: bool) -> None:
-    """Atomically (re)write a limits file: mode 0444, owner root:root when `root_owned`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = render_limits(values)
-    try:
-        if path.read_text() == text and _owned_ok(path, root_owned):
-            return
-    except OSError:
-        pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, text.encode())
-        if root_owned:
-            os.fchown(fd, 0, 0)
-        os.fchmod(fd, 0o444)
-    finally:
-        os.close(fd)
-    # No fsync: the ledger (fsynced at commit) is the source of truth and the agent
-    # rewrites every limits file from it when it starts, so a file lost in a crash returns.
-    os.replace(tmp, path)
-
-
-def _owned_ok(path: Path, root_owned: bool) -> bool:
-    st = path.stat()
-    return (st.st_mode & 0o777) == 0o444 and (not root_owned or (st.st_uid, st.st_gid) == (0, 0))
 
 
 def remove_limits_file(path: Path) -> None:
