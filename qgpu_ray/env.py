@@ -11,7 +11,6 @@ writer of the interposer's contract.
 from __future__ import annotations
 
 from enforcement.limits import allocation_env
-
 from qgpu.model import Allocation
 
 
