@@ -461,6 +461,10 @@ class Agent:
                 return SliceUsage(
                     memory_used_bytes=max(led.mem_used, sum(mem)),
                     core_used_percent=self._busy.update(alloc.slice_id, led.busy_ns),
+                    throttled_seconds=(
+                        led.throttled_ns / 1e9 if led.throttled_ns is not None else None
+                    ),
+                    oom_refusals=led.oom_refusals,
                     pids=sorted(pids | set(led.pids)),
                     source="interposer",
                 )

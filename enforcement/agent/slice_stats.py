@@ -2,15 +2,19 @@
 
 The interposer (enforcement/native/hook/ledger.c) keeps, per slice and shared by all of the
 slice's processes, the memory charged (per process slot: pid, start time, bytes, device
-busy time, launches) and the slice's measured device busy time. The agent only reads it
-(read-only mmap-free ``pread`` of the first pages), to report the slice's real usage;
-slots of processes that died are skipped (pid + start time, like the interposer does).
+busy time, launches), the slice's measured device busy time, and (ledger version >= 2) how
+many allocations it refused at the memory cap and how long launches waited for compute
+credit. The agent only reads it (read-only mmap-free ``pread`` of the first pages), to
+report the slice's real usage; slots of processes that died are skipped (pid + start time,
+like the interposer does).
 
 Layout (little endian), kept in sync with ``slice_ledger_t`` in ledger.c:
 offset 0 magic u64 ("QGPULED1"), 8 version u32, 12 max_slots u32, 16 mem_limit u64,
 24 mem_used u64, 32 tokens_ns i64, 40 refill_ns i64, 48 busy_ns u64, 128 slice_id[72],
-200 core i32, 204 policy i32, 512 slots[64] of 64 bytes: pid i32, flags u32,
-start_time u64, mem_used u64, busy_ns u64, launches u64.
+200 core i32, 204 policy i32, 208 oom_refusals u64 (v2), 216 throttled_ns u64 (v2),
+512 slots[64] of 64 bytes: pid i32, flags u32, start_time u64, mem_used u64, busy_ns u64,
+launches u64. Version 2 only filled padding that version 1 left zero, so one reader serves
+both; a version-1 ledger (an older interposer) reports no counters (None).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from enforcement.agent.reconcile import proc_start_time
 
 LEDGER_MAGIC = 0x3144454C55504751
 _HEADER = struct.Struct("<QIIQQqqQ")
+_COUNTERS = struct.Struct("<QQ")  # oom_refusals, throttled_ns
+_COUNTERS_OFFSET = 208
+_COUNTERS_VERSION = 2
 _SLOT = struct.Struct("<iIQQQQ24x")
 _SLOTS_OFFSET = 512
 _MAX_SLOTS = 64
@@ -37,6 +44,12 @@ class SliceLedger:
     busy_ns: int  # device time the slice has used, all processes, ever
     pids: tuple[int, ...]
     mem_by_pid: dict[int, int]
+    # allocations refused with CUDA_ERROR_OUT_OF_MEMORY at the cap, all processes, ever;
+    # None from a version-1 ledger (an interposer that did not count them)
+    oom_refusals: int | None = None
+    # time kernel launches waited for compute credit (summed over waiting launches); None
+    # from a version-1 ledger
+    throttled_ns: int | None = None
 
 
 def ledger_path(state_dir: Path, slice_id: str) -> Path:
@@ -52,9 +65,13 @@ def read_slice_ledger(state_dir: Path, slice_id: str) -> SliceLedger | None:
         return None
     if len(data) < _SIZE:
         return None
-    magic, _version, max_slots, _limit, _used, _tokens, _refill, busy = _HEADER.unpack_from(data)
+    magic, version, max_slots, _limit, _used, _tokens, _refill, busy = _HEADER.unpack_from(data)
     if magic != LEDGER_MAGIC:
         return None
+    ooms: int | None = None
+    throttled: int | None = None
+    if version >= _COUNTERS_VERSION:
+        ooms, throttled = _COUNTERS.unpack_from(data, _COUNTERS_OFFSET)
     mem_by_pid: dict[int, int] = {}
     for i in range(min(max_slots or _MAX_SLOTS, _MAX_SLOTS)):
         pid, _flags, start, mem, _busy, _launches = _SLOT.unpack_from(
@@ -68,6 +85,8 @@ def read_slice_ledger(state_dir: Path, slice_id: str) -> SliceLedger | None:
         busy_ns=busy,
         pids=tuple(sorted(mem_by_pid)),
         mem_by_pid=mem_by_pid,
+        oom_refusals=ooms,
+        throttled_ns=throttled,
     )
 
 

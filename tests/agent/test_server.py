@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from enforcement.limits import read_limits_file
@@ -454,5 +455,76 @@ def test_core_used_comes_from_the_interposer_busy_time(state_dir: Path) -> None:
             assert "qgpu_slice_core_used_percent{" in client.metrics()
     finally:
         if spinner is not None:
+            spinner.kill()
+        stop_agent(proc)
+
+
+def slice_counter(metrics_text: str, name: str, slice_id: str) -> float | None:
+    """The value of a per-slice counter sample in /metrics text, None when absent."""
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("slice") == slice_id:
+                return sample.value
+    return None
+
+
+def test_oom_refusals_come_from_the_interposer_ledger(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    running: subprocess.Popen | None = None
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            res = client.reserve({"core": 20, "memory": 4, "isolation": "be"})
+            running = workload(res.env, 3, 2, 1)
+            assert running.stdout is not None
+            assert running.stdout.readline().split() == ["ok", "oom", "ok"]
+            assert running.stdin is not None
+            running.stdin.write("0.5 8\n")  # the cap is full: two more refusals
+            running.stdin.flush()
+            assert running.stdout.readline().split() == ["oom", "oom"]
+            usage = client.slices().slices[0].usage
+            assert usage.source == "interposer"
+            assert usage.oom_refusals == 3
+            assert usage.throttled_seconds == 0.0  # best-effort: never held back
+            text = client.metrics()
+            assert slice_counter(text, "qgpu_slice_oom_refusals_total", res.slice_id) == 3
+            assert slice_counter(text, "qgpu_slice_throttled_seconds_total", res.slice_id) == 0
+    finally:
+        if running is not None:
+            running.kill()
+        stop_agent(proc)
+
+
+def test_throttled_seconds_come_from_the_interposer_ledger(state_dir: Path) -> None:
+    """A saturating 30 % fixed-share slice is held back for a large part of each second; a
+    best-effort slice running the same loop next to it never is."""
+    proc = start_agent(state_dir, "--sim", "1xH100-80GB")
+    spinners: list[subprocess.Popen] = []
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            capped = client.reserve({"core": 30, "memory": 4, "isolation": "fs"})
+            free = client.reserve({"core": 20, "memory": 4, "isolation": "be"})
+            for res in (capped, free):
+                spinner = subprocess.Popen(
+                    [sys.executable, "-u", "-c", _SPINNER],
+                    env={**os.environ, **res.env, "PYTHONPATH": str(REPO)},
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=REPO,
+                )
+                spinners.append(spinner)
+            for spinner in spinners:
+                assert spinner.stdout is not None and spinner.stdout.readline().strip() == "ready"
+            time.sleep(1.0)
+            usage = {s.slice_id: s.usage for s in client.slices().slices}
+            text = client.metrics()
+            held = usage[capped.slice_id].throttled_seconds
+            assert held is not None and held > 0.2, usage
+            assert usage[free.slice_id].throttled_seconds == 0.0, usage
+            assert usage[capped.slice_id].oom_refusals == 0
+            counted = slice_counter(text, "qgpu_slice_throttled_seconds_total", capped.slice_id)
+            assert counted is not None and counted >= held
+            assert slice_counter(text, "qgpu_slice_throttled_seconds_total", free.slice_id) == 0
+    finally:
+        for spinner in spinners:
             spinner.kill()
         stop_agent(proc)

@@ -21,11 +21,20 @@ from qgpu.model import SliceRequest
 GIB = 1 << 30
 
 
-def write_ledger(path: Path, busy_ns: int, slots: list[tuple[int, int, int]]) -> None:
+def write_ledger(
+    path: Path,
+    busy_ns: int,
+    slots: list[tuple[int, int, int]],
+    version: int = 2,
+    oom_refusals: int = 0,
+    throttled_ns: int = 0,
+) -> None:
     """A slice ledger laid out as slice_ledger_t in enforcement/native/hook/ledger.c."""
     data = bytearray(512 + 64 * 64)
     used = sum(m for _, _, m in slots)
-    struct.pack_into("<QIIQQqqQ", data, 0, LEDGER_MAGIC, 1, 64, 4 * GIB, used, 0, 0, busy_ns)
+    struct.pack_into("<QIIQQqqQ", data, 0, LEDGER_MAGIC, version, 64, 4 * GIB, used, 0, 0, busy_ns)
+    if version >= 2:
+        struct.pack_into("<QQ", data, 208, oom_refusals, throttled_ns)
     for i, (pid, start, mem) in enumerate(slots):
         struct.pack_into("<iIQQQQ", data, 512 + 64 * i, pid, 0, start, mem, 0, 1)
     path.write_bytes(bytes(data))
@@ -47,6 +56,18 @@ def test_live_slots_only(tmp_path: Path) -> None:
     assert led.mem_used == 2 * GIB  # the dead process and the reused pid do not count
     assert led.pids == (me,)
     assert led.busy_ns == 7_000_000
+
+
+def test_oom_and_throttle_counters_from_version_2_only(tmp_path: Path) -> None:
+    write_ledger(ledger_path(tmp_path, "s-v2"), 0, [], oom_refusals=3, throttled_ns=1_500_000)
+    led = read_slice_ledger(tmp_path, "s-v2")
+    assert led is not None
+    assert (led.oom_refusals, led.throttled_ns) == (3, 1_500_000)
+    # an older interposer's ledger: same layout, the counters were never kept
+    write_ledger(ledger_path(tmp_path, "s-v1"), 0, [], version=1)
+    led = read_slice_ledger(tmp_path, "s-v1")
+    assert led is not None
+    assert (led.oom_refusals, led.throttled_ns) == (None, None)
 
 
 def test_missing_or_foreign_files_read_as_none(tmp_path: Path) -> None:

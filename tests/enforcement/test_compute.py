@@ -5,7 +5,11 @@ work rides out CPU starvation when other tests load the machine)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
+from enforcement.agent.slice_stats import read_slice_ledger
 
 from .conftest import Sim, finish, measure_shares, start_burn, wait_ready
 
@@ -139,3 +143,38 @@ def test_no_overshoot_when_a_deep_queue_starts(sim: Sim) -> None:
     (share,) = measure_shares(sim, [(0, proc)], warmup=0.0, window=0.5)
     finish([proc])
     assert share <= 20 + TOLERANCE, share
+
+
+def test_throttled_time_is_counted_for_a_capped_slice_only(sim: Sim) -> None:
+    """A saturating 30 % fixed-share slice waits for credit most of the time: its ledger's
+    throttled_ns grows by a large part of the wall time (and not more: one thread waits at a
+    time). A best-effort slice is never held back, nor is a burst-share slice bursting alone
+    (its queue bound is not throttling)."""
+    slices = [
+        ("thr-fs", 30, "fixed-share"),
+        ("thr-be", 100, "best-effort"),
+        ("thr-bs", 30, "burst-share"),
+    ]
+    procs = [
+        start_burn(sim.slice_env(sid, gpu=i, core=core, policy=policy))
+        for i, (sid, core, policy) in enumerate(slices)
+    ]
+    wait_ready(procs)
+
+    def throttled() -> list[int | None]:
+        leds = [read_slice_ledger(sim.state_dir, sid) for sid, _, _ in slices]
+        assert all(led is not None for led in leds)
+        return [led.throttled_ns if led else None for led in leds]
+
+    time.sleep(0.3)
+    before = throttled()
+    t0 = time.monotonic()
+    time.sleep(1.0)
+    after = throttled()
+    window = time.monotonic() - t0
+    finish(procs)
+    fs0, be0, bs0 = before
+    fs1, be1, bs1 = after
+    assert fs0 is not None and fs1 is not None
+    assert 0.25 * window * 1e9 < fs1 - fs0 < (window + 0.5) * 1e9, (before, after)
+    assert (be0, be1, bs0, bs1) == (0, 0, 0, 0)

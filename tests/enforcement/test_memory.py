@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from enforcement.agent.slice_stats import read_slice_ledger
 from enforcement.simcuda import ALLOC_APIS, CUDA_ERROR_OUT_OF_MEMORY
 
 from .conftest import GIB, Sim, Worker
@@ -49,6 +50,34 @@ def test_slice_cap_shared_by_processes_and_reclaimed_after_sigkill(
     assert b.meminfo() == (GIB, 4 * GIB)
     code, err = b.quit()
     assert code == 0, err
+
+
+def test_cap_refusals_are_counted_in_the_slice_ledger(sim: Sim, workers: list[Worker]) -> None:
+    """Every allocation refused at the cap, by any process of the slice and through any
+    allocation API, adds one to the ledger's oom_refusals; allocations that fit do not."""
+    env = sim.slice_env("mem-oom", memory=2 * GIB)
+    a, b = Worker(env), Worker(env)
+    workers += [a, b]
+    a.start()
+    b.start()
+
+    def refusals() -> int | None:
+        led = read_slice_ledger(sim.state_dir, "mem-oom")
+        assert led is not None
+        assert led.throttled_ns == 0  # best-effort: never gated
+        return led.oom_refusals
+
+    assert refusals() == 0
+    assert a.alloc("alloc", 3 * GIB) == ("err", OOM)
+    assert refusals() == 1
+    assert a.alloc("alloc", GIB)[0] == "ok"
+    assert refusals() == 1
+    assert b.alloc("async", GIB + MIB) == ("err", OOM)  # the other process, shared count
+    assert b.alloc("pitch", 2 * GIB) == ("err", OOM)
+    assert refusals() == 3
+    assert b.alloc("managed", GIB)[0] == "ok"
+    assert b.alloc("array", MIB) == ("err", OOM)
+    assert refusals() == 4
 
 
 def test_free_releases_and_device_total_mem_is_the_cap(sim: Sim, workers: list[Worker]) -> None:

@@ -75,7 +75,8 @@ QGPU_HIDDEN void hook_fail(const char *fmt, ...);
 /* ledger.c */
 QGPU_HIDDEN int ledger_open(const hook_limits_t *lim, char *err, size_t errlen);
 QGPU_HIDDEN int ledger_region_open(const char *state_dir, const char *uuid, const hook_limits_t *lim);
-QGPU_HIDDEN int ledger_reserve(uint64_t bytes); /* 0 ok, -1 over the cap */
+/* 0 ok, -1 refused (over the cap: counted in the ledger's oom_refusals) */
+QGPU_HIDDEN int ledger_reserve(uint64_t bytes);
 QGPU_HIDDEN void ledger_release(uint64_t bytes);
 QGPU_HIDDEN uint64_t ledger_used(void);
 QGPU_HIDDEN void ledger_publish_activity(void);
@@ -83,6 +84,8 @@ QGPU_HIDDEN void ledger_publish_activity(void);
  * *alone is set for burst-share when no other slice on the GPU is active. */
 QGPU_HIDDEN int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int *alone);
 QGPU_HIDDEN void ledger_debit(int64_t busy_ns);
+/* Adds the time a launch was held back waiting for compute credit (throttled_ns). */
+QGPU_HIDDEN void ledger_add_throttled(int64_t held_ns);
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);

@@ -2,7 +2,9 @@
  * may launch only while its token bucket has credit: the bucket is refilled at the slice's
  * share of wall time and debited with the device time its own work really took, measured
  * by a pair of events recorded around every gated launch. Work still in flight is counted
- * at the recent mean kernel time so a deep queue cannot overshoot the share.
+ * at the recent mean kernel time so a deep queue cannot overshoot the share. The time a
+ * launch waits for credit is added to the slice ledger's throttled_ns (one atomic add per
+ * launch that waited).
  * Uncapped slices only publish that they are active (one coarse clock read). */
 #include <stdlib.h>
 
@@ -80,6 +82,9 @@ static int capturing(CUstream stream) {
 int gate_before(CUstream stream, void **pair_out) {
     *pair_out = NULL;
     if (!have_event_api() || capturing(stream)) return 0;
+    /* Time this launch is held back for want of credit (not the queue bound of a burst-share
+     * slice bursting alone): from each check that says wait to the next check. */
+    int64_t held = 0, held_since = 0;
     for (;;) {
         pthread_mutex_lock(&gate_lock);
         poll_locked();
@@ -88,6 +93,10 @@ int gate_before(CUstream stream, void **pair_out) {
         pthread_mutex_unlock(&gate_lock);
         int alone = 0;
         int64_t now = qgpu_now_ns();
+        if (held_since) {
+            held += now - held_since;
+            held_since = 0;
+        }
         int64_t avail = ledger_compute_avail(now, inflight, &alone);
         if (alone ? inflight < BURST_QUEUE_NS : avail > 0) break;
         int64_t wait = alone || inflight >= INT64_MAX / 4
@@ -95,9 +104,11 @@ int gate_before(CUstream stream, void **pair_out) {
                            : (-avail) * 100 / g_lim.core;
         if (wait < MIN_WAIT_NS) wait = MIN_WAIT_NS;
         if (wait > MAX_WAIT_NS) wait = MAX_WAIT_NS;
+        if (!alone) held_since = now;
         qgpu_sleep_ns(wait);
         ledger_publish_activity();
     }
+    if (held) ledger_add_throttled(held);
     CUcontext ctx = NULL;
     if (REAL(cuCtxGetCurrent)(&ctx) != CUDA_SUCCESS || !ctx) return 0;
     ev_pair_t *p = malloc(sizeof *p);

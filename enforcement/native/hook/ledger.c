@@ -8,8 +8,14 @@
  * work, so a burst-share slice knows whether it is alone.
  *
  * The slice ledger's layout is read by enforcement/agent/slice_stats.py (memory per live
- * pid, busy_ns): keep the offsets below stable, or change both. busy_ns is the device time
- * measured for gated launches, i.e. for capped slices only. */
+ * pid, busy_ns, oom_refusals, throttled_ns): keep the offsets below stable, or change both.
+ * busy_ns is the device time measured for gated launches, i.e. for capped slices only.
+ *
+ * Version 2 added oom_refusals and throttled_ns in what was padding in version 1 (which
+ * zero-filled it), so the layout is unchanged and both versions read the same; a reader
+ * reports the two counters only from a version >= 2 ledger. They are updated with atomic
+ * adds outside the lock (a refusal or a throttled launch only), and sit on their own cache
+ * line, away from the lock and the bucket. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -18,6 +24,7 @@
 
 #define LEDGER_MAGIC 0x3144454c55504751ULL /* "QGPULED1" */
 #define REGION_MAGIC 0x3147455255504751ULL /* "QGPUREG1" */
+#define LEDGER_VERSION 2
 #define MAX_SLOTS 64
 #define MAX_REGION 32
 #define BUCKET_WINDOW_NS 100000000LL  /* credit saved up while idle: 100 ms of the share */
@@ -48,7 +55,9 @@ typedef struct {
     char slice_id[72];    /* 128 */
     int32_t core;         /* 200 */
     int32_t policy;       /* 204 */
-    char pad[304];        /* 208 .. 512 */
+    uint64_t oom_refusals; /* 208: allocations refused at the cap (v2) */
+    uint64_t throttled_ns; /* 216: time launches waited for compute credit (v2) */
+    char pad[288];        /* 224 .. 512 */
     ledger_slot_t slots[MAX_SLOTS]; /* 512 */
 } slice_ledger_t;
 
@@ -72,6 +81,8 @@ typedef struct {
 
 _Static_assert(sizeof(ledger_slot_t) == 64, "slot layout");
 _Static_assert(__builtin_offsetof(slice_ledger_t, slots) == 512, "ledger layout");
+_Static_assert(__builtin_offsetof(slice_ledger_t, oom_refusals) == 208, "ledger layout");
+_Static_assert(__builtin_offsetof(slice_ledger_t, throttled_ns) == 216, "ledger layout");
 
 static slice_ledger_t *L;
 static gpu_region_t *R;
@@ -159,7 +170,7 @@ int ledger_open(const hook_limits_t *lim, char *err, size_t errlen) {
         return -1;
     }
     LLOCK();
-    L->version = 1;
+    L->version = LEDGER_VERSION;
     L->max_slots = MAX_SLOTS;
     L->mem_limit = lim->mem_limit;
     L->core = lim->core;
@@ -218,6 +229,7 @@ int ledger_reserve(uint64_t bytes) {
         reclaim_dead();
         if (L->mem_used + bytes > g_lim.mem_limit) {
             LUNLOCK();
+            __atomic_fetch_add(&L->oom_refusals, 1, __ATOMIC_RELAXED);
             return -1;
         }
     }
@@ -286,6 +298,10 @@ int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int *alone) {
     int64_t avail = L->tokens_ns - inflight_ns;
     LUNLOCK();
     return avail;
+}
+
+void ledger_add_throttled(int64_t held_ns) {
+    if (held_ns > 0) __atomic_fetch_add(&L->throttled_ns, (uint64_t)held_ns, __ATOMIC_RELAXED);
 }
 
 void ledger_debit(int64_t busy_ns) {

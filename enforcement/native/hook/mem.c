@@ -1,6 +1,7 @@
 /* Memory hard cap: every device allocation is charged to the slice ledger before the real
  * call (so concurrent processes cannot overshoot together) and released on its free.
- * Over the cap the call returns CUDA_ERROR_OUT_OF_MEMORY without reaching the driver. */
+ * Over the cap the call returns CUDA_ERROR_OUT_OF_MEMORY without reaching the driver;
+ * ledger_reserve counts each such refusal in the slice ledger (oom_refusals). */
 #include "hook.h"
 
 static qgpu_table_t allocs = QGPU_TABLE_INIT;
