@@ -149,11 +149,12 @@ def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
             if s is None or s.usage.memory_used_bytes is None
             else (f"{s.usage.memory_used_bytes / GIB:.1f} GiB")
         )
-        core = (
-            "-"
-            if s is None or s.usage.core_used_percent is None
-            else (f"{s.usage.core_used_percent:.0f} %")
-        )
+        if m.isolation == "best-effort":
+            core = "uncapped"  # the interposer measures busy time of capped slices only
+        elif s is None or s.usage.core_used_percent is None:
+            core = "-"
+        else:
+            core = f"{s.usage.core_used_percent:.0f} %"
         table.add_row(
             m.name,
             gpu_label.get(where["device"], where["device"]),
