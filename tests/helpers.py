@@ -1,8 +1,25 @@
-"""Builders of small GPU/node inventories shared by the core tests."""
+"""Helpers shared by the test suites: small GPU/node inventories, polling."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
 from qgpu.model import GpuDevice, NodeInventory
+
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.1) -> T:
+    """Poll `predicate` until it returns something truthy (returned); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def make_gpu(node: str, index: int, model: str = "H100-80GB", gib: int = 80, numa: int = 0):

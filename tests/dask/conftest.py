@@ -5,28 +5,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
 pytest.importorskip("distributed")
 
 from qgpu_dask.agent import LocalAgent
-
-T = TypeVar("T")
-
-
-def wait_until(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.1) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from enforcement.agent.reconcile import proc_start_time
-from tests.dask.conftest import live_slices, wait_until
+from tests.dask.conftest import live_slices
+from tests.helpers import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "dask" / "cluster_process.py"

@@ -20,7 +20,8 @@ from qgpu.model import OwnerKind
 from qgpu_dask.agent import LocalAgent
 from qgpu_dask.nofit import PLUGIN_NAME, NoSliceFits
 from tests.dask import workloads
-from tests.dask.conftest import live_slices, wait_until
+from tests.dask.conftest import live_slices
+from tests.helpers import wait_until
 
 WORKER_CLI = [sys.executable, "-m", "qgpu_dask.worker_cli"]
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 
 import pytest
+
+from tests.helpers import wait_until
 
 ray = pytest.importorskip("ray")
 
@@ -36,16 +37,6 @@ def cluster():
     c = LocalCluster(["2xA100-40GB", "2xA100-40GB"], cpus_per_node=4)
     yield c
     c.shutdown()
-
-
-def wait_until(predicate, timeout=20.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def gpu_free(uuid: str, kind: str = "qgpu-core") -> float:
