@@ -34,22 +34,16 @@ GIB = 1 << 30
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 
-def _native_ready() -> str | None:
-    try:
-        from enforcement.native import hook_library_path, sim_library_dir
-
-        hook_library_path()
-        sim_library_dir()
-    except Exception as exc:  # not built on this machine
-        return str(exc)
-    if not WORKER.is_file():
-        return f"{WORKER} is missing"
+def _environment_ready() -> str | None:
+    """The test needs root and unshare(1) for a private mount namespace (CI has both).
+    The native libraries are not checked here: they are part of the install, and a missing
+    one fails the test."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
         return "needs root and unshare(1) for a private mount namespace"
     return None
 
 
-pytestmark = pytest.mark.skipif(_native_ready() is not None, reason=str(_native_ready()))
+pytestmark = pytest.mark.skipif(_environment_ready() is not None, reason=str(_environment_ready()))
 
 
 def _qgpu(*args: str) -> subprocess.Popen[str]:
