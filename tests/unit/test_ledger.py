@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,10 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.put_node(make_node("a", gpus=2, gib=16))
         self.ledger.put_node(make_node("b", gpus=1, gib=24, max_slices_per_gpu=3))
         self.live: dict[str, tuple[int, tuple[str, ...], int]] = {}
+
+    def teardown(self) -> None:
+        self.ledger.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule(
         target=held,
