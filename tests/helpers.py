@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from qgpu.model import GpuDevice, NodeInventory
@@ -39,3 +40,16 @@ def make_node(name: str, gpus: int = 4, model: str = "H100-80GB", gib: int = 80,
         gpus=[make_gpu(name, i, model, gib, numa=i // 2) for i in range(gpus)],
         **kw,
     )
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGTERM every process, then wait for each; SIGKILL whatever is still running."""
+    procs = list(procs)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

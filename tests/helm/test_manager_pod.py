@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from tests.helm.chart import command, containers, render
+from tests.helpers import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "gpu-node-1"
@@ -95,13 +96,7 @@ def manager() -> Iterator[dict[str, Any]]:
                     raise
         yield {"tmp": tmp, "srv": srv, "kubelet": kubelet, "rendered": rendered}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         kubelet.stop()
         srv.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from tests.helm.chart import Rendered, command, containers, render
+from tests.helpers import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,13 +123,7 @@ def scheduler_pod(rendered: Rendered) -> Iterator[dict[str, Any]]:
         )
         yield {"srv": srv, "hook_port": hook_port, "ext_port": ext_port, "procs": procs}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         srv.stop()
         for f in certs.iterdir():
             f.unlink()

@@ -26,6 +26,7 @@ import pytest
 
 from tests.fakes.apiserver import FakeApiserver, node_object
 from tests.fakes.kubelet import FakeKubelet
+from tests.helpers import stop_processes
 from tests.k8s.helpers import NAMES, MiniScheduler, free_port, pod_object, submit_through_webhook
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,13 +122,7 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
             "agent": agent_socket,
         }
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         kubelet.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
