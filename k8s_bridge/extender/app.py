@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from k8s_bridge.extender.models import (
     ExtenderArgs,
     ExtenderBindingArgs,
-    HostPriorityList,
+    host_priority_list_json,
 )
 from k8s_bridge.extender.service import Extender
 from qgpu.errors import first_violation
@@ -61,8 +61,8 @@ def create_app(extender: Extender, bind_threads: int = BIND_THREADS) -> FastAPI:
             args = ExtenderArgs.model_validate_json(await request.body())
         except ValidationError as exc:
             return _bad_request(exc)
-        scores = extender.prioritize(args)
-        return Response(HostPriorityList.dump_json(scores, by_alias=True), media_type=JSON)
+        names, scores = extender.prioritize_scores(args)
+        return Response(host_priority_list_json(names, scores.tolist()), media_type=JSON)
 
     @app.post("/bind")
     async def bind(request: Request) -> Response:

@@ -8,6 +8,7 @@ parts it needs with `k8s_bridge.resources.PodModel`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -54,6 +55,30 @@ class HostPriority(TypedDict):
 
 HostPriorityList = TypeAdapter(list[HostPriority])
 """A ``HostPriorityList``: validated and serialized in one call."""
+
+_NAME_JSON: dict[str, str] = {}  # node name -> its JSON string literal (names repeat per pod)
+_NAME_JSON_MAX = 100_000
+
+
+def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
+    """Serialize a ``HostPriorityList`` from our own names and 0..10 scores.
+
+    The scores come from the extender's own scoring (integers 0..10 by construction), so
+    nothing is validated; names are JSON-escaped once and remembered, which makes this ~3x
+    faster than building 1,000 dicts for a JSON encoder.
+    """
+    if len(names) != len(scores):
+        raise ValueError(f"{len(names)} names but {len(scores)} scores")
+    if len(_NAME_JSON) > _NAME_JSON_MAX:
+        _NAME_JSON.clear()
+    quoted = _NAME_JSON
+    parts = []
+    for name, score in zip(names, scores, strict=True):
+        q = quoted.get(name)
+        if q is None:
+            q = quoted[name] = json.dumps(name)
+        parts.append(f'{{"Host":{q},"Score":{int(score)}}}')
+    return f"[{','.join(parts)}]".encode()
 
 
 class ExtenderBindingArgs(_Go):

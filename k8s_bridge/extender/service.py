@@ -27,6 +27,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 from kubernetes import watch
 from kubernetes.client.rest import ApiException
 from pydantic import BaseModel, ConfigDict, Field
@@ -194,7 +195,7 @@ class Extender:
         uid = pod.metadata.uid
         with self._requests_guard:
             hit = self._requests.get(uid) if uid else None
-        if hit is not None:
+        if hit is not None and hit[0].metadata.resource_version == pod.metadata.resource_version:
             return hit[1]
         reqs = self.state.requests(pod)
         if uid:
@@ -204,6 +205,21 @@ class Extender:
                     self._requests.popitem(last=False)
         return reqs
 
+    def _parse_pod(self, raw: dict[str, Any]) -> tuple[PodModel, list[ContainerRequest]]:
+        """The pod kube-scheduler sent and its requests; a pod seen before (same UID and
+        resourceVersion: the apiserver changes the version with every write) is not parsed
+        again, so filter and prioritize of one pod parse it once."""
+        meta = raw.get("metadata")
+        if isinstance(meta, dict):
+            uid, rv = meta.get("uid"), meta.get("resourceVersion")
+            if uid and rv:
+                with self._requests_guard:
+                    hit = self._requests.get(uid)
+                if hit is not None and hit[0].metadata.resource_version == rv:
+                    return hit
+        pod = parse_pod(raw)
+        return pod, self._pod_requests(pod)
+
     def _scheduled_pod(self, uid: str) -> PodModel | None:
         with self._requests_guard:
             hit = self._requests.get(uid)
@@ -212,8 +228,7 @@ class Extender:
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         names = args.candidate_names()
         try:
-            pod = parse_pod(args.pod)
-            reqs = self._pod_requests(pod)
+            pod, reqs = self._parse_pod(args.pod)
         except RuleViolation as exc:
             reason = f"pod rejected by qgpu: {exc}"
             return self._filter_reply(args, [], {}, dict.fromkeys(names, reason))
@@ -239,18 +254,21 @@ class Extender:
         )
 
     def prioritize(self, args: ExtenderArgs) -> list[HostPriority]:
+        names, scores = self.prioritize_scores(args)
+        return [HostPriority(Host=n, Score=v) for n, v in zip(names, scores.tolist(), strict=True)]
+
+    def prioritize_scores(self, args: ExtenderArgs) -> tuple[list[str], np.ndarray]:
+        """The candidate names and their 0..10 scores (the HTTP layer serializes them)."""
         names = args.candidate_names()
         try:
-            pod = parse_pod(args.pod)
-            reqs = self._pod_requests(pod)
+            pod, reqs = self._parse_pod(args.pod)
         except RuleViolation:
             pod, reqs = None, []
         scores = self.state.score_nodes(reqs, names)
         if pod is not None and pod.metadata.uid and reqs and names and self.cfg.assume_ttl_s > 0:
-            best = max(range(len(names)), key=lambda i: (scores[i], -i))
+            best = int(np.argmax(scores))  # the first of the highest, as kube-scheduler's pick
             self.state.assume(pod.metadata.uid, reqs, names[best])
-        # our own values (0..10 by construction): serialized by HostPriorityList at the edge
-        return [HostPriority(Host=n, Score=v) for n, v in zip(names, scores, strict=True)]
+        return names, scores
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._node_locks_guard:

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 
@@ -308,16 +309,16 @@ class ExtenderState:
             self._expire_assumed()
             self._drop_assumed(uid)  # a pod scheduled again competes without its old hint
             s = self.state
-            known = [n for n in node_names if n in s.node_index]
-            for n in node_names:
-                if n not in s.node_index:  # preemption cannot help here
-                    out.unresolvable[n] = (
-                        "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
-                    )
-            if not known:
+            pos = self._positions(node_names)
+            known = pos >= 0
+            for j in np.flatnonzero(~known):  # preemption cannot help here
+                out.unresolvable[node_names[int(j)]] = (
+                    "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
+                )
+            if not known.any():
                 return out
-            idx = np.asarray([s.node_index[n] for n in known], dtype=np.int64)
-            ok = np.ones(len(known), dtype=bool)
+            idx = pos[known]
+            ok = np.ones(len(idx), dtype=bool)
             why: dict[int, str] = {}
             for cr in reqs:
                 mask, _mem, _reasons = self.engine.candidates(cr.request)
@@ -328,16 +329,22 @@ class ExtenderState:
                 ok &= fits
             if len(reqs) > 1:
                 for j in np.flatnonzero(ok):
-                    problem = self._fits_together(reqs, known[int(j)])
+                    problem = self._fits_together(reqs, s.nodes[int(idx[j])].name)
                     if problem:
                         ok[j] = False
                         why[int(j)] = problem
-            for j, name in enumerate(known):
-                if ok[j]:
-                    out.nodes.append(name)
-                else:
-                    out.failed[name] = why[j]
+            known_names = (
+                node_names if len(idx) == len(node_names) else list(compress(node_names, known))
+            )
+            out.nodes = list(compress(known_names, ok.tolist()))
+            for j, problem in why.items():
+                out.failed[known_names[j]] = problem
         return out
+
+    def _positions(self, node_names: list[str]) -> np.ndarray:
+        """Each name's node index in the state (-1: not a qgpu node)."""
+        index = self.state.node_index.get
+        return np.fromiter((index(n, -1) for n in node_names), np.int64, len(node_names))
 
     def _why(self, cr: ContainerRequest, node: int) -> str:
         s = self.state
@@ -374,16 +381,17 @@ class ExtenderState:
             for sid in placed:
                 self.state.release(sid)
 
-    def score_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> list[int]:
-        """0..10 per node, in the order given (nodes we cannot score get 0)."""
+    def score_nodes(self, reqs: list[ContainerRequest], node_names: list[str]) -> np.ndarray:
+        """0..10 per node (int64), in the order given (nodes we cannot score get 0)."""
+        out = np.zeros(len(node_names), dtype=np.int64)
         if not reqs:
-            return [0] * len(node_names)
+            return out
         with self.lock:
             s = self.state
-            pos = np.asarray([s.node_index.get(n, -1) for n in node_names], dtype=np.int64)
+            pos = self._positions(node_names)
             known = pos >= 0
             if not known.any():
-                return [0] * len(node_names)
+                return out
             req = reqs[0].request
             mask, memory, _ = self.engine.candidates(req)
             view = CandidateView(s, req, mask, req.core_per_gpu, memory, pos[known])
@@ -398,9 +406,8 @@ class ExtenderState:
             else:
                 scaled = (raw[finite] - lo) / (hi - lo) * MAX_SCORE
                 norm[finite] = np.rint(scaled).astype(np.int64)
-        out = np.zeros(len(node_names), dtype=np.int64)
         out[known] = norm
-        return out.tolist()
+        return out
 
     def _place(self, uid: str, reqs: list[ContainerRequest], node: str) -> Assignment:
         """Choose GPU(s) on `node` for every container and apply them (all or nothing)."""
