@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -53,6 +56,19 @@ def _wrap(exc: ApiException, what: str) -> KubeError:
     return cls(f"{what}: HTTP {exc.status} {reason}: {message}".strip(), exc.status or 0, reason)
 
 
+@contextmanager
+def _calling(what: str) -> Iterator[None]:
+    """Map a failed call to `KubeError`: the apiserver's answer (`_wrap`), or status 0 when
+    no answer came (connection refused/reset, timeout): the caller then cannot know whether
+    a write happened."""
+    try:
+        yield
+    except ApiException as exc:
+        raise _wrap(exc, what) from exc
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise KubeError(f"{what}: no answer from the apiserver: {exc}") from exc
+
+
 def make_api_client(host: str | None = None, kubeconfig: str | None = None) -> client.ApiClient:
     """An ApiClient for `host` (tests, proxies), a kubeconfig, or the in-cluster account."""
     if host:
@@ -66,6 +82,13 @@ def make_api_client(host: str | None = None, kubeconfig: str | None = None) -> c
     except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
+
+
+def _rv(obj: Obj) -> int:
+    try:
+        return int(obj["metadata"].get("resourceVersion") or 0)
+    except ValueError:
+        return 0
 
 
 def _pointer(key: str) -> str:
@@ -86,30 +109,24 @@ class Kube:
 
     # -- reads --
     def get_node(self, name: str) -> Obj:
-        try:
+        with _calling(f"get node {name}"):
             return self._json(self.core.read_node(name, _preload_content=False))
-        except ApiException as exc:
-            raise _wrap(exc, f"get node {name}") from exc
 
     def list_nodes(self) -> tuple[list[Obj], str]:
-        try:
+        with _calling("list nodes"):
             body = self._json(self.core.list_node(_preload_content=False))
-        except ApiException as exc:
-            raise _wrap(exc, "list nodes") from exc
         return body.get("items") or [], body["metadata"].get("resourceVersion", "")
 
     def get_pod(self, namespace: str, name: str) -> Obj:
-        try:
+        with _calling(f"get pod {namespace}/{name}"):
             return self._json(
                 self.core.read_namespaced_pod(name, namespace, _preload_content=False)
             )
-        except ApiException as exc:
-            raise _wrap(exc, f"get pod {namespace}/{name}") from exc
 
     def list_pods(
         self, label_selector: str = "", field_selector: str = ""
     ) -> tuple[list[Obj], str]:
-        try:
+        with _calling("list pods"):
             body = self._json(
                 self.core.list_pod_for_all_namespaces(
                     label_selector=label_selector,
@@ -117,8 +134,6 @@ class Kube:
                     _preload_content=False,
                 )
             )
-        except ApiException as exc:
-            raise _wrap(exc, "list pods") from exc
         return body.get("items") or [], body["metadata"].get("resourceVersion", "")
 
     def pods_on_node(self, node: str) -> list[Obj]:
@@ -127,22 +142,18 @@ class Kube:
 
     # -- writes --
     def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
-        try:
+        with _calling(f"patch node {name}"):
             return self._json(
                 self.core.patch_node(name, body, _content_type=content_type, _preload_content=False)
             )
-        except ApiException as exc:
-            raise _wrap(exc, f"patch node {name}") from exc
 
     def patch_pod(self, namespace: str, name: str, body: Any, content_type: str = MERGE) -> Obj:
-        try:
+        with _calling(f"patch pod {namespace}/{name}"):
             return self._json(
                 self.core.patch_namespaced_pod(
                     name, namespace, body, _content_type=content_type, _preload_content=False
                 )
             )
-        except ApiException as exc:
-            raise _wrap(exc, f"patch pod {namespace}/{name}") from exc
 
     def bind(
         self,
@@ -172,14 +183,12 @@ class Kube:
             "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        try:
+        with _calling(f"bind pod {namespace}/{name} to {node}"):
             resp = self.core.create_namespaced_pod_binding(
                 name, namespace, body, _preload_content=False
             )
-        except ApiException as exc:
-            raise _wrap(exc, f"bind pod {namespace}/{name} to {node}") from exc
-        _ = resp.data  # read the (undecodable) Status so the connection can be reused
-        resp.release_conn()
+            _ = resp.data  # read the (undecodable) Status so the connection can be reused
+            resp.release_conn()
         if resp.status != 201:
             raise KubeError(f"bind pod {namespace}/{name}: HTTP {resp.status}", resp.status)
 
@@ -242,7 +251,11 @@ class NodeLocker:
         self._seen: dict[str, Obj] = {}
 
     def remember(self, node_obj: Obj) -> None:
+        """Cache the node as seen (a watch event may be older than our own last write)."""
         name = node_obj["metadata"]["name"]
+        known = self._seen.get(name)
+        if known is not None and _rv(node_obj) < _rv(known):
+            return
         self._seen[name] = node_obj
 
     def acquire(self, node: str, timeout_s: float = 5.0) -> tuple[LockHandle, Obj]:
@@ -287,6 +300,14 @@ class NodeLocker:
                 continue
             self._seen[node] = new
             return LockHandle(node, lock, text, previous, previous + 1), obj
+
+    def still_ours(self, handle: LockHandle) -> bool:
+        """Does the node, as last seen (watch events, our own writes), still carry our lock?"""
+        obj = self._seen.get(handle.node)
+        if obj is None:
+            return False
+        annotations = obj["metadata"].get("annotations") or {}
+        return annotations.get(self.names.lock_annotation) == handle.text
 
     def release(self, handle: LockHandle) -> None:
         key = _pointer(self.names.lock_annotation)

@@ -4,7 +4,8 @@ Owns the bind protocol:
 1. take the pod as kube-scheduler filtered it (or read it: it must be unbound, same UID);
 2. take the node's lock (`k8s_bridge.kube.NodeLocker`: annotation with holder + expiry,
    resourceVersion precondition); if the node's epoch moved since our last lock, another
-   writer assigned pods there: re-read the pods bound to that node first;
+   writer assigned pods there: re-read the pods bound to that node first. A lock this
+   extender still holds from a bind moments ago is used again instead (see 5);
 3. choose GPU(s) on the node (`ExtenderState.reserve`, the placement engine);
 4. create the Binding carrying the assignment as annotations, with the pod's UID and
    resourceVersion as preconditions: the apiserver's binding subresource copies a
@@ -12,7 +13,13 @@ Owns the bind protocol:
    bound pod always carries its assignment and a failed bind leaves nothing behind
    (HTTP 201 checked; a client-side failure is resolved by reading the pod, never by
    binding again; a stale resourceVersion means: read the pod and try once more);
-5. release the lock. Any failure after 3 undoes the reservation.
+5. release the lock, or keep it for `ExtenderConfig.lock_linger_s` (default 0.2 s) so
+   that the next bind to the same node -- binpack sends many in a row -- costs one apiserver
+   write instead of three; a background thread releases locks left idle that long, no lock
+   is reused after `lock_max_hold_s` or within half its TTL of expiring, `stop()` releases
+   all, and a failed write releases at once. While we hold the lock no other writer can
+   assign on that node, so our view of it stays exact. Any failure after 3 undoes the
+   reservation.
 
 `start()` lists the nodes and the bound pods (the restart path) and follows both with
 watches.
@@ -25,6 +32,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +49,7 @@ from k8s_bridge.extender.models import (
     NodeList,
 )
 from k8s_bridge.extender.state import ExtenderState
-from k8s_bridge.kube import Conflict, Kube, KubeError, NodeLocker
+from k8s_bridge.kube import Conflict, Kube, KubeError, LockHandle, NodeLocker
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import PlacementPolicy
@@ -55,6 +63,15 @@ class PodChanged(Conflict):
     """The pod changed since kube-scheduler read it (our write's precondition failed)."""
 
 
+@dataclass
+class _Lease:
+    """A node lock held between binds (`ExtenderConfig.lock_linger_s`)."""
+
+    handle: LockHandle
+    taken: float  # time.monotonic() when acquired
+    used: float  # time.monotonic() when a bind last finished with it
+
+
 class ExtenderConfig(BaseModel):
     """Extender settings (CLI flags / chart values)."""
 
@@ -65,6 +82,15 @@ class ExtenderConfig(BaseModel):
     gpu_policy: PlacementPolicy | None = None
     lock_ttl_s: float = Field(default=30.0, gt=0)
     lock_timeout_s: float = Field(default=5.0, gt=0)
+    lock_linger_s: float = Field(
+        default=0.2,
+        ge=0,
+        description="keep a node's lock this long after a bind for the next bind there "
+        "(0: release after every bind)",
+    )
+    lock_max_hold_s: float = Field(
+        default=2.0, gt=0, description="never reuse one node lock for longer than this"
+    )
     assume_ttl_s: float = Field(
         default=10.0, ge=0, description="hold prioritize's best node until bind (0: never)"
     )
@@ -91,6 +117,8 @@ class Extender:
         self._requests_guard = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._leases: dict[str, _Lease] = {}
+        self._releaser: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -121,7 +149,13 @@ class Extender:
             self._threads.append(t)
 
     def stop(self) -> None:
+        """Stop the watches and give back every node lock still held."""
         self._stop.set()
+        for node in list(self._leases):
+            with self._node_lock(node):
+                lease = self._leases.pop(node, None)
+                if lease is not None:
+                    self._release_lock(lease.handle)
 
     def _watch_loop(self, kind: str, rv: str) -> None:
         while not self._stop.is_set():
@@ -321,19 +355,103 @@ class Extender:
             self.kube.bind(ns, name, pod.metadata.uid, node)
             return
         with self._node_lock(node):
-            handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
+            lease = self._take_lease(node)
+            keep = False
             try:
-                # an epoch we did not write (or a node we never locked): re-read its pods
-                if self.epochs.get(node) != handle.previous_epoch:
-                    on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
-                    self.state.resync_node(node, on_node)
-                self.epochs[node] = handle.epoch
-                self._write_and_bind(pod, reqs, node, handle.epoch)
+                self._write_and_bind(pod, reqs, node, lease.handle.epoch)
+                keep = True
+            except (NoFit, PodChanged):
+                keep = True  # the lock itself is fine: the node is full, or the pod moved on
+                raise
             finally:
-                try:
-                    self.locker.release(handle)
-                except KubeError as exc:
-                    log.warning("releasing the lock of node %s: %s", node, exc)
+                self._end_lease(node, lease, keep)
+
+    def _take_lease(self, node: str) -> _Lease:
+        """Our lock on `node`: the one still held from a bind moments ago, or a new one.
+
+        Called under the node's thread lock. A new lock whose epoch we did not write (or a
+        node we never locked) means another writer assigned pods there: re-read them first.
+        """
+        lease = self._leases.pop(node, None)
+        if lease is not None:
+            if self._reusable(lease):
+                return lease
+            self._release_lock(lease.handle)
+        handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
+        try:
+            if self.epochs.get(node) != handle.previous_epoch:
+                on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
+                self.state.resync_node(node, on_node)
+        except BaseException:
+            self._release_lock(handle)
+            raise
+        self.epochs[node] = handle.epoch
+        now = time.monotonic()
+        return _Lease(handle, now, now)
+
+    def _reusable(self, lease: _Lease) -> bool:
+        """Held briefly enough, far enough from expiry for one more bind, and the node as
+        last seen (watch, our writes) still carries it."""
+        return (
+            time.monotonic() - lease.taken < self.cfg.lock_max_hold_s
+            and lease.handle.lock.expires - time.time() > self.cfg.lock_ttl_s / 2
+            and self.locker.still_ours(lease.handle)
+        )
+
+    def _end_lease(self, node: str, lease: _Lease, keep: bool) -> None:
+        """After a bind: keep the lock for the next bind to this node, or release it."""
+        if keep and self.cfg.lock_linger_s > 0 and not self._stop.is_set():
+            lease.used = time.monotonic()
+            self._leases[node] = lease
+            self._start_releaser()
+        else:
+            self._release_lock(lease.handle)
+
+    def _release_lock(self, handle: LockHandle) -> None:
+        try:
+            self.locker.release(handle)
+        except KubeError as exc:
+            log.warning("releasing the lock of node %s: %s", handle.node, exc)
+
+    def _start_releaser(self) -> None:
+        with self._node_locks_guard:
+            if self._releaser is not None:
+                return
+            self._releaser = threading.Thread(
+                target=self._release_idle_loop, name="qgpu-lock-releaser", daemon=True
+            )
+        self._releaser.start()
+
+    def _release_idle_loop(self) -> None:
+        period = max(0.01, self.cfg.lock_linger_s / 2)
+        while not self._stop.wait(period):
+            try:
+                self.release_idle_locks()
+            except Exception:  # the releaser must outlive any one failure
+                log.exception("releasing idle node locks")
+
+    def release_idle_locks(self, idle_s: float | None = None) -> int:
+        """Release the node locks no bind used for `idle_s` (default: the linger time);
+        a node busy binding right now is left to its bind. Returns how many were released."""
+        idle = self.cfg.lock_linger_s if idle_s is None else idle_s
+        released = 0
+        for node in list(self._leases):
+            lock = self._node_lock(node)
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                lease = self._leases.get(node)
+                if lease is not None and time.monotonic() - lease.used >= idle:
+                    del self._leases[node]
+                    self._release_lock(lease.handle)
+                    released += 1
+            finally:
+                lock.release()
+        return released
+
+    def held_locks(self) -> list[str]:
+        """Nodes whose lock this extender holds between binds."""
+        return sorted(self._leases)
 
     def _write_and_bind(
         self, pod: PodModel, reqs: list[ContainerRequest], node: str, lock_epoch: int

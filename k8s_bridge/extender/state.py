@@ -108,6 +108,7 @@ class ExtenderState:
         self._new_engine([])
         self._policies: dict[str, Policy] = {}
         self._node_sources: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
+        self._last_bound_at: dict[str, float] = {}
 
     # -- construction ----------------------------------------------------------------
 
@@ -479,9 +480,12 @@ class ExtenderState:
                 if held is not None:
                     self._release_slices(uid, held.assignment)
                 assignment = self._place(uid, reqs, node)
-            # stamped under the node's lock: the order kubelet will see the binds in
+            # stamped under the node's lock: the order kubelet will see the binds in (binds
+            # sharing one lock epoch are told apart by bound_at, kept strictly increasing)
+            bound_at = max(time.time(), self._last_bound_at.get(node, 0.0) + 1e-6)
+            self._last_bound_at[node] = bound_at
             assignment = assignment.model_copy(
-                update={"bound_at": time.time(), "lock_epoch": lock_epoch}
+                update={"bound_at": bound_at, "lock_epoch": lock_epoch}
             )
             self.pods[uid] = PodRecord(uid, namespace, name, node, assignment)
             return assignment

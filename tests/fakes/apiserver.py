@@ -27,6 +27,7 @@ Tests drive it over HTTP through the `kubernetes` client and inspect/seed it thr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -401,12 +402,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing --
     def _send(self, code: int, body: Obj) -> None:
+        if getattr(self, "_drop_reply", False):
+            self._hang_up()
+            return
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def _hang_up(self) -> None:
+        """Close the connection without an answer (a crashed or partitioned apiserver)."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def _body(self) -> Any:
         raw = self._raw
@@ -435,8 +445,14 @@ class _Handler(BaseHTTPRequestHandler):
         # Read the whole body first, so an early error leaves the keep-alive stream clean.
         n = int(self.headers.get("Content-Length") or 0)
         self._raw = self.rfile.read(n) if n else b""
+        self._drop_reply = False
         try:
             self.server.owner.count(method)
+            drop = self.server.owner.take_drop(method, self.path)
+            if drop == "before":
+                self._hang_up()
+                return
+            self._drop_reply = drop == "after"
             fault = self.server.owner.take_fault(method, self.path)
             if fault is not None:
                 raise fault
@@ -664,6 +680,7 @@ class FakeApiserver:
         self.store = Store()
         self.stopping = threading.Event()
         self._faults: list[tuple[str, re.Pattern[str], ApiError]] = []
+        self._drops: list[tuple[str, re.Pattern[str], str]] = []
         self._fault_lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
@@ -700,6 +717,22 @@ class FakeApiserver:
         """Make the next request matching method and path fail with this Status."""
         with self._fault_lock:
             self._faults.append((method, re.compile(path_regex), ApiError(code, reason, message)))
+
+    def drop_next(self, method: str, path_regex: str, when: str) -> None:
+        """Hang up on the next request matching method and path without answering:
+        ``when="before"`` it is not carried out, ``"after"`` it is (the client cannot tell)."""
+        if when not in ("before", "after"):
+            raise ValueError(f"when must be 'before' or 'after', not {when!r}")
+        with self._fault_lock:
+            self._drops.append((method, re.compile(path_regex), when))
+
+    def take_drop(self, method: str, path: str) -> str | None:
+        with self._fault_lock:
+            for i, (m, pattern, when) in enumerate(self._drops):
+                if m == method and pattern.search(path):
+                    del self._drops[i]
+                    return when
+        return None
 
     def take_fault(self, method: str, path: str) -> ApiError | None:
         with self._fault_lock:

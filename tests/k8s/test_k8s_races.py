@@ -19,7 +19,7 @@ from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
 from k8s_bridge.extender.app import create_app
 from k8s_bridge.extender.models import ExtenderBindingArgs
 from k8s_bridge.extender.service import Extender, ExtenderConfig
-from k8s_bridge.kube import Kube
+from k8s_bridge.kube import Kube, KubeError, make_api_client
 from k8s_bridge.protocol import NodeLock, load_allocated
 from qgpu.model import NodeInventory
 from tests.fakes.apiserver import FakeApiserver
@@ -28,10 +28,12 @@ from tests.k8s.helpers import (
     NAMES,
     ServedApp,
     assignment_of,
+    free_port,
     gpu,
     gpu_usage,
     pod_object,
     publish_node,
+    wait_until,
 )
 
 
@@ -78,9 +80,84 @@ def test_concurrent_binds_to_one_node_over_http(apiserver: FakeApiserver) -> Non
         pod = apiserver.store.get("pods", "default", n)
         has = NAMES.assignment_annotation in (pod["metadata"].get("annotations") or {})
         assert has == (pod["spec"].get("nodeName") == "n0")
+    # the lock lingers for the next bind, and is given back when the extender stops
+    ext.stop()
     lock = apiserver.store.get("nodes", "", "n0")["metadata"]["annotations"]
     assert NAMES.lock_annotation not in lock
+    assert ext.held_locks() == []
     ext.state.state.check_invariants()
+
+
+def _epoch(srv: FakeApiserver, node: str) -> int:
+    return int(srv.store.get("nodes", "", node)["metadata"]["annotations"][NAMES.epoch_annotation])
+
+
+def test_lock_lingers_for_the_next_bind_then_is_released(apiserver: FakeApiserver) -> None:
+    """Back-to-back binds to one node share one lock (one epoch, one write each); the lock
+    is released once no bind used it for the linger time; without linger every bind
+    takes and releases its own."""
+    publish_node(apiserver, "n0", [gpu("n0", 0), gpu("n0", 1)])
+    ext = _extender(apiserver, watch=False, lock_linger_s=30.0)
+    for n in ("a", "b", "c"):
+        apiserver.store.create("pods", pod_object(n, [(30, 4)]))
+        assert ext.bind(_bind_args(apiserver, n, "n0")).error == ""
+    assert _epoch(apiserver, "n0") == 1
+    assert ext.held_locks() == ["n0"]
+    annotations = apiserver.store.get("nodes", "", "n0")["metadata"]["annotations"]
+    assert NAMES.lock_annotation in annotations
+    # bind order stays total inside one epoch: bound_at strictly increases
+    stamps = [
+        json.loads(
+            apiserver.store.get("pods", "default", n)["metadata"]["annotations"][
+                NAMES.assignment_annotation
+            ]
+        )
+        for n in ("a", "b", "c")
+    ]
+    assert {s["lock_epoch"] for s in stamps} == {1}
+    assert stamps[0]["bound_at"] < stamps[1]["bound_at"] < stamps[2]["bound_at"]
+    assert ext.release_idle_locks(idle_s=60.0) == 0  # used just now: kept
+    assert ext.release_idle_locks(idle_s=0.0) == 1
+    annotations = apiserver.store.get("nodes", "", "n0")["metadata"]["annotations"]
+    assert NAMES.lock_annotation not in annotations
+    # the next bind takes a new lock: the epoch moves
+    apiserver.store.create("pods", pod_object("d", [(30, 4)]))
+    assert ext.bind(_bind_args(apiserver, "d", "n0")).error == ""
+    assert _epoch(apiserver, "n0") == 2
+    ext.stop()
+
+    other = _extender(apiserver, watch=False, lock_linger_s=0.05)
+    apiserver.store.create("pods", pod_object("e", [(10, 1)]))
+    assert other.bind(_bind_args(apiserver, "e", "n0")).error == ""
+    # the background releaser gives the idle lock back by itself
+    wait_until(
+        lambda: (
+            NAMES.lock_annotation
+            not in apiserver.store.get("nodes", "", "n0")["metadata"]["annotations"]
+        ),
+        10,
+        "the idle lock to be released",
+    )
+    assert other.held_locks() == []
+    other.stop()
+
+    eager = _extender(apiserver, watch=False, lock_linger_s=0)
+    for n in ("f", "g"):
+        apiserver.store.create("pods", pod_object(n, [(10, 1)]))
+        assert eager.bind(_bind_args(apiserver, n, "n0")).error == ""
+    assert _epoch(apiserver, "n0") == 5  # d: 2, e: 3, f: 4, g: 5
+    assert eager.held_locks() == []
+
+
+def test_a_lingering_lock_is_not_reused_past_its_max_hold(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "n0", [gpu("n0", 0)])
+    ext = _extender(apiserver, watch=False, lock_linger_s=30.0, lock_max_hold_s=0.01)
+    for n in ("a", "b"):
+        apiserver.store.create("pods", pod_object(n, [(10, 1)]))
+        assert ext.bind(_bind_args(apiserver, n, "n0")).error == ""
+        time.sleep(0.02)
+    assert _epoch(apiserver, "n0") == 2
+    ext.stop()
 
 
 def test_two_extender_replicas_never_overcommit_a_node(apiserver: FakeApiserver) -> None:
@@ -103,7 +180,9 @@ def test_two_extender_replicas_never_overcommit_a_node(apiserver: FakeApiserver)
 
 def test_stale_lock_expires_and_live_lock_blocks(apiserver: FakeApiserver) -> None:
     publish_node(apiserver, "n0", [gpu("n0", 0)])
-    ext = _extender(apiserver, watch=False, lock_timeout_s=0.6)
+    # lock_linger_s=0: this test overwrites the lock behind the extender's back (no watch),
+    # which no lock holder would do; a lingering lock would not notice
+    ext = _extender(apiserver, watch=False, lock_timeout_s=0.6, lock_linger_s=0)
     kube = Kube(apiserver.client(), NAMES)
 
     def lock_by_other(expires_in: float) -> None:
@@ -122,6 +201,39 @@ def test_stale_lock_expires_and_live_lock_blocks(apiserver: FakeApiserver) -> No
     err = ext.bind(_bind_args(apiserver, "long", "n0")).error
     assert "locked by dead-extender" in err
     assert apiserver.store.get("pods", "default", "long")["spec"].get("nodeName") is None
+
+
+def test_binding_without_an_answer_is_resolved_by_reading_the_pod(
+    apiserver: FakeApiserver,
+) -> None:
+    """The apiserver hangs up on the Binding: done or not, the extender reads the pod
+    instead of binding again; a bind that did not happen is rolled back."""
+    publish_node(apiserver, "n0", [gpu("n0", 0)])
+    ext = _extender(apiserver, watch=False)
+    for n in ("done", "lost"):
+        apiserver.store.create("pods", pod_object(n, [(40, 4)]))
+    apiserver.drop_next("POST", r"/pods/done/binding$", when="after")
+    assert ext.bind(_bind_args(apiserver, "done", "n0")).error == ""
+    assert apiserver.store.get("pods", "default", "done")["spec"]["nodeName"] == "n0"
+    assert "done" in {r.name for r in ext.state.pods.values()}
+
+    apiserver.drop_next("POST", r"/pods/lost/binding$", when="before")
+    err = ext.bind(_bind_args(apiserver, "lost", "n0")).error
+    assert "no answer from the apiserver" in err
+    assert apiserver.store.get("pods", "default", "lost")["spec"].get("nodeName") is None
+    assert {r.name for r in ext.state.pods.values()} == {"done"}
+    assert int(ext.state.state.free_core[0]) == 60
+    assert ext.bind(_bind_args(apiserver, "lost", "n0")).error == ""  # the retry binds it
+    assert int(ext.state.state.free_core[0]) == 20
+    ext.stop()
+
+
+def test_an_unreachable_apiserver_is_a_kube_error_with_no_status() -> None:
+    kube = Kube(make_api_client(f"http://127.0.0.1:{free_port()}"), NAMES)
+    with pytest.raises(KubeError) as caught:
+        kube.get_node("n0")
+    assert caught.value.status == 0
+    assert "get node n0: no answer from the apiserver" in str(caught.value)
 
 
 def test_failed_binding_is_rolled_back(apiserver: FakeApiserver) -> None:
