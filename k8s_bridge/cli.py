@@ -172,6 +172,7 @@ def run_extender(args: argparse.Namespace) -> int:
         if args.gpu_policy
         else None,
         lock_ttl_s=args.lock_ttl,
+        lock_linger_s=args.lock_linger,
         assume_ttl_s=args.assume_ttl,
     )
     ext = Extender(_kube(args), cfg)
@@ -192,6 +193,13 @@ def register_extender(sub: Any) -> None:
     p.add_argument("--node-policy", default="binpack", choices=names)
     p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
     p.add_argument("--lock-ttl", type=float, default=30.0, help="node lock expiry, seconds")
+    p.add_argument(
+        "--lock-linger",
+        type=float,
+        default=0.2,
+        help="keep a node's lock this long after a bind for the next bind there, seconds "
+        "(0: release after every bind)",
+    )
     p.add_argument(
         "--assume-ttl",
         type=float,
