@@ -58,6 +58,7 @@ class PodRecord:
     assignment: Assignment
     resource_version: int = 0
     applied: bool = True
+    assignment_text: str = ""  # the annotation as written (events carrying it change nothing)
 
 
 @dataclass
@@ -234,10 +235,13 @@ class ExtenderState:
             assignment.node,
             assignment,
             _rv(pod.metadata.resource_version),
+            assignment_text=text,
         )
 
     def apply_pod(self, obj: dict) -> None:
         """Follow a pod event: hold a new assignment, release a finished or cleared one."""
+        if self._unchanged(obj):
+            return
         pod = PodModel.model_validate(obj)
         uid = pod.metadata.uid
         rv = _rv(pod.metadata.resource_version)
@@ -255,6 +259,28 @@ class ExtenderState:
             self.release_pod(uid)
             rec.applied = self._apply(rec)
             self.pods[uid] = rec
+
+    def _unchanged(self, obj: dict) -> bool:
+        """A running pod whose assignment text is exactly the one we hold (most pod events:
+        our own Binding, kubelet's status updates): nothing to parse or do."""
+        meta = obj.get("metadata")
+        if not isinstance(meta, dict):
+            return False
+        known = self.pods.get(meta.get("uid") or "")
+        if known is None or not known.assignment_text:
+            return False
+        status = obj.get("status")
+        phase = status.get("phase") if isinstance(status, dict) else None
+        annotations = meta.get("annotations")
+        text = annotations.get(self.names.assignment_annotation) if annotations else None
+        if phase in ("Succeeded", "Failed") or text != known.assignment_text:
+            return False
+        with self.lock:
+            if self.pods.get(known.uid) is known:
+                known.resource_version = max(
+                    known.resource_version, _rv(meta.get("resourceVersion"))
+                )
+        return True
 
     def release_pod(self, uid: str, resource_version: int = 0) -> bool:
         with self.lock:
@@ -487,7 +513,9 @@ class ExtenderState:
             assignment = assignment.model_copy(
                 update={"bound_at": bound_at, "lock_epoch": lock_epoch}
             )
-            self.pods[uid] = PodRecord(uid, namespace, name, node, assignment)
+            self.pods[uid] = PodRecord(
+                uid, namespace, name, node, assignment, assignment_text=assignment.dumps()
+            )
             return assignment
 
     def _release_slices(self, uid: str, assignment: Assignment) -> None:

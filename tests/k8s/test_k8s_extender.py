@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from k8s_bridge.extender.app import create_app
-from k8s_bridge.extender.models import ExtenderBindingArgs
+from k8s_bridge.extender.models import ExtenderBindingArgs, HostPriorityList
 from k8s_bridge.extender.service import Extender, ExtenderConfig
 from k8s_bridge.kube import Kube
 from qgpu.model import GpuDevice, GpuHealth
@@ -264,3 +264,42 @@ def test_scores_stay_in_range_when_a_policy_rules_a_node_out(apiserver: FakeApis
         assert all(0 <= h["Score"] <= 10 for h in scores), (policy, scores)
         assert max(h["Score"] for h in scores) == 10
         apiserver.store.delete("pods", "default", full["metadata"]["name"])
+
+
+def test_fast_path_and_fastapi_routes_answer_alike(apiserver: FakeApiserver) -> None:
+    """The verbs answered before FastAPI's routing give the bytes FastAPI's routes give,
+    for good and bad input; the wire reply is a valid HostPriorityList."""
+    for n in ("n0", "n1"):
+        publish_node(apiserver, n, [gpu(n, 0)])
+    ext = Extender(Kube(apiserver.client(), NAMES), ExtenderConfig(assume_ttl_s=0))
+    ext.start()
+    pod = apiserver.store.create("pods", pod_object("p", [(30, 4)]))
+    args = {"Pod": pod, "NodeNames": ["n0", "n1", "nx"]}
+    replies = []
+    for fast in (True, False):
+        served = ServedApp(create_app(ext, fast_path=fast)).start()
+        try:
+            with httpx.Client(base_url=served.url, timeout=30) as http:
+                replies.append(
+                    [
+                        (r.status_code, r.headers["content-type"], r.content)
+                        for r in (
+                            http.post("/filter", json=args),
+                            http.post("/prioritize", json=args),
+                            http.post("/filter", content=b'{"Pod": 3}'),
+                            http.post("/prioritize", content=b"not json"),
+                            http.post("/bind", json={"PodName": "p"}),
+                        )
+                    ]
+                )
+                assert http.get("/healthz").json()["nodes"] == 2
+        finally:
+            served.stop()
+    ext.stop()
+    assert replies[0] == replies[1]
+    (code, ctype, prio) = replies[0][1]
+    assert code == 200 and ctype == "application/json"
+    scores = HostPriorityList.validate_json(prio)
+    assert [h["Host"] for h in scores] == ["n0", "n1", "nx"] and scores[2]["Score"] == 0
+    assert [r[0] for r in replies[0][2:]] == [400, 400, 400]
+    assert b"Pod=3" in replies[0][2][2] and b"PodNamespace=None" in replies[0][4][2]
