@@ -4,11 +4,14 @@ Owns how the bridge talks to the apiserver: building an `ApiClient` (in-cluster,
 or an explicit host), reading objects as plain JSON (``_preload_content=False``, then the
 bridge's own pydantic models — faster than the client's model layer and tolerant of fields
 the client does not know), patches with the right content types, the Binding call (checked
-for HTTP 201, never retried on a client-side error) and the per-node lock.
+for HTTP 201, never retried on a client-side error) and the per-node lock. The calls made
+for every bind (get pod, patch node, Binding) go over `k8s_bridge.lean_http.LeanTransport`
+when the client's configuration allows it (same host, TLS and token; half the CPU).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import uuid
@@ -16,11 +19,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from k8s_bridge.lean_http import LeanTransport
 from k8s_bridge.protocol import NodeLock, load_lock
 from k8s_bridge.resources import Names
 from qgpu.errors import QgpuError
@@ -45,15 +50,20 @@ class Conflict(KubeError):
 
 
 def _wrap(exc: ApiException, what: str) -> KubeError:
-    reason, message = exc.reason or "", ""
+    return _status_error(what, exc.status or 0, exc.reason or "", exc.body)
+
+
+def _status_error(what: str, status: int, reason: str, body: Any) -> KubeError:
+    """The apiserver's error answer (a Status object, usually) as a KubeError."""
+    message = ""
     try:
-        body = json.loads(exc.body or "{}")
-        reason = body.get("reason") or reason
-        message = body.get("message") or ""
-    except (json.JSONDecodeError, TypeError):
-        message = str(exc.body or "")[:200]
-    cls = Conflict if exc.status == 409 else KubeError
-    return cls(f"{what}: HTTP {exc.status} {reason}: {message}".strip(), exc.status or 0, reason)
+        data = json.loads(body or "{}")
+        reason = data.get("reason") or reason
+        message = data.get("message") or ""
+    except (json.JSONDecodeError, TypeError, AttributeError):
+        message = str(body or "")[:200]
+    cls = Conflict if status == 409 else KubeError
+    return cls(f"{what}: HTTP {status} {reason}: {message}".strip(), status, reason)
 
 
 @contextmanager
@@ -98,10 +108,27 @@ def _pointer(key: str) -> str:
 class Kube:
     """The handful of apiserver calls the bridge makes, as JSON dicts."""
 
-    def __init__(self, api_client: client.ApiClient, names: Names) -> None:
+    def __init__(self, api_client: client.ApiClient, names: Names, lean: bool = True) -> None:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.names = names
+        # the per-bind calls (get pod, patch node, Binding) over `LeanTransport` when the
+        # configuration allows it; everything else through the official client
+        self.lean = LeanTransport.for_configuration(api_client.configuration) if lean else None
+
+    def _lean(
+        self, what: str, method: str, path: str, body: Any = None, content_type: str = ""
+    ) -> tuple[int, bytes]:
+        """One call over the lean transport; any non-2xx answer raises KubeError."""
+        assert self.lean is not None
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            status, raw = self.lean.request(method, path, data, content_type or None)
+        except (OSError, http.client.HTTPException) as exc:
+            raise KubeError(f"{what}: no answer from the apiserver: {exc}") from exc
+        if not 200 <= status <= 299:
+            raise _status_error(what, status, "", raw)
+        return status, raw
 
     @staticmethod
     def _json(resp: Any) -> Obj:
@@ -118,7 +145,11 @@ class Kube:
         return body.get("items") or [], body["metadata"].get("resourceVersion", "")
 
     def get_pod(self, namespace: str, name: str) -> Obj:
-        with _calling(f"get pod {namespace}/{name}"):
+        what = f"get pod {namespace}/{name}"
+        if self.lean is not None:
+            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}"
+            return json.loads(self._lean(what, "GET", path)[1])
+        with _calling(what):
             return self._json(
                 self.core.read_namespaced_pod(name, namespace, _preload_content=False)
             )
@@ -142,7 +173,11 @@ class Kube:
 
     # -- writes --
     def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
-        with _calling(f"patch node {name}"):
+        what = f"patch node {name}"
+        if self.lean is not None:
+            path = f"/api/v1/nodes/{quote(name)}"
+            return json.loads(self._lean(what, "PATCH", path, body, content_type)[1])
+        with _calling(what):
             return self._json(
                 self.core.patch_node(name, body, _content_type=content_type, _preload_content=False)
             )
@@ -183,7 +218,14 @@ class Kube:
             "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        with _calling(f"bind pod {namespace}/{name} to {node}"):
+        what = f"bind pod {namespace}/{name} to {node}"
+        if self.lean is not None:
+            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding"
+            status, _ = self._lean(what, "POST", path, body, "application/json")
+            if status != 201:
+                raise KubeError(f"bind pod {namespace}/{name}: HTTP {status}", status)
+            return
+        with _calling(what):
             resp = self.core.create_namespaced_pod_binding(
                 name, namespace, body, _preload_content=False
             )

@@ -85,3 +85,14 @@ def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
                 entries[name] = [f'{{"Host":{quoted},"Score":{v}}}' for v in range(_MAX_SCORE + 1)]
         parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
     return f"[{','.join(parts)}]".encode()
+
+
+class ExtenderBindingArgs(_Go):
+    pod_name: str = Field(alias="PodName")
+    pod_namespace: str = Field(alias="PodNamespace")
+    pod_uid: str = Field(alias="PodUID")
+    node: str = Field(alias="Node")
+
+
+class ExtenderBindingResult(_Go):
+    error: str = Field(default="", alias="Error")

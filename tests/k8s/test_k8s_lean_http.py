@@ -1,0 +1,133 @@
+"""The lean apiserver transport: same answers and errors as the official client, the
+configuration's token on every call, and a fallback to the client for what it does not cover."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from kubernetes import client
+
+from k8s_bridge.kube import Conflict, Kube, KubeError
+from k8s_bridge.lean_http import LeanTransport
+from tests.fakes.apiserver import FakeApiserver
+from tests.k8s.helpers import NAMES, pod_object, publish_node
+
+
+def _kube(srv: FakeApiserver, lean: bool) -> Kube:
+    kube = Kube(srv.client(), NAMES, lean=lean)
+    assert (kube.lean is not None) == lean
+    return kube
+
+
+def test_lean_and_official_client_answer_alike(apiserver: FakeApiserver) -> None:
+    publish_node(apiserver, "n0", [])
+    for i, lean in enumerate((True, False)):
+        kube = _kube(apiserver, lean)
+        apiserver.store.create("pods", pod_object(f"p{i}", [(10, 1)]))
+        pod = kube.get_pod("default", f"p{i}")
+        assert pod["metadata"]["name"] == f"p{i}"
+        node = kube.patch_node("n0", {"metadata": {"labels": {"seen": str(i)}}})
+        assert node["metadata"]["labels"]["seen"] == str(i)
+        # a stale resourceVersion is a Conflict, a missing object a KubeError with its status
+        with pytest.raises(Conflict) as conflict:
+            kube.patch_node("n0", {"metadata": {"resourceVersion": "1", "labels": {"x": "y"}}})
+        assert conflict.value.status == 409
+        with pytest.raises(KubeError) as missing:
+            kube.get_pod("default", "nope")
+        assert missing.value.status == 404 and "get pod default/nope: HTTP 404" in str(
+            missing.value
+        )
+        kube.bind("default", f"p{i}", pod["metadata"]["uid"], "n0", annotations={"a": "b"})
+        bound = apiserver.store.get("pods", "default", f"p{i}")
+        assert bound["spec"]["nodeName"] == "n0" and bound["metadata"]["annotations"]["a"] == "b"
+        with pytest.raises(Conflict):  # bound already
+            kube.bind("default", f"p{i}", pod["metadata"]["uid"], "n0")
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: list[dict[str, str]] = []
+
+    def do_GET(self) -> None:
+        type(self).seen.append(dict(self.headers))
+        body = b'{"metadata": {"name": "p"}}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder() -> Iterator[ThreadingHTTPServer]:
+    _Recorder.seen = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_the_configurations_token_goes_with_every_call_and_refreshes(
+    recorder: ThreadingHTTPServer,
+) -> None:
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{recorder.server_address[1]}"
+    cfg.api_key = {"authorization": "first"}
+    cfg.api_key_prefix = {"authorization": "Bearer"}
+    kube = Kube(client.ApiClient(cfg), NAMES)
+    assert kube.lean is not None
+    kube.get_pod("default", "p")
+    cfg.api_key["authorization"] = "second"  # what an in-cluster token refresh does
+    kube.get_pod("default", "p")
+    assert [h.get("authorization") for h in _Recorder.seen] == ["Bearer first", "Bearer second"]
+
+
+def test_a_closed_keep_alive_connection_is_replaced_before_use(
+    apiserver: FakeApiserver,
+) -> None:
+    kube = _kube(apiserver, lean=True)
+    publish_node(apiserver, "n0", [])
+    kube.patch_node("n0", {"metadata": {"labels": {"a": "1"}}})
+    assert kube.lean is not None
+    conn = kube.lean._local.conn
+    conn.sock.shutdown(2)  # the connection dies while idle (server restart, idle timeout)
+    assert kube.patch_node("n0", {"metadata": {"labels": {"a": "2"}}})["metadata"]["labels"] == {
+        "a": "2"
+    }
+    assert kube.lean._local.conn is not conn
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"proxy": "http://proxy:3128"},
+        {"username": "admin", "password": "x"},
+        {"tls_server_name": "kubernetes"},
+        {"assert_hostname": "kubernetes"},
+        {"host": "unix:///run/k8s.sock"},
+    ],
+)
+def test_configurations_it_does_not_cover_keep_the_official_client(setting: dict) -> None:
+    cfg = client.Configuration()
+    cfg.host = "https://10.96.0.1:443"
+    for key, value in setting.items():
+        setattr(cfg, key, value)
+    assert LeanTransport.for_configuration(cfg) is None
+    assert Kube(client.ApiClient(cfg), NAMES).lean is None
+
+
+def test_https_with_verification_off_is_covered() -> None:
+    cfg = client.Configuration()
+    cfg.host = "https://10.96.0.1"
+    cfg.verify_ssl = False
+    lean = LeanTransport.for_configuration(cfg)
+    assert lean is not None and lean.https and lean.port == 443
+    assert lean.context is not None and not lean.context.check_hostname
