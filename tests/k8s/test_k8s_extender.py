@@ -303,3 +303,26 @@ def test_fast_path_and_fastapi_routes_answer_alike(apiserver: FakeApiserver) -> 
     assert [h["Host"] for h in scores] == ["n0", "n1", "nx"] and scores[2]["Score"] == 0
     assert [r[0] for r in replies[0][2:]] == [400, 400, 400]
     assert b"Pod=3" in replies[0][2][2] and b"PodNamespace=None" in replies[0][4][2]
+
+
+def test_pod_events_carrying_the_held_assignment_change_nothing(apiserver: FakeApiserver) -> None:
+    """Status updates of a bound pod (same assignment text) are skipped without parsing;
+    a changed assignment or a finished phase is followed."""
+    publish_node(apiserver, "n0", [gpu("n0", 0)])
+    ext = Extender(Kube(apiserver.client(), NAMES), ExtenderConfig(watch=False))
+    ext.start()
+    apiserver.store.create("pods", pod_object("a", [(40, 4)]))
+    assert _bind(apiserver, ext, "a", "n0") == ""
+    obj = apiserver.store.get("pods", "default", "a")
+    uid = obj["metadata"]["uid"]
+    held = ext.state.pods[uid]
+    assert held.assignment_text == obj["metadata"]["annotations"][NAMES.assignment_annotation]
+    running = apiserver.store.set_phase("default", "a", "Running")
+    ext.state.apply_pod(running)
+    assert ext.state.pods[uid] is held  # the same record: nothing was re-applied
+    assert held.resource_version == int(running["metadata"]["resourceVersion"])
+    assert int(ext.state.state.free_core[0]) == 60
+    ext.state.apply_pod(apiserver.store.set_phase("default", "a", "Succeeded"))
+    assert uid not in ext.state.pods
+    assert int(ext.state.state.free_core[0]) == 100
+    ext.stop()
