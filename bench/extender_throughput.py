@@ -8,7 +8,7 @@ with all node names, ``/prioritize`` with the survivors, pick the best score, an
 per pod). Prints pods/s (first filter to last bind) and p50/p99 per verb. No assertions.
 
     .venv/bin/python bench/extender_throughput.py [--nodes 1000] [--gpus 8] [--pods 1000]
-        [--policy binpack|spread|frag] [--bind-workers 16]
+        [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
         time.sleep(3600)
 
 
-def _extender(api_url: str, policy: str, port: int, ready: Any) -> None:
+def _extender(api_url: str, policy: str, port: int, bind_threads: int, ready: Any) -> None:
     import logging
 
     import uvicorn
@@ -95,7 +95,9 @@ def _extender(api_url: str, policy: str, port: int, ready: Any) -> None:
     ext = Extender(Kube(make_api_client(api_url), Names()), ExtenderConfig(node_policy=policy))
     ext.start()
     ready.put(len(ext.state.inventories))
-    uvicorn.run(create_app(ext), host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(
+        create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port, log_level="warning"
+    )
 
 
 def _cpu_s(pid: int | None) -> float:
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=1000)
     ap.add_argument("--policy", default="spread")
     ap.add_argument("--bind-workers", type=int, default=16)
+    ap.add_argument(
+        "--extender-bind-threads", type=int, default=4, help="the extender's bind threads"
+    )
     args = ap.parse_args(argv)
 
     ctx = mp.get_context("spawn")
@@ -157,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     api.start()
     api_url = q.get(timeout=300)
     port = free_port()
-    ext = ctx.Process(target=_extender, args=(api_url, args.policy, port, q), daemon=True)
+    ext = ctx.Process(
+        target=_extender,
+        args=(api_url, args.policy, port, args.extender_bind_threads, q),
+        daemon=True,
+    )
     ext.start()
     n_nodes = q.get(timeout=300)
     url = f"http://127.0.0.1:{port}"

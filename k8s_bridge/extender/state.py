@@ -370,8 +370,12 @@ class ExtenderState:
 
     def _positions(self, node_names: list[str]) -> np.ndarray:
         """Each name's node index in the state (-1: not a qgpu node)."""
-        index = self.state.node_index.get
-        return np.fromiter((index(n, -1) for n in node_names), np.int64, len(node_names))
+        index = self.state.node_index
+        try:
+            return np.fromiter(map(index.__getitem__, node_names), np.int64, len(node_names))
+        except KeyError:  # some names are not qgpu nodes
+            get = index.get
+            return np.fromiter((get(n, -1) for n in node_names), np.int64, len(node_names))
 
     def _why(self, cr: ContainerRequest, node: int) -> str:
         s = self.state
