@@ -110,6 +110,9 @@ class ClusterState:
         self.node_cap_mem = np.zeros(len(self.nodes), dtype=np.int64)
         np.add.at(self.node_cap_mem, self.gpu_node, self.cap_mem)
         self.node_free_mem = self.node_cap_mem.copy()
+        # bumped by every change to a node's GPUs or host resources: callers cache per-node
+        # derived data (e.g. the extender's "free capacity" text) against it
+        self.node_version = np.zeros(len(self.nodes), dtype=np.int64)
         self.held: dict[str, _Held] = {}
         self._model_mask_cache: dict[tuple[str, ...], np.ndarray] = {}
 
@@ -167,6 +170,7 @@ class ClusterState:
         self.node_free_mem[node] -= int(mem.sum())
         self.node_free_cpu[node] -= cpu_milli
         self.node_free_hostmem[node] -= host_memory_mib
+        self.node_version[node] += 1
         self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib, node)
 
     def apply_host(
@@ -187,6 +191,7 @@ class ClusterState:
             raise ValueError(f"{slice_id!r} would over-commit the node's CPU or memory")
         self.node_free_cpu[n] -= cpu_milli
         self.node_free_hostmem[n] -= host_memory_mib
+        self.node_version[n] += 1
         empty = np.zeros(0, dtype=np.int64)
         self.held[slice_id] = _Held(
             empty, 0, np.zeros(0, dtype=np.int32), cpu_milli, host_memory_mib, n
@@ -223,6 +228,7 @@ class ClusterState:
         self.node_free_mem[node] += int(held.memory.sum())
         self.node_free_cpu[node] += held.cpu_milli
         self.node_free_hostmem[node] += held.host_memory_mib
+        self.node_version[node] += 1
         return True
 
     def check_invariants(self) -> None:

@@ -115,6 +115,7 @@ class ExtenderState:
 
     def _new_engine(self, nodes: list[NodeInventory]) -> None:
         self.state = ClusterState(nodes)
+        self._free_texts: dict[int, tuple[int, str]] = {}
         self.engine = Engine(self.state, self.node_policy_name, self.gpu_policy_name)
 
     def load_nodes(self, node_objs: list[dict]) -> None:
@@ -378,23 +379,36 @@ class ExtenderState:
             return np.fromiter((get(n, -1) for n in node_names), np.int64, len(node_names))
 
     def _why(self, cr: ContainerRequest, node: int) -> str:
-        s = self.state
-        start, count = int(s.node_start[node]), int(s.node_gpu_count[node])
         req = cr.request
         what = (
             f"{req.gpu_count} empty GPU(s)"
             if req.is_whole_gpu
             else f"qgpu-core={req.core} qgpu-memory={req.memory_gib}"
         )
-        if count == 0:
+        free = self._free_text(node)
+        if free is None:
             return "node has no GPUs"
-        free = ", ".join(
+        return f"container {cr.container}: no fit for {what} (free: {free})"
+
+    def _free_text(self, node: int) -> str | None:
+        """What the node's GPUs have free, as text; kept until the node changes (a full
+        cluster fails most nodes for every pod, so the text is built once per change)."""
+        s = self.state
+        version = int(s.node_version[node])
+        hit = self._free_texts.get(node)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        start, count = int(s.node_start[node]), int(s.node_gpu_count[node])
+        if count == 0:
+            return None
+        text = ", ".join(
             f"{s.gpus[i].uuid}: core {int(s.free_core[i])}, {int(s.free_mem[i])} GiB, "
             f"{int(s.slices[i])}/{int(s.max_slices[i])} slices"
             + ("" if s.healthy[i] else ", unhealthy")
             for i in range(start, start + count)
         )
-        return f"container {cr.container}: no fit for {what} (free: {free})"
+        self._free_texts[node] = (version, text)
+        return text
 
     def _fits_together(self, reqs: list[ContainerRequest], node: str) -> str | None:
         placed: list[str] = []

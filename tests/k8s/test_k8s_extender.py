@@ -81,6 +81,15 @@ def test_filter_reason_names_the_free_capacity(three, http_ext) -> None:
     assert body["NodeNames"] == ["n1"]
     reason = body["FailedNodes"]["n0"]
     assert "qgpu-core=30 qgpu-memory=4" in reason and f"{U('n0', 0)}: core 10, 1 GiB" in reason
+    # the text follows the node: after a release it shows the freed capacity
+    three.store.delete("pods", "default", "big")
+    wait_until(lambda: int(ext.state.state.free_core.max()) == 100, what="release")
+    small = three.store.create("pods", pod_object("s", [(95, 1)]))
+    body = http.post("/filter", json={"Pod": small, "NodeNames": ["n0"]}).json()
+    assert body["NodeNames"] == ["n0"]
+    bigger = three.store.create("pods", pod_object("b3", [(200, None)]))
+    reason = http.post("/filter", json={"Pod": bigger, "NodeNames": ["n0"]}).json()
+    assert "core 100, 16 GiB" in reason["FailedNodes"]["n0"]
 
 
 def test_invalid_pod_is_unresolvable_everywhere_with_the_rule(three, http_ext) -> None:

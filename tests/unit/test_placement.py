@@ -153,6 +153,17 @@ def test_release_restores_capacity_and_is_idempotent(two_nodes):
     assert int(state.free_core.sum()) == 800
 
 
+def test_node_version_moves_with_every_change_to_the_node(two_nodes):
+    state = ClusterState(two_nodes)
+    assert state.node_version.tolist() == [0, 0]
+    state.apply("a", [0], 30, [4])
+    state.apply_host("h", 1, 100, 10)
+    assert state.node_version.tolist() == [1, 1]
+    state.release("a")
+    state.release("a")  # nothing released: no change
+    assert state.node_version.tolist() == [2, 1]
+
+
 def test_apply_refuses_overcommit(two_nodes):
     state = ClusterState(two_nodes)
     state.apply("a", [0], 70, [10])
