@@ -15,7 +15,7 @@ names come from `qgpu.model.PlacementPolicy` (the one list of names).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,9 +110,6 @@ class ClusterState:
         self.node_cap_mem = np.zeros(len(self.nodes), dtype=np.int64)
         np.add.at(self.node_cap_mem, self.gpu_node, self.cap_mem)
         self.node_free_mem = self.node_cap_mem.copy()
-        # bumped by every change to a node's GPUs or host resources: callers cache per-node
-        # derived data (e.g. the extender's "free capacity" text) against it
-        self.node_version = np.zeros(len(self.nodes), dtype=np.int64)
         self.held: dict[str, _Held] = {}
         self._model_mask_cache: dict[tuple[str, ...], np.ndarray] = {}
 
@@ -170,7 +167,6 @@ class ClusterState:
         self.node_free_mem[node] -= int(mem.sum())
         self.node_free_cpu[node] -= cpu_milli
         self.node_free_hostmem[node] -= host_memory_mib
-        self.node_version[node] += 1
         self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib, node)
 
     def apply_host(
@@ -191,7 +187,6 @@ class ClusterState:
             raise ValueError(f"{slice_id!r} would over-commit the node's CPU or memory")
         self.node_free_cpu[n] -= cpu_milli
         self.node_free_hostmem[n] -= host_memory_mib
-        self.node_version[n] += 1
         empty = np.zeros(0, dtype=np.int64)
         self.held[slice_id] = _Held(
             empty, 0, np.zeros(0, dtype=np.int32), cpu_milli, host_memory_mib, n
@@ -228,7 +223,6 @@ class ClusterState:
         self.node_free_mem[node] += int(held.memory.sum())
         self.node_free_cpu[node] += held.cpu_milli
         self.node_free_hostmem[node] += held.host_memory_mib
-        self.node_version[node] += 1
         return True
 
     def check_invariants(self) -> None:
@@ -419,43 +413,61 @@ class Engine:
             self._per_request[name.value] = make_policy(name)
         return self._per_request[name.value]
 
+    def _checks(self, req: SliceRequest) -> Iterator[tuple[str, np.ndarray]]:
+        """The per-GPU rules a request must pass, in order: (reason name, GPUs that pass)."""
+        s = self.state
+        n = s.gpu_total
+        yield "unhealthy", s.healthy
+        model = s.model_mask(req.model_names)
+        if model is not None:
+            yield "model", model
+        if req.include_uuids:
+            keep = np.zeros(n, dtype=bool)
+            keep[[s.uuid_index[u] for u in req.include_uuids if u in s.uuid_index]] = True
+            yield "excluded", keep
+        if req.exclude_uuids:
+            keep = np.ones(n, dtype=bool)
+            keep[[s.uuid_index[u] for u in req.exclude_uuids if u in s.uuid_index]] = False
+            yield "excluded", keep
+        if req.is_whole_gpu:
+            yield "memory", s.cap_mem >= (req.memory_gib or 0)
+            yield "not empty (whole GPU)", (s.slices == 0) & (s.free_core == s.cap_core)
+        else:
+            yield "slice limit", s.slices < s.max_slices
+            yield "core", s.free_core >= req.core
+            yield "memory", s.free_mem >= req.memory_gib
+
     def candidates(self, req: SliceRequest) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """(fitting-GPU mask, memory each GPU would give, GPUs ruled out per reason)."""
         s = self.state
         n = s.gpu_total
         reasons: dict[str, int] = {}
         ok = np.ones(n, dtype=bool)
-
-        def cut(name: str, keep: np.ndarray) -> None:
-            nonlocal ok
+        for name, keep in self._checks(req):
             dropped = int(np.count_nonzero(ok & ~keep))
             if dropped:
                 reasons[name] = reasons.get(name, 0) + dropped
             ok &= keep
-
-        cut("unhealthy", s.healthy)
-        model = s.model_mask(req.model_names)
-        if model is not None:
-            cut("model", model)
-        if req.include_uuids:
-            keep = np.zeros(n, dtype=bool)
-            keep[[s.uuid_index[u] for u in req.include_uuids if u in s.uuid_index]] = True
-            cut("excluded", keep)
-        if req.exclude_uuids:
-            keep = np.ones(n, dtype=bool)
-            keep[[s.uuid_index[u] for u in req.exclude_uuids if u in s.uuid_index]] = False
-            cut("excluded", keep)
-        if req.is_whole_gpu:
-            need = req.memory_gib or 0
-            cut("memory", s.cap_mem >= need)
-            cut("not empty (whole GPU)", (s.slices == 0) & (s.free_core == s.cap_core))
-            memory = s.cap_mem
-        else:
-            cut("slice limit", s.slices < s.max_slices)
-            cut("core", s.free_core >= req.core)
-            cut("memory", s.free_mem >= req.memory_gib)
-            memory = np.full(n, req.memory_gib, dtype=np.int32)
+        memory = s.cap_mem if req.is_whole_gpu else np.full(n, req.memory_gib, dtype=np.int32)
         return ok, memory, reasons
+
+    def shortfall(self, req: SliceRequest, nodes: np.ndarray) -> list[str | None]:
+        """Per node (indices): the first rule (a `candidates` reason name) after which the
+        node has fewer fitting GPUs than the request needs; None where it has enough."""
+        s = self.state
+        out: list[str | None] = [None] * len(nodes)
+        open_ = np.ones(len(nodes), dtype=bool)
+        ok = np.ones(s.gpu_total, dtype=bool)
+        for name, keep in self._checks(req):
+            ok &= keep
+            per_node = np.bincount(s.gpu_node[ok], minlength=len(s.nodes))[nodes]
+            short = open_ & (per_node < req.gpu_count)
+            for j in np.flatnonzero(short).tolist():
+                out[j] = name
+            open_ &= ~short
+            if not open_.any():
+                break
+        return out
 
     def decide(self, req: SliceRequest) -> Decision:
         """Choose where `req` goes; raise NoFit (with reasons) when nothing fits."""

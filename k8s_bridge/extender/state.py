@@ -77,6 +77,32 @@ class FilterResult:
     unresolvable: dict[str, str] = field(default_factory=dict)
 
 
+def _why(cr: ContainerRequest, rule: str | None) -> str:
+    """Why a node cannot take a container: the same text for every node failing the same
+    way, so kube-scheduler's event counts them ("0/1000 nodes are available: 150 qgpu:
+    ...") instead of listing a line per node."""
+    req = cr.request
+    n = req.gpu_count
+    gpus = "no GPU" if n == 1 else f"fewer than {n} GPUs"
+    if rule == "unhealthy":
+        text = f"{gpus} healthy"
+    elif rule == "model":
+        text = f"{gpus} of model {'|'.join(req.model_names)}"
+    elif rule == "excluded":
+        text = f"{gpus} allowed by the pod's GPU include/exclude list"
+    elif req.is_whole_gpu and rule == "memory":
+        text = f"{gpus} with {req.memory_gib} GiB"
+    elif req.is_whole_gpu:
+        text = "no empty GPU" if n == 1 else f"fewer than {n} empty GPUs"
+    elif rule == "slice limit":
+        text = "every GPU is at its slice limit"
+    elif rule == "core":
+        text = f"no GPU with qgpu-core={req.core} free"
+    else:
+        text = f"no GPU with qgpu-core={req.core} and qgpu-memory={req.memory_gib} GiB free"
+    return f"qgpu: container {cr.container}: {text}"
+
+
 def slice_id(uid: str, container: str) -> str:
     return f"{uid}/{container}"
 
@@ -115,7 +141,6 @@ class ExtenderState:
 
     def _new_engine(self, nodes: list[NodeInventory]) -> None:
         self.state = ClusterState(nodes)
-        self._free_texts: dict[int, tuple[int, str]] = {}
         self.engine = Engine(self.state, self.node_policy_name, self.gpu_policy_name)
 
     def load_nodes(self, node_objs: list[dict]) -> None:
@@ -352,8 +377,11 @@ class ExtenderState:
                 mask, _mem, _reasons = self.engine.candidates(cr.request)
                 per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
                 fits = per_node[idx] >= cr.request.gpu_count
-                for j in np.flatnonzero(ok & ~fits):
-                    why[int(j)] = self._why(cr, int(idx[j]))
+                failing = np.flatnonzero(ok & ~fits)
+                if len(failing):
+                    rules = self.engine.shortfall(cr.request, idx[failing])
+                    for j, rule in zip(failing.tolist(), rules, strict=True):
+                        why[j] = _why(cr, rule)
                 ok &= fits
             if len(reqs) > 1:
                 for j in np.flatnonzero(ok):
@@ -377,38 +405,6 @@ class ExtenderState:
         except KeyError:  # some names are not qgpu nodes
             get = index.get
             return np.fromiter((get(n, -1) for n in node_names), np.int64, len(node_names))
-
-    def _why(self, cr: ContainerRequest, node: int) -> str:
-        req = cr.request
-        what = (
-            f"{req.gpu_count} empty GPU(s)"
-            if req.is_whole_gpu
-            else f"qgpu-core={req.core} qgpu-memory={req.memory_gib}"
-        )
-        free = self._free_text(node)
-        if free is None:
-            return "node has no GPUs"
-        return f"container {cr.container}: no fit for {what} (free: {free})"
-
-    def _free_text(self, node: int) -> str | None:
-        """What the node's GPUs have free, as text; kept until the node changes (a full
-        cluster fails most nodes for every pod, so the text is built once per change)."""
-        s = self.state
-        version = int(s.node_version[node])
-        hit = self._free_texts.get(node)
-        if hit is not None and hit[0] == version:
-            return hit[1]
-        start, count = int(s.node_start[node]), int(s.node_gpu_count[node])
-        if count == 0:
-            return None
-        text = ", ".join(
-            f"{s.gpus[i].uuid}: core {int(s.free_core[i])}, {int(s.free_mem[i])} GiB, "
-            f"{int(s.slices[i])}/{int(s.max_slices[i])} slices"
-            + ("" if s.healthy[i] else ", unhealthy")
-            for i in range(start, start + count)
-        )
-        self._free_texts[node] = (version, text)
-        return text
 
     def _fits_together(self, reqs: list[ContainerRequest], node: str) -> str | None:
         placed: list[str] = []

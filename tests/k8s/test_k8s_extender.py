@@ -70,26 +70,33 @@ def test_filter_with_full_node_objects_returns_nodes(three, http_ext) -> None:
     assert [n["metadata"]["name"] for n in body["Nodes"]["items"]] == ["n0", "n2"]
 
 
-def test_filter_reason_names_the_free_capacity(three, http_ext) -> None:
+def test_filter_reasons_name_the_rule_and_aggregate(three, http_ext) -> None:
+    """A failing node's reason names the request and the rule it fails, in the same words
+    for every node failing the same way (kube-scheduler's event counts equal reasons)."""
     http, ext = http_ext
-    three.store.create("pods", pod_object("big", [(90, 15)]))
-    assert _bind(three, ext, "big", "n0") == ""
-    three.store.create("pods", pod_object("big2", [(90, 15)]))
-    assert _bind(three, ext, "big2", "n0") == ""
+    for name, node in (("big", "n0"), ("big2", "n0"), ("big3", "n1")):
+        three.store.create("pods", pod_object(name, [(90, 15)]))
+        assert _bind(three, ext, name, node) == ""
     pod = three.store.create("pods", pod_object("p", [(30, 4)]))
-    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1"]}).json()
-    assert body["NodeNames"] == ["n1"]
-    reason = body["FailedNodes"]["n0"]
-    assert "qgpu-core=30 qgpu-memory=4" in reason and f"{U('n0', 0)}: core 10, 1 GiB" in reason
-    # the text follows the node: after a release it shows the freed capacity
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0", "n1", "n2"]}).json()
+    assert body["NodeNames"] == ["n1", "n2"]
+    assert body["FailedNodes"] == {"n0": "qgpu: container c0: no GPU with qgpu-core=30 free"}
+    # memory binds, not core
+    low = three.store.create("pods", pod_object("m", [(10, 2)]))
+    body = http.post("/filter", json={"Pod": low, "NodeNames": ["n0"]}).json()
+    assert body["FailedNodes"]["n0"] == (
+        "qgpu: container c0: no GPU with qgpu-core=10 and qgpu-memory=2 GiB free"
+    )
+    # whole GPUs: n0 and n1 both fail the same way, so the reasons are equal
+    whole = three.store.create("pods", pod_object("w", [(200, None)]))
+    body = http.post("/filter", json={"Pod": whole, "NodeNames": ["n0", "n1", "n2"]}).json()
+    assert body["NodeNames"] == ["n2"]
+    assert set(body["FailedNodes"].values()) == {"qgpu: container c0: fewer than 2 empty GPUs"}
+    # after a release the node fits again
     three.store.delete("pods", "default", "big")
     wait_until(lambda: int(ext.state.state.free_core.max()) == 100, what="release")
-    small = three.store.create("pods", pod_object("s", [(95, 1)]))
-    body = http.post("/filter", json={"Pod": small, "NodeNames": ["n0"]}).json()
+    body = http.post("/filter", json={"Pod": pod, "NodeNames": ["n0"]}).json()
     assert body["NodeNames"] == ["n0"]
-    bigger = three.store.create("pods", pod_object("b3", [(200, None)]))
-    reason = http.post("/filter", json={"Pod": bigger, "NodeNames": ["n0"]}).json()
-    assert "core 100, 16 GiB" in reason["FailedNodes"]["n0"]
 
 
 def test_invalid_pod_is_unresolvable_everywhere_with_the_rule(three, http_ext) -> None:
@@ -232,7 +239,8 @@ def test_prioritize_holds_the_best_node_until_bind(apiserver: FakeApiserver) -> 
     assert ext.filter(ExtenderArgs(Pod=a, NodeNames=["one"])).node_names == ["one"]
     ext.prioritize(ExtenderArgs(Pod=a, NodeNames=["one"]))
     res = ext.filter(ExtenderArgs(Pod=b, NodeNames=["one"]))  # a's bind still in flight
-    assert res.node_names == [] and "core 40" in res.failed_nodes["one"]
+    assert res.node_names == [] and "qgpu-core=60 free" in res.failed_nodes["one"]
+    assert int(ext.state.state.free_core[0]) == 40  # a's GPUs are held
     assert _bind(apiserver, ext, "a", "one") == ""
     assert int(ext.state.state.free_core[0]) == 40  # the assumption became the assignment
     ext.state.state.check_invariants()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from qgpu.errors import NoFit
@@ -153,15 +154,19 @@ def test_release_restores_capacity_and_is_idempotent(two_nodes):
     assert int(state.free_core.sum()) == 800
 
 
-def test_node_version_moves_with_every_change_to_the_node(two_nodes):
-    state = ClusterState(two_nodes)
-    assert state.node_version.tolist() == [0, 0]
-    state.apply("a", [0], 30, [4])
-    state.apply_host("h", 1, 100, 10)
-    assert state.node_version.tolist() == [1, 1]
-    state.release("a")
-    state.release("a")  # nothing released: no change
-    assert state.node_version.tolist() == [2, 1]
+def test_shortfall_names_the_first_rule_a_node_fails():
+    state = ClusterState([make_node("n0", 2), make_node("n1", 2)])
+    engine = Engine(state)
+    state.apply("a", [0], 90, [4])  # node 0: GPU 0 has 10% left
+    state.apply("b", [1], 10, [78])  # node 0: GPU 1 has 2 GiB left
+    nodes = np.asarray([0, 1])
+    assert engine.shortfall(SliceRequest(core=30, memory_gib=4), nodes) == ["memory", None]
+    assert engine.shortfall(SliceRequest(core=95, memory_gib=1), nodes) == ["core", None]
+    assert engine.shortfall(SliceRequest(core=100), nodes)[0] == "not empty (whole GPU)"
+    assert engine.shortfall(SliceRequest(core=30, memory_gib=1, model="A100"), nodes) == [
+        "model",
+        "model",
+    ]
 
 
 def test_apply_refuses_overcommit(two_nodes):
