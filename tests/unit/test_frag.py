@@ -200,12 +200,40 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
     assert placed[None] == ("rich", 4)
 
 
-def test_host_term_is_frag_only_and_validated():
-    assert FragPolicy().host_weight > 0
-    assert FragPolicy(measure="fgd").host_weight == 0  # the paper's measure stays as published
+def test_host_and_combo_terms_are_frag_only_and_validated():
+    assert FragPolicy().host_weight > 0 and FragPolicy().combo_weight > 0
+    fgd = FragPolicy(measure="fgd")  # the paper's measure stays as published
+    assert fgd.host_weight == 0 and fgd.combo_weight == 0
     assert FragPolicy(measure="fgd", host_weight=2).host_weight == 2
     with pytest.raises(ValueError, match="host_weight"):
         FragPolicy(host_weight=-1)
+    with pytest.raises(ValueError, match="combo_weight"):
+        FragPolicy(combo_weight=-1)
+
+
+def test_lookahead_keeps_the_gap_the_mix_fills_exactly():
+    # Mix: 20% and 25% slices, one each (p = 1/2). g0 holds a 50% slice (50 free), g1 is
+    # empty. For a 20% slice the per-type copies tie: on g0 (50 -> 30) the 20 type goes
+    # from 2 copies to 1 and the 25 type from 2 to 1; on g1 (100 -> 80) from 5 to 4 and 4
+    # to 3; 45 lost either way, so without the lookahead binpack's tie-break takes g0.
+    # The lookahead E(x) (what arrivals of the mix fill into x% free) sees that 50 takes
+    # 25 + 25 exactly while 30 takes one slice and wastes the rest: E(30) = 22.5,
+    # E(50) = 1/2 (20 + E(30)) + 1/2 (25 + E(25)) = 45, so g0 loses 22.5; g1 loses
+    # E(100) - E(80) = 21.875. frag takes g1.
+    chosen = {}
+    for combo_weight in (0.0, None):
+        state = ClusterState([node("n", 2)])
+        state.apply("pre", [gpu_of(state, "n-g0")], 50, [8])
+        policy = FragPolicy(combo_weight=combo_weight)
+        engine = Engine(state, policy)
+        engine.observe(share(20))
+        engine.observe(share(25))
+        chosen[combo_weight] = engine.decide(share(20)).gpu_uuids
+    values = policy._combo_values()
+    assert values[19] == 0 and values[20] == 10 and values[25] == 22.5
+    assert values[30] == 22.5 and values[50] == 45
+    assert values[100] - values[80] == pytest.approx(21.875)
+    assert chosen == {0.0: ("n-g0",), None: ("n-g1",)}
 
 
 def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
@@ -267,10 +295,23 @@ def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
     return total
 
 
+def _naive_combo_values(policy: FragPolicy) -> list[float]:
+    """E[x] = sum over types with core c <= x of p(type) x (c + E[x - c]), with loops."""
+    total = sum(policy._t_weight)
+    values = [0.0] * 101
+    for x in range(1, 101):
+        for t, k in enumerate(policy._t_class):
+            c = min(policy._k_core[k], 100)
+            if c <= x:
+                values[x] += policy._t_weight[t] / total * (c + values[x - c])
+    return values
+
+
 def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
-    """The documented objective: expected usable core plus host_weight x total weight x the
+    """The documented objective: expected usable core, plus host_weight x total weight x the
     aggregate usable core of every node (free core capped by free host CPU and memory at
-    the mix's average rates per qgpu-core), with loops."""
+    the mix's average rates per qgpu-core), plus combo_weight x total weight x the
+    lookahead value E of every GPU's free core, with loops."""
     weight = core = cpu = hostmem = 0.0
     for t, k in enumerate(policy._t_class):
         w = policy._t_weight[t]
@@ -287,7 +328,13 @@ def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
         if hostmem:
             usable = min(usable, int(state.node_free_hostmem[n]) / (hostmem / core))
         aggregate += usable
-    return _naive_usable(state, policy) + policy.host_weight * weight * aggregate
+    combo = _naive_combo_values(policy)
+    lookahead = sum(combo[int(f)] for f in state.free_core)
+    return (
+        _naive_usable(state, policy)
+        + policy.host_weight * weight * aggregate
+        + policy.combo_weight * weight * lookahead
+    )
 
 
 @pytest.mark.parametrize("seed", range(8))
