@@ -437,30 +437,43 @@ class Engine:
             yield "core", s.free_core >= req.core
             yield "memory", s.free_mem >= req.memory_gib
 
-    def candidates(self, req: SliceRequest) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-        """(fitting-GPU mask, memory each GPU would give, GPUs ruled out per reason)."""
+    def candidates(
+        self, req: SliceRequest, explain: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+        """(fitting-GPU mask, memory each GPU would give, GPUs ruled out per reason); the
+        reasons are left empty with ``explain=False`` (callers that only need the mask)."""
         s = self.state
         n = s.gpu_total
         reasons: dict[str, int] = {}
         ok = np.ones(n, dtype=bool)
         for name, keep in self._checks(req):
-            dropped = int(np.count_nonzero(ok & ~keep))
-            if dropped:
-                reasons[name] = reasons.get(name, 0) + dropped
+            if explain:
+                dropped = int(np.count_nonzero(ok & ~keep))
+                if dropped:
+                    reasons[name] = reasons.get(name, 0) + dropped
             ok &= keep
         memory = s.cap_mem if req.is_whole_gpu else np.full(n, req.memory_gib, dtype=np.int32)
         return ok, memory, reasons
 
     def shortfall(self, req: SliceRequest, nodes: np.ndarray) -> list[str | None]:
         """Per node (indices): the first rule (a `candidates` reason name) after which the
-        node has fewer fitting GPUs than the request needs; None where it has enough."""
+        node has fewer fitting GPUs than the request needs, ``"GPU count"`` for a node that
+        has fewer GPUs than that at all; None where it has enough."""
         s = self.state
-        out: list[str | None] = [None] * len(nodes)
-        open_ = np.ones(len(nodes), dtype=bool)
-        ok = np.ones(s.gpu_total, dtype=bool)
+        nodes = np.asarray(nodes, dtype=np.int64)
+        counts = s.node_gpu_count[nodes]
+        out: list[str | None] = [
+            "GPU count" if c < req.gpu_count else None for c in counts.tolist()
+        ]
+        # the nodes' GPUs, node after node: only those are looked at
+        offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        gpus = np.repeat(s.node_start[nodes] - offsets, counts) + np.arange(int(counts.sum()))
+        node_of = np.repeat(np.arange(len(nodes)), counts)
+        open_ = counts >= req.gpu_count
+        ok = np.ones(len(gpus), dtype=bool)
         for name, keep in self._checks(req):
-            ok &= keep
-            per_node = np.bincount(s.gpu_node[ok], minlength=len(s.nodes))[nodes]
+            ok &= keep[gpus]
+            per_node = np.bincount(node_of[ok], minlength=len(nodes))
             short = open_ & (per_node < req.gpu_count)
             for j in np.flatnonzero(short).tolist():
                 out[j] = name

@@ -84,7 +84,9 @@ def _why(cr: ContainerRequest, rule: str | None) -> str:
     req = cr.request
     n = req.gpu_count
     gpus = "no GPU" if n == 1 else f"fewer than {n} GPUs"
-    if rule == "unhealthy":
+    if rule == "GPU count":
+        text = "node has no GPUs" if n == 1 else f"node has fewer than {n} GPUs"
+    elif rule == "unhealthy":
         text = f"{gpus} healthy"
     elif rule == "model":
         text = f"{gpus} of model {'|'.join(req.model_names)}"
@@ -374,7 +376,7 @@ class ExtenderState:
             ok = np.ones(len(idx), dtype=bool)
             why: dict[int, str] = {}
             for cr in reqs:
-                mask, _mem, _reasons = self.engine.candidates(cr.request)
+                mask, _mem, _reasons = self.engine.candidates(cr.request, explain=False)
                 per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
                 fits = per_node[idx] >= cr.request.gpu_count
                 failing = np.flatnonzero(ok & ~fits)
@@ -434,7 +436,7 @@ class ExtenderState:
             if not known.any():
                 return out
             req = reqs[0].request
-            mask, memory, _ = self.engine.candidates(req)
+            mask, memory, _ = self.engine.candidates(req, explain=False)
             view = CandidateView(s, req, mask, req.core_per_gpu, memory, pos[known])
             raw = np.asarray(self._node_policy(req).node_scores(view), dtype=float)
         # Policies may score a node that cannot take the request -inf (frag does): 0 here.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -167,6 +169,30 @@ def test_shortfall_names_the_first_rule_a_node_fails():
         "model",
         "model",
     ]
+
+
+def test_shortfall_agrees_with_candidates_on_random_clusters():
+    rng = np.random.default_rng(7)
+    nodes = [make_node(f"n{i}", int(rng.integers(0, 5))) for i in range(12)]
+    state = ClusterState(nodes)
+    engine = Engine(state)
+    for i in range(40):
+        core = int(rng.choice([10, 30, 50, 100, 200]))
+        req = SliceRequest(core=core, memory_gib=None if core >= 100 else int(rng.integers(1, 40)))
+        with contextlib.suppress(NoFit):
+            engine.place(f"s{i}", req)
+    everyone = np.arange(len(nodes))
+    for core, mem in ((30, 8), (60, 40), (100, None), (200, None), (90, 1)):
+        req = SliceRequest(core=core, memory_gib=mem)
+        mask, _, reasons = engine.candidates(req, explain=False)
+        assert reasons == {}
+        fits = np.bincount(state.gpu_node[mask], minlength=len(nodes)) >= req.gpu_count
+        rules = engine.shortfall(req, everyone)
+        assert [r is None for r in rules] == fits.tolist()
+        few = state.node_gpu_count < req.gpu_count
+        assert [r == "GPU count" for r in rules] == few.tolist()
+        explained = engine.candidates(req)[2]
+        assert all(r in explained for r in rules if r not in (None, "GPU count"))
 
 
 def test_apply_refuses_overcommit(two_nodes):
