@@ -9,6 +9,7 @@ per pod). Prints pods/s (first filter to last bind) and p50/p99 per verb. No ass
 
     .venv/bin/python bench/extender_throughput.py [--nodes 1000] [--gpus 8] [--pods 1000]
         [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
+        [--nodes-per-pod all|kube|N]
 """
 
 from __future__ import annotations
@@ -132,6 +133,26 @@ class _Conn:
 _score = operator.itemgetter("Score")
 
 
+def _nodes_per_pod(setting: str, nodes: int) -> int:
+    """How many node names each filter gets: ``all``, ``kube`` (kube-scheduler's default
+    percentageOfNodesToScore: it stops looking after this many feasible nodes and sends
+    those to the extenders; 420 of 1,000) or a number."""
+    if setting == "all":
+        return nodes
+    if setting == "kube":
+        if nodes < 100:
+            return nodes
+        percentage = max(5, 50 - nodes // 125)
+        return max(100, nodes * percentage // 100)
+    try:
+        n = int(setting)
+    except ValueError:
+        raise SystemExit(f"--nodes-per-pod={setting!r}: must be all, kube or a number") from None
+    if not 1 <= n <= nodes:
+        raise SystemExit(f"--nodes-per-pod={n}: must be 1..{nodes} (the cluster's nodes)")
+    return n
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -150,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=1000)
     ap.add_argument("--policy", default="spread")
     ap.add_argument("--bind-workers", type=int, default=16)
+    ap.add_argument(
+        "--nodes-per-pod",
+        default="all",
+        help="node names per filter: all (default), kube (kube-scheduler's default "
+        "percentageOfNodesToScore sampling: 420 of 1,000, rotating) or a number",
+    )
     ap.add_argument(
         "--extender-bind-threads", type=int, default=4, help="the extender's bind threads"
     )
@@ -205,7 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("Error"):
             failures.append(r["Error"])
 
+    per_pod = _nodes_per_pod(args.nodes_per_pod, len(node_names))
     names_json = json.dumps(node_names)
+    next_start = 0
+
+    def candidates_json() -> str:
+        """The names kube-scheduler hands the extender: all nodes, or (with its default
+        sampling) the next `per_pod` feasible nodes from a rotating start."""
+        nonlocal next_start
+        if per_pod >= len(node_names):
+            return names_json
+        window = [node_names[(next_start + i) % len(node_names)] for i in range(per_pod)]
+        next_start = (next_start + per_pod) % len(node_names)
+        return json.dumps(window)
+
     cpu0 = {
         "extender": _cpu_s(ext.pid),
         "apiserver": _cpu_s(api.pid),
@@ -215,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     unschedulable = 0
     with ThreadPoolExecutor(args.bind_workers) as pool:
         for pod in pods:
-            # kube-scheduler (Go) encodes fast; pre-encode the 1,000 names once here
+            # kube-scheduler (Go) encodes fast; all 1,000 names are encoded once here
             pod_json = json.dumps(pod)
-            body = f'{{"Pod":{pod_json},"Nodes":null,"NodeNames":{names_json}}}'
+            body = f'{{"Pod":{pod_json},"Nodes":null,"NodeNames":{candidates_json()}}}'
             t = time.perf_counter()
             fr = conn.post("/filter", body.encode())
             lat["filter"].append(time.perf_counter() - t)
@@ -244,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     bound = args.pods - unschedulable - len(failures)
     print(
         f"extender throughput: {args.pods} pods, {n_nodes} nodes x {args.gpus} GPUs, "
-        f"policy {args.policy}, nodeCacheCapable, {args.bind_workers} binding workers"
+        f"policy {args.policy}, nodeCacheCapable, {per_pod} node names per filter, "
+        f"{args.bind_workers} binding workers"
     )
     print(f"  setup (seed apiserver, extender list+watch): {setup_s:.1f} s")
     print(f"  bound {bound}, unschedulable {unschedulable}, bind errors {len(failures)}")
