@@ -46,11 +46,14 @@ class ExtenderFilterResult(_Go):
     error: str = Field(default="", alias="Error")
 
 
+MAX_SCORE = 10  # kube-scheduler's extender scores are 0..10 (MaxExtenderPriority)
+
+
 class HostPriority(TypedDict):
     """One ``HostPriority`` (a TypedDict: validating 1,000 of them creates no objects)."""
 
     Host: str
-    Score: Annotated[int, Field(ge=0, le=10)]
+    Score: Annotated[int, Field(ge=0, le=MAX_SCORE)]
 
 
 HostPriorityList = TypeAdapter(list[HostPriority])
@@ -58,7 +61,6 @@ HostPriorityList = TypeAdapter(list[HostPriority])
 
 _ENTRIES: dict[str, list[str]] = {}  # node name -> its 11 entries, one per score 0..10
 _ENTRIES_MAX = 100_000
-_MAX_SCORE = 10
 
 
 def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
@@ -71,8 +73,8 @@ def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
     """
     if len(names) != len(scores):
         raise ValueError(f"{len(names)} names but {len(scores)} scores")
-    if scores and (min(scores) < 0 or max(scores) > _MAX_SCORE):
-        raise ValueError(f"scores must be 0..{_MAX_SCORE}, got {min(scores)}..{max(scores)}")
+    if scores and (min(scores) < 0 or max(scores) > MAX_SCORE):
+        raise ValueError(f"scores must be 0..{MAX_SCORE}, got {min(scores)}..{max(scores)}")
     if len(_ENTRIES) > _ENTRIES_MAX:
         _ENTRIES.clear()
     entries = _ENTRIES
@@ -82,7 +84,7 @@ def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
         for name in names:
             if name not in entries:
                 quoted = json.dumps(name)
-                entries[name] = [f'{{"Host":{quoted},"Score":{v}}}' for v in range(_MAX_SCORE + 1)]
+                entries[name] = [f'{{"Host":{quoted},"Score":{v}}}' for v in range(MAX_SCORE + 1)]
         parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
     return f"[{','.join(parts)}]".encode()
 

@@ -26,6 +26,7 @@ from itertools import compress
 
 import numpy as np
 
+from k8s_bridge.extender.models import MAX_SCORE
 from k8s_bridge.protocol import (
     Assignment,
     ContainerAssignment,
@@ -43,8 +44,6 @@ from qgpu.model import (
 from qgpu.placement import CandidateView, ClusterState, Engine, Policy, make_policy
 
 log = logging.getLogger(__name__)
-
-MAX_SCORE = 10
 
 
 @dataclass
