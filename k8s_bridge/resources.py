@@ -29,6 +29,9 @@ _PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 _INT_RE = re.compile(r"^\s*[0-9]+\s*$")
 
 
+TERMINATED_PHASES = ("Succeeded", "Failed")  # a pod in these holds no GPU any more
+
+
 @dataclass(frozen=True)
 class Names:
     """Every Kubernetes name the bridge uses, derived from the resource prefix."""
@@ -162,7 +165,7 @@ class PodModel(_Loose):
     @property
     def terminated(self) -> bool:
         phase = self.status.phase if self.status else None
-        return phase in ("Succeeded", "Failed")
+        return phase in TERMINATED_PHASES
 
 
 def parse_pod(raw: dict[str, Any]) -> PodModel:

@@ -34,7 +34,13 @@ from k8s_bridge.protocol import (
     node_inventory,
     split_ids,
 )
-from k8s_bridge.resources import ContainerRequest, Names, PodModel, pod_slice_requests
+from k8s_bridge.resources import (
+    TERMINATED_PHASES,
+    ContainerRequest,
+    Names,
+    PodModel,
+    pod_slice_requests,
+)
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import (
     NodeInventory,
@@ -300,7 +306,7 @@ class ExtenderState:
         phase = status.get("phase") if isinstance(status, dict) else None
         annotations = meta.get("annotations")
         text = annotations.get(self.names.assignment_annotation) if annotations else None
-        if phase in ("Succeeded", "Failed") or text != known.assignment_text:
+        if phase in TERMINATED_PHASES or text != known.assignment_text:
             return False
         with self.lock:
             if self.pods.get(known.uid) is known:
