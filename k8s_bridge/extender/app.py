@@ -30,7 +30,6 @@ from pydantic import ValidationError
 from k8s_bridge.extender.models import (
     ExtenderArgs,
     ExtenderBindingArgs,
-    host_priority_list_json,
 )
 from k8s_bridge.extender.service import Extender
 from qgpu.errors import first_violation
@@ -71,7 +70,7 @@ class Verbs:
         except ValidationError as exc:
             return _bad_request(exc)
         names, scores = self.extender.prioritize_scores(args)
-        return 200, host_priority_list_json(names, scores.tolist())
+        return 200, self.extender.state.priority_list_json(names, scores)
 
     async def bind(self, body: bytes) -> Reply:
         try:

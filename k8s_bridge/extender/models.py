@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from typing_extensions import TypedDict
 
@@ -59,34 +60,46 @@ class HostPriority(TypedDict):
 HostPriorityList = TypeAdapter(list[HostPriority])
 """A ``HostPriorityList``: validated and serialized in one call."""
 
-_ENTRIES: dict[str, list[str]] = {}  # node name -> its 11 entries, one per score 0..10
-_ENTRIES_MAX = 100_000
+
+def host_priority_entries(name: str) -> list[str]:
+    """The eleven serialized ``HostPriority`` entries of one node, for scores 0..10."""
+    quoted = json.dumps(name)
+    return [f'{{"Host":{quoted},"Score":{v}}}' for v in range(MAX_SCORE + 1)]
 
 
-def host_priority_list_json(names: list[str], scores: list[int]) -> bytes:
-    """Serialize a ``HostPriorityList`` from our own names and 0..10 scores.
+class HostPriorityTable:
+    """Serializes ``HostPriorityList`` replies for a fixed set of nodes.
 
-    The scores come from the extender's own scoring (integers 0..10 by construction), so
-    nothing is validated. Node names repeat with every pod, so each name's eleven possible
-    entries are built once and remembered: serializing 1,000 hosts is then a join (~50 us,
-    a tenth of building 1,000 dicts for a JSON encoder).
+    Node names repeat with every pod, so each node's eleven possible entries are built once,
+    in a table indexed by (node position, score). Serializing 1,000 hosts is then one numpy
+    take and a join, about 30 us; building 1,000 dicts for a JSON encoder takes ten times
+    that. A name that is not in the table (position -1) is serialized on the spot.
+    The scores are the extender's own 0..10 integers; a score out of range is refused
+    rather than wrapped.
     """
-    if len(names) != len(scores):
-        raise ValueError(f"{len(names)} names but {len(scores)} scores")
-    if scores and (min(scores) < 0 or max(scores) > MAX_SCORE):
-        raise ValueError(f"scores must be 0..{MAX_SCORE}, got {min(scores)}..{max(scores)}")
-    if len(_ENTRIES) > _ENTRIES_MAX:
-        _ENTRIES.clear()
-    entries = _ENTRIES
-    try:
-        parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
-    except KeyError:  # names not seen before: build their entries, then join
-        for name in names:
-            if name not in entries:
-                quoted = json.dumps(name)
-                entries[name] = [f'{{"Host":{quoted},"Score":{v}}}' for v in range(MAX_SCORE + 1)]
-        parts = [entries[name][score] for name, score in zip(names, scores, strict=True)]
-    return f"[{','.join(parts)}]".encode()
+
+    def __init__(self, names: list[str]) -> None:
+        self.table = np.empty((len(names), MAX_SCORE + 1), dtype=object)
+        for i, name in enumerate(names):
+            self.table[i] = host_priority_entries(name)
+
+    def dumps(self, names: list[str], positions: np.ndarray, scores: np.ndarray) -> bytes:
+        if not len(names) == len(positions) == len(scores):
+            raise ValueError(
+                f"{len(names)} names, {len(positions)} positions and {len(scores)} scores"
+            )
+        if len(scores) and (int(scores.min()) < 0 or int(scores.max()) > MAX_SCORE):
+            raise ValueError(
+                f"scores must be 0..{MAX_SCORE}, got {int(scores.min())}..{int(scores.max())}"
+            )
+        if len(positions) == 0 or int(positions.min()) >= 0:
+            parts = self.table[positions, scores].tolist()
+        else:
+            parts = [
+                self.table[p, v] if p >= 0 else host_priority_entries(n)[v]
+                for n, p, v in zip(names, positions.tolist(), scores.tolist(), strict=True)
+            ]
+        return f"[{','.join(parts)}]".encode()
 
 
 class ExtenderBindingArgs(_Go):

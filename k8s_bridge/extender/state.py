@@ -26,7 +26,7 @@ from itertools import compress
 
 import numpy as np
 
-from k8s_bridge.extender.models import MAX_SCORE
+from k8s_bridge.extender.models import MAX_SCORE, HostPriorityTable
 from k8s_bridge.protocol import (
     Assignment,
     ContainerAssignment,
@@ -121,6 +121,9 @@ def _rv(text: str | None) -> int:
         return 0
 
 
+POSITIONS_MEMO = 8  # node-name lists whose positions are remembered (see `_positions`)
+
+
 class ExtenderState:
     """Nodes, held slices and the placement engine, behind one lock."""
 
@@ -143,6 +146,9 @@ class ExtenderState:
         self._policies: dict[str, Policy] = {}
         self._node_sources: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
         self._last_bound_at: dict[str, float] = {}
+        self._positions_of: ClusterState | None = None
+        self._positions_memo: dict[str, np.ndarray] = {}
+        self._priority_table: tuple[ClusterState, HostPriorityTable] | None = None
 
     # -- construction ----------------------------------------------------------------
 
@@ -405,13 +411,46 @@ class ExtenderState:
         return out
 
     def _positions(self, node_names: list[str]) -> np.ndarray:
-        """Each name's node index in the state (-1: not a qgpu node)."""
-        index = self.state.node_index
-        try:
-            return np.fromiter(map(index.__getitem__, node_names), np.int64, len(node_names))
-        except KeyError:  # some names are not qgpu nodes
-            get = index.get
-            return np.fromiter((get(n, -1) for n in node_names), np.int64, len(node_names))
+        """Each name's node index in the state (-1: not a qgpu node), read-only.
+
+        kube-scheduler sends the same lists again and again (all nodes to filter; the nodes
+        that passed to prioritize), so the answer is remembered for the last few lists, keyed
+        by the names joined into one string: one join and one hash instead of a dictionary
+        lookup per name. The memory belongs to the state object and goes with it when the
+        node set changes.
+        """
+        state = self.state
+        if state is not self._positions_of:
+            self._positions_of, self._positions_memo = state, {}
+        memo = self._positions_memo
+        key = "\n".join(node_names)
+        if key.count("\n") != len(node_names) - 1:
+            key = ""  # a name with a newline in it (no valid node name has one): not memoized
+        hit = memo.pop(key, None) if key else None
+        if hit is None:
+            index = state.node_index
+            try:
+                hit = np.fromiter(map(index.__getitem__, node_names), np.int64, len(node_names))
+            except KeyError:  # some names are not qgpu nodes
+                get = index.get
+                hit = np.fromiter((get(n, -1) for n in node_names), np.int64, len(node_names))
+            hit.flags.writeable = False
+            if len(memo) >= POSITIONS_MEMO:
+                del memo[next(iter(memo))]  # the least recently used
+        if key:
+            memo[key] = hit
+        return hit
+
+    def priority_list_json(self, node_names: list[str], scores: np.ndarray) -> bytes:
+        """The ``HostPriorityList`` reply for these names and their 0..10 scores."""
+        with self.lock:
+            state = self.state
+            if self._priority_table is None or self._priority_table[0] is not state:
+                names = [node.name for node in state.nodes]
+                self._priority_table = (state, HostPriorityTable(names))
+            table = self._priority_table[1]
+            positions = self._positions(node_names)
+        return table.dumps(node_names, positions, scores)
 
     def _fits_together(self, reqs: list[ContainerRequest], node: str) -> str | None:
         placed: list[str] = []
@@ -549,8 +588,16 @@ class ExtenderState:
             self._release_slices(uid, held.assignment)
 
     def _expire_assumed(self) -> None:
+        # `assumed` is in insertion order (`assume` drops a pod's old entry before adding
+        # the new one) and every entry lives `assume_ttl_s`, so it is in expiry order too:
+        # only the expired head is looked at, not every pod whose bind is in flight.
         now = time.monotonic()
-        for uid in [u for u, a in self.assumed.items() if a.expires < now]:
+        expired: list[str] = []
+        for uid, held in self.assumed.items():
+            if held.expires >= now:
+                break
+            expired.append(uid)
+        for uid in expired:
             self._drop_assumed(uid)
 
     def _drop_assumed_on(self, node: str) -> bool:

@@ -343,3 +343,44 @@ def test_pod_events_carrying_the_held_assignment_change_nothing(apiserver: FakeA
     assert uid not in ext.state.pods
     assert int(ext.state.state.free_core[0]) == 100
     ext.stop()
+
+
+def test_host_priority_table_serializes_like_a_json_encoder() -> None:
+    import json
+
+    from k8s_bridge.extender.models import HostPriorityTable
+
+    table = HostPriorityTable(["n0", 'we"ird'])
+    names = ['we"ird', "n0", "stranger"]
+    scores = np.array([10, 0, 3])
+    wire = table.dumps(names, np.array([1, 0, -1]), scores)
+    expected = [{"Host": n, "Score": int(v)} for n, v in zip(names, scores, strict=True)]
+    assert json.loads(wire) == expected
+    assert HostPriorityList.validate_json(wire) == expected
+    assert table.dumps([], np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == b"[]"
+    for bad in (11, -1):
+        with pytest.raises(ValueError, match=f"scores must be 0..10, got .*{bad}"):
+            table.dumps(["n0"], np.array([0]), np.array([bad]))
+    with pytest.raises(ValueError, match="2 names, 1 positions and 1 scores"):
+        table.dumps(["n0", "n0"], np.array([0]), np.array([1]))
+
+
+def test_node_positions_are_remembered_per_node_set(apiserver: FakeApiserver) -> None:
+    """The same name list gives the same read-only positions without a lookup per name;
+    a new node set (a node published) starts afresh; odd names are looked up, not keyed."""
+    for n in ("n0", "n1"):
+        publish_node(apiserver, n, [gpu(n, 0)])
+    ext = Extender(Kube(apiserver.client(), NAMES), ExtenderConfig())  # watching nodes
+    ext.start()
+    st = ext.state
+    first = st._positions(["n1", "n0", "nx"])
+    assert first.tolist() == [st.state.node_index["n1"], st.state.node_index["n0"], -1]
+    assert st._positions(["n1", "n0", "nx"]) is first and not first.flags.writeable
+    assert st._positions(["n1\nn0", "nx"]).tolist() == [-1, -1]  # not the memo of 3 names
+    publish_node(apiserver, "n2", [gpu("n2", 0)])
+    wait_until(lambda: "n2" in st.state.node_index)
+    again = st._positions(["n1", "n0", "nx"])
+    assert again is not first
+    assert again.tolist() == [st.state.node_index["n1"], st.state.node_index["n0"], -1]
+    assert st._positions(["n2"]).tolist() == [st.state.node_index["n2"]]
+    ext.stop()
