@@ -140,6 +140,10 @@ class FragPolicy(Policy):
         self._per_gpu = np.zeros((0, 0))
         self._per_node = np.zeros((0, 0))
         self._last_view: CandidateView | None = None
+        # the state version the incremental per-GPU copies were last brought up to date at
+        self._snap_version = -1
+        # the last `_score`: (state, what it depends on, per-GPU scores); see `_score`
+        self._score_memo: tuple[ClusterState, tuple, np.ndarray] | None = None
         self._last_gpu_scores = np.zeros(0)
 
     # -- the request mix ------------------------------------------------------------------
@@ -315,8 +319,11 @@ class FragPolicy(Policy):
             self._snap = now
             self._per_gpu = self._rows(s, np.arange(s.gpu_total))
             self._per_node = _sum_per_node(s, self._per_gpu)
+            self._snap_version = s.version
             return self._per_gpu, self._per_node
         known = self._cache_key[1]
+        if known == k and self._snap_version == s.version:
+            return self._per_gpu, self._per_node  # nothing changed since the last call
         if known < k:  # new classes: their columns from the current state
             new = self._rows(s, np.arange(s.gpu_total), slice(known, k))
             self._per_gpu = np.concatenate([self._per_gpu, new], axis=1)
@@ -328,6 +335,7 @@ class FragPolicy(Policy):
             np.add.at(self._per_node, s.gpu_node[changed], rows - self._per_gpu[changed])
             self._per_gpu[changed] = rows
             self._snap[:, changed] = now[:, changed]
+        self._snap_version = s.version
         return self._per_gpu, self._per_node
 
     def _gpu_copies(self, sums: np.ndarray) -> np.ndarray:
@@ -385,6 +393,24 @@ class FragPolicy(Policy):
         if not self._k_core:
             out[cand] = 0.0
             return out
+        # A GPU's score depends on the state, the mix and these parts of the request only,
+        # not on which other GPUs are candidates: a view of GPUs the last call already
+        # scored (the extender places a pod on the node it has just ranked first) reuses it.
+        depends = (
+            s.version,
+            self._version,
+            view.core,
+            req.gpu_count,
+            None if req.is_whole_gpu else req.memory_gib,
+            req.cpu_milli,
+            req.host_memory_mib,
+        )
+        memo = self._score_memo
+        if memo is not None and memo[0] is s and memo[1] == depends:
+            scored = memo[2][cand]
+            if np.isfinite(scored).all():
+                out[cand] = scored
+                return out
         self._refresh(s)
         per_gpu, per_node = self._usable_per_gpu(s)
         # score each distinct (node state, GPU state) once
@@ -437,6 +463,7 @@ class FragPolicy(Policy):
                 * self.total_weight
                 * (values[free - view.core] + view.core - values[free])
             )
+        self._score_memo = (s, depends, out)
         return out
 
     def _combo_values(self) -> np.ndarray:
@@ -455,13 +482,15 @@ class FragPolicy(Policy):
             weight_of[c] = weight_of.get(c, 0.0) + self._t_weight[t]
         cores = sorted(weight_of)
         p = [weight_of[c] / total for c in cores]
+        e = [0.0] * (WHOLE_GPU_CORE + 1)  # Python floats: a tenth of numpy scalars' cost
         for x in range(1, WHOLE_GPU_CORE + 1):
             v = 0.0
             for c, pc in zip(cores, p, strict=True):
                 if c > x:
                     break
-                v += pc * (c + values[x - c])
-            values[x] = v
+                v += pc * (c + e[x - c])
+            e[x] = v
+        values[:] = e
         return values
 
     def _aggregate(

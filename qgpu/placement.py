@@ -112,6 +112,14 @@ class ClusterState:
         self.node_free_mem = self.node_cap_mem.copy()
         self.held: dict[str, _Held] = {}
         self._model_mask_cache: dict[tuple[str, ...], np.ndarray] = {}
+        # bumped by every change of the free vectors, slice counts or health: what a policy
+        # or the engine computed from the state stays valid while it is unchanged. Code that
+        # writes the vectors directly (not through apply/release) calls `touch()`.
+        self.version = 0
+
+    def touch(self) -> None:
+        """Record a change made to the vectors directly (see `version`)."""
+        self.version += 1
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -160,6 +168,7 @@ class ClusterState:
             raise ValueError(f"slice {slice_id!r} would exceed a GPU's slice limit")
         if self.node_free_cpu[node] < cpu_milli or self.node_free_hostmem[node] < host_memory_mib:
             raise ValueError(f"slice {slice_id!r} would over-commit the node's CPU or memory")
+        self.version += 1
         self.free_core[idx] -= core_per_gpu
         self.free_mem[idx] -= mem
         self.slices[idx] += 1
@@ -185,6 +194,7 @@ class ClusterState:
             raise ValueError("host CPU and memory must be >= 0")
         if self.node_free_cpu[n] < cpu_milli or self.node_free_hostmem[n] < host_memory_mib:
             raise ValueError(f"{slice_id!r} would over-commit the node's CPU or memory")
+        self.version += 1
         self.node_free_cpu[n] -= cpu_milli
         self.node_free_hostmem[n] -= host_memory_mib
         empty = np.zeros(0, dtype=np.int64)
@@ -216,6 +226,7 @@ class ClusterState:
             return False
         idx = held.gpus
         node = held.node
+        self.version += 1
         self.free_core[idx] += held.core
         self.free_mem[idx] += held.memory
         self.slices[idx] -= 1
@@ -406,6 +417,10 @@ class Engine:
             self.gpu_policy = make_policy(gpu_policy)
         self._per_request: dict[str, Policy] = {}
 
+    def node_policy_for(self, req: SliceRequest) -> Policy:
+        """The node-level policy that decides `req` (its own ``placement``, or the engine's)."""
+        return self._policy_for(req.placement, self.node_policy)
+
     def _policy_for(self, name: PlacementPolicy | None, default: Policy) -> Policy:
         if name is None or name.value == default.name:
             return default
@@ -487,7 +502,7 @@ class Engine:
         s = self.state
         if s.gpu_total == 0:
             raise NoFit("no GPUs in the cluster", {})
-        node_policy = self._policy_for(req.placement, self.node_policy)
+        node_policy = self.node_policy_for(req)
         gpu_policy = self._policy_for(req.gpu_placement or req.placement, self.gpu_policy)
         mask, memory, reasons = self.candidates(req)
         per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
@@ -554,9 +569,12 @@ class Engine:
         for extra in self._per_request.values():
             extra.observe(req)
 
-    def place(self, slice_id: str, req: SliceRequest) -> Decision:
-        """Observe, decide and apply in one step (the usual path)."""
-        self.observe(req)
+    def place(self, slice_id: str, req: SliceRequest, observe: bool = True) -> Decision:
+        """Observe, decide and apply in one step (the usual path). ``observe=False`` for a
+        caller that counts arrivals itself (the extender counts each pod once, when it first
+        sees it, however many times it is placed)."""
+        if observe:
+            self.observe(req)
         decision = self.decide(req)
         s = self.state
         ids = [s.uuid_index[u] for u in decision.gpu_uuids]

@@ -200,5 +200,6 @@ def live_state(
     state.node_free_mem[:] = 0
     np.add.at(state.node_free_core, state.gpu_node, state.free_core)
     np.add.at(state.node_free_mem, state.gpu_node, state.free_mem)
+    state.touch()
     effective = {k: v - pending.get(k, 0.0) for k, v in flat.items()}
     return LiveView(state, {n.name: n for n in nodes}, flat, effective)

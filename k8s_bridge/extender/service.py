@@ -225,13 +225,19 @@ class Extender:
     # -- verbs ------------------------------------------------------------------------
 
     def _pod_requests(self, pod: PodModel) -> list[ContainerRequest]:
-        """The pod's requests, cached by UID with the pod as kube-scheduler sent it."""
+        """The pod's requests, cached by UID with the pod as kube-scheduler sent it.
+
+        A pod seen for the first time is also counted in the placement policy's request mix
+        (frag learns from it): once per pod, however often it is filtered or placed again.
+        (A pod that has dropped out of the cache's last 10,000 counts again.)"""
         uid = pod.metadata.uid
         with self._requests_guard:
             hit = self._requests.get(uid) if uid else None
         if hit is not None and hit[0].metadata.resource_version == pod.metadata.resource_version:
             return hit[1]
         reqs = self.state.requests(pod)
+        if hit is None:
+            self.state.observe(reqs)
         if uid:
             with self._requests_guard:
                 self._requests[uid] = (pod, reqs)

@@ -47,7 +47,7 @@ from qgpu.model import (
     PlacementPolicy,
     SliceRequest,
 )
-from qgpu.placement import CandidateView, ClusterState, Engine, Policy, make_policy
+from qgpu.placement import CandidateView, ClusterState, Engine, Policy
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,6 @@ class ExtenderState:
         self.inventories: dict[str, NodeInventory] = {}
         self.pods: dict[str, PodRecord] = {}
         self._new_engine([])
-        self._policies: dict[str, Policy] = {}
         self._node_sources: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
         self._last_bound_at: dict[str, float] = {}
         self._positions_of: ClusterState | None = None
@@ -215,7 +214,6 @@ class ExtenderState:
 
     def _rebuild(self) -> None:
         self._new_engine(list(self.inventories.values()))
-        self._policies = {}
         self.assumed = {}  # their slices went with the old state
         for rec in self.pods.values():
             rec.applied = self._apply(rec)
@@ -349,13 +347,17 @@ class ExtenderState:
     def requests(self, pod: PodModel) -> list[ContainerRequest]:
         return pod_slice_requests(self.names, pod)
 
+    def observe(self, reqs: list[ContainerRequest]) -> None:
+        """Count a pod's containers in the policies' request mix (once per pod: `_place`
+        does not count them again)."""
+        with self.lock:
+            for cr in reqs:
+                self.engine.observe(cr.request)
+
     def _node_policy(self, req: SliceRequest) -> Policy:
-        name = req.placement
-        if name is None or name.value == self.engine.node_policy.name:
-            return self.engine.node_policy
-        if name.value not in self._policies:
-            self._policies[name.value] = make_policy(name)
-        return self._policies[name.value]
+        # the engine's own instance: prioritize scores with the policy (and the request mix
+        # it has learnt) that will decide the placement
+        return self.engine.node_policy_for(req)
 
     def _on_node(self, req: SliceRequest, node: str) -> SliceRequest:
         """The same request, restricted to the GPUs of one node."""
@@ -506,7 +508,7 @@ class ExtenderState:
         try:
             for cr in reqs:
                 sid = slice_id(uid, cr.container)
-                decision = self.engine.place(sid, self._on_node(cr.request, node))
+                decision = self.engine.place(sid, self._on_node(cr.request, node), observe=False)
                 placed.append(sid)
                 gpus = list(decision.gpu_uuids)
                 devices: dict = {"core": dict.fromkeys(gpus, decision.core_per_gpu)}

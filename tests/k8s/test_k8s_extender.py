@@ -384,3 +384,23 @@ def test_node_positions_are_remembered_per_node_set(apiserver: FakeApiserver) ->
     assert again.tolist() == [st.state.node_index["n1"], st.state.node_index["n0"], -1]
     assert st._positions(["n2"]).tolist() == [st.state.node_index["n2"]]
     ext.stop()
+
+
+def test_the_request_mix_counts_each_pod_once(apiserver: FakeApiserver) -> None:
+    """frag learns from the pods kube-scheduler brings: a pod filtered again and again,
+    prioritized and bound still counts once."""
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    for n in ("n0", "n1"):
+        publish_node(apiserver, n, [gpu(n, 0), gpu(n, 1)])
+    ext = _ext(apiserver, node_policy="frag")
+    a = apiserver.store.create("pods", pod_object("a", [(30, 4)]))
+    b = apiserver.store.create("pods", pod_object("b", [(50, 8)]))
+    for _ in range(3):
+        ext.filter(ExtenderArgs(Pod=a, NodeNames=["n0", "n1"]))
+    ext.prioritize(ExtenderArgs(Pod=a, NodeNames=["n0", "n1"]))
+    assert _bind(apiserver, ext, "a", "n1") == ""  # not the node prioritize held: placed again
+    ext.filter(ExtenderArgs(Pod=b, NodeNames=["n0", "n1"]))
+    mix = ext.state.engine.node_policy.mix()
+    assert sorted((core, share) for (core, *_), share in mix.items()) == [(30, 0.5), (50, 0.5)]
+    ext.stop()

@@ -417,3 +417,42 @@ def test_one_policy_object_across_cluster_states():
     got = Engine(state, policy).decide(req)
     assert got == Engine(state, fresh).decide(req)
     assert got.gpu_uuids == ("x-g0",)  # the 30% gap beside the 70% slice fits it exactly
+
+
+def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes():
+    """Scoring all nodes and then the chosen node alone (the extender's prioritize and
+    assume) gives the same scores as a policy that computes them afresh; a placement or a
+    new arrival makes it compute again."""
+    nodes = [node("x", 4), node("y", 2), node("z", 3)]
+    state = ClusterState(nodes)
+    state.apply("pre", [gpu_of(state, "x-g0")], 70, [11])
+    arrivals = [share(30), share(60), WHOLE]
+    policy = FragPolicy()
+    for a in arrivals:
+        policy.observe(a)
+    engine = Engine(state, policy)
+    req = share(30)
+
+    def scores(p: FragPolicy, names: list[str]) -> np.ndarray:
+        mask, memory, _ = engine.candidates(req)
+        ids = np.asarray([state.node_index[n] for n in names], dtype=np.int64)
+        return p.node_scores(CandidateView(state, req, mask, req.core, memory, ids))
+
+    def afresh(names: list[str]) -> np.ndarray:
+        p = FragPolicy()
+        for a in arrivals:
+            p.observe(a)
+        return scores(p, names)
+
+    assert np.array_equal(scores(policy, ["x", "y", "z"]), afresh(["x", "y", "z"]))
+    memo = policy._score_memo
+    assert np.array_equal(scores(policy, ["y"]), afresh(["y"]))
+    assert policy._score_memo is memo  # the one-node view was answered from the last scores
+    state.apply("more", [gpu_of(state, "y-g0")], 60, [9])
+    assert np.array_equal(scores(policy, ["y"]), afresh(["y"]))
+    assert policy._score_memo is not memo  # the state changed: computed again
+    memo = policy._score_memo
+    arrivals.append(share(60))
+    policy.observe(share(60))
+    assert np.array_equal(scores(policy, ["y"]), afresh(["y"]))
+    assert policy._score_memo is not memo  # the mix changed: computed again

@@ -231,3 +231,32 @@ def test_unknown_policy_name_rejected():
 def test_empty_cluster_no_fit():
     with pytest.raises(NoFit, match="no GPUs"):
         Engine(ClusterState([])).decide(share())
+
+
+def test_every_change_of_the_state_bumps_its_version(two_nodes):
+    state = ClusterState(two_nodes)
+    engine = Engine(state)
+    seen = [state.version]
+    engine.place("a", share())
+    seen.append(state.version)
+    state.apply_host("h", 0, 100, 10)
+    seen.append(state.version)
+    state.release("a")
+    seen.append(state.version)
+    state.release("a")  # nothing held: nothing changed
+    seen.append(state.version)
+    state.touch()  # a writer of the vectors says so
+    seen.append(state.version)
+    assert seen == sorted(seen) and len(set(seen)) == 5 and seen[3] == seen[4]
+    with contextlib.suppress(NoFit):
+        engine.decide(SliceRequest(core=900))  # deciding changes nothing
+    assert state.version == seen[-1]
+
+
+def test_place_can_leave_counting_to_the_caller(two_nodes):
+    state = ClusterState(two_nodes)
+    engine = Engine(state, "frag")
+    engine.observe(share(50))
+    engine.place("a", share(50), observe=False)
+    engine.place("b", share(30))
+    assert engine.node_policy.mix() == {(50, 1, 0, 0): 0.5, (30, 1, 0, 0): 0.5}
