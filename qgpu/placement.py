@@ -416,6 +416,9 @@ class Engine:
         else:
             self.gpu_policy = make_policy(gpu_policy)
         self._per_request: dict[str, Policy] = {}
+        # the last `candidates` answer: (request object, state version, mask, memory); the
+        # extender asks again for the same pod's request between its filter and prioritize
+        self._candidates_memo: tuple[SliceRequest, int, np.ndarray, np.ndarray] | None = None
 
     def node_policy_for(self, req: SliceRequest) -> Policy:
         """The node-level policy that decides `req` (its own ``placement``, or the engine's)."""
@@ -459,6 +462,9 @@ class Engine:
         reasons are left empty with ``explain=False`` (callers that only need the mask)."""
         s = self.state
         n = s.gpu_total
+        memo = self._candidates_memo
+        if not explain and memo is not None and memo[0] is req and memo[1] == s.version:
+            return memo[2], memo[3], {}  # the same request object, nothing changed since
         reasons: dict[str, int] = {}
         ok = np.ones(n, dtype=bool)
         for name, keep in self._checks(req):
@@ -468,6 +474,10 @@ class Engine:
                     reasons[name] = reasons.get(name, 0) + dropped
             ok &= keep
         memory = s.cap_mem if req.is_whole_gpu else np.full(n, req.memory_gib, dtype=np.int32)
+        ok.flags.writeable = False  # shared with later callers through the memo
+        if memory is not s.cap_mem:
+            memory.flags.writeable = False
+        self._candidates_memo = (req, s.version, ok, memory)
         return ok, memory, reasons
 
     def shortfall(self, req: SliceRequest, nodes: np.ndarray) -> list[str | None]:
@@ -504,18 +514,19 @@ class Engine:
             raise NoFit("no GPUs in the cluster", {})
         node_policy = self.node_policy_for(req)
         gpu_policy = self._policy_for(req.gpu_placement or req.placement, self.gpu_policy)
-        mask, memory, reasons = self.candidates(req)
+        mask, memory, _ = self.candidates(req, explain=False)
         per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
         node_ok = per_node >= req.gpu_count
-        short = int(np.count_nonzero((per_node > 0) & ~node_ok))
-        if short:
-            reasons[f"fewer than {req.gpu_count} fitting GPUs on one node"] = short
         host_ok = (s.node_free_cpu >= req.cpu_milli) & (s.node_free_hostmem >= req.host_memory_mib)
-        host_short = int(np.count_nonzero(node_ok & ~host_ok))
-        if host_short:
-            reasons["host CPU or memory (nodes)"] = host_short
         node_ids = np.flatnonzero(node_ok & host_ok)
-        if len(node_ids) == 0:
+        if len(node_ids) == 0:  # only now are the reasons counted
+            _, _, reasons = self.candidates(req)
+            short = int(np.count_nonzero((per_node > 0) & ~node_ok))
+            if short:
+                reasons[f"fewer than {req.gpu_count} fitting GPUs on one node"] = short
+            host_short = int(np.count_nonzero(node_ok & ~host_ok))
+            if host_short:
+                reasons["host CPU or memory (nodes)"] = host_short
             raise NoFit(_no_fit_message(req, reasons), reasons)
         view = CandidateView(s, req, mask, req.core_per_gpu, memory, node_ids)
         node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])

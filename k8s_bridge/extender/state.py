@@ -395,8 +395,9 @@ class ExtenderState:
                 failing = np.flatnonzero(ok & ~fits)
                 if len(failing):
                     rules = self.engine.shortfall(cr.request, idx[failing])
+                    texts = {rule: _why(cr, rule) for rule in set(rules)}
                     for j, rule in zip(failing.tolist(), rules, strict=True):
-                        why[j] = _why(cr, rule)
+                        why[j] = texts[rule]
                 ok &= fits
             if len(reqs) > 1:
                 for j in np.flatnonzero(ok):
