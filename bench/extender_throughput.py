@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     cpu = {who: (cpu1[who][0] - cpu0[who][0], cpu1[who][1] - cpu0[who][1]) for who in cpu0}
     http.close()
-    ext.terminate()
+    ext.terminate()  # the extender first: its lock releaser would find the apiserver gone
+    ext.join(timeout=30)
     api.terminate()
 
     bound = args.pods - unschedulable - len(failures)

@@ -431,29 +431,35 @@ class Engine:
             self._per_request[name.value] = make_policy(name)
         return self._per_request[name.value]
 
-    def _checks(self, req: SliceRequest) -> Iterator[tuple[str, np.ndarray]]:
-        """The per-GPU rules a request must pass, in order: (reason name, GPUs that pass)."""
+    def _checks(
+        self, req: SliceRequest, gpus: np.ndarray | None = None
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """The per-GPU rules a request must pass, in order: (reason name, GPUs that pass),
+        over every GPU, or over `gpus` (indices) only."""
         s = self.state
-        n = s.gpu_total
-        yield "unhealthy", s.healthy
+        sub = slice(None) if gpus is None else gpus
+        yield "unhealthy", s.healthy[sub]
         model = s.model_mask(req.model_names)
         if model is not None:
-            yield "model", model
-        if req.include_uuids:
-            keep = np.zeros(n, dtype=bool)
-            keep[[s.uuid_index[u] for u in req.include_uuids if u in s.uuid_index]] = True
-            yield "excluded", keep
-        if req.exclude_uuids:
-            keep = np.ones(n, dtype=bool)
-            keep[[s.uuid_index[u] for u in req.exclude_uuids if u in s.uuid_index]] = False
-            yield "excluded", keep
+            yield "model", model[sub]
+        for name, uuids, allowed in (
+            ("excluded", req.include_uuids, True),
+            ("excluded", req.exclude_uuids, False),
+        ):
+            if uuids:
+                keep = np.full(s.gpu_total, not allowed, dtype=bool)
+                keep[[s.uuid_index[u] for u in uuids if u in s.uuid_index]] = allowed
+                yield name, keep[sub]
         if req.is_whole_gpu:
-            yield "memory", s.cap_mem >= (req.memory_gib or 0)
-            yield "not empty (whole GPU)", (s.slices == 0) & (s.free_core == s.cap_core)
+            yield "memory", s.cap_mem[sub] >= (req.memory_gib or 0)
+            yield (
+                "not empty (whole GPU)",
+                (s.slices[sub] == 0) & (s.free_core[sub] == s.cap_core[sub]),
+            )
         else:
-            yield "slice limit", s.slices < s.max_slices
-            yield "core", s.free_core >= req.core
-            yield "memory", s.free_mem >= req.memory_gib
+            yield "slice limit", s.slices[sub] < s.max_slices[sub]
+            yield "core", s.free_core[sub] >= req.core
+            yield "memory", s.free_mem[sub] >= req.memory_gib
 
     def candidates(
         self, req: SliceRequest, explain: bool = True
@@ -496,8 +502,8 @@ class Engine:
         node_of = np.repeat(np.arange(len(nodes)), counts)
         open_ = counts >= req.gpu_count
         ok = np.ones(len(gpus), dtype=bool)
-        for name, keep in self._checks(req):
-            ok &= keep[gpus]
+        for name, keep in self._checks(req, gpus):
+            ok &= keep
             per_node = np.bincount(node_of[ok], minlength=len(nodes))
             short = open_ & (per_node < req.gpu_count)
             for j in np.flatnonzero(short).tolist():
