@@ -10,6 +10,8 @@ per pod). Prints pods/s (first filter to last bind) and p50/p99 per verb. No ass
     .venv/bin/python bench/extender_throughput.py [--nodes 1000] [--gpus 8] [--pods 1000]
         [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
         [--nodes-per-pod all|kube|N]
+
+``--policy`` defaults to the extender's own default node policy (binpack).
 """
 
 from __future__ import annotations
@@ -216,13 +218,20 @@ def _pct(values: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     import httpx
 
+    from k8s_bridge.extender.service import ExtenderConfig
+    from qgpu.model import PlacementPolicy
     from tests.k8s.helpers import free_port
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--pods", type=int, default=1000)
-    ap.add_argument("--policy", default="spread")
+    ap.add_argument(
+        "--policy",
+        default=ExtenderConfig().node_policy.value,
+        choices=[p.value for p in PlacementPolicy],
+        help="the extender's node policy (default: the extender's own default, binpack)",
+    )
     ap.add_argument("--bind-workers", type=int, default=16)
     ap.add_argument(
         "--nodes-per-pod",
