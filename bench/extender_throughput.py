@@ -86,10 +86,9 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
 def _extender(api_url: str, policy: str, port: int, bind_threads: int, ready: Any) -> None:
     import logging
 
-    import uvicorn
-
     from k8s_bridge.extender.app import create_app
     from k8s_bridge.extender.service import Extender, ExtenderConfig
+    from k8s_bridge.http_serving import serve
     from k8s_bridge.kube import Kube, make_api_client
     from k8s_bridge.resources import Names
 
@@ -97,9 +96,7 @@ def _extender(api_url: str, policy: str, port: int, bind_threads: int, ready: An
     ext = Extender(Kube(make_api_client(api_url), Names()), ExtenderConfig(node_policy=policy))
     ext.start()
     ready.put(len(ext.state.inventories))
-    uvicorn.run(
-        create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port, log_level="warning"
-    )
+    serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
 
 
 def _cpu_s(pid: int | None) -> tuple[float, float]:

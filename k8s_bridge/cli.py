@@ -159,10 +159,9 @@ def register_device_plugin(sub: Any) -> None:
 
 
 def run_extender(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from k8s_bridge.extender.app import create_app
     from k8s_bridge.extender.service import Extender, ExtenderConfig
+    from k8s_bridge.http_serving import serve
 
     _logging(args)
     cfg = ExtenderConfig(
@@ -178,7 +177,7 @@ def run_extender(args: argparse.Namespace) -> int:
     ext = Extender(_kube(args), cfg)
     ext.start()
     try:
-        uvicorn.run(create_app(ext), host=args.host, port=args.port, log_level="warning")
+        serve(create_app(ext), host=args.host, port=args.port)
     finally:
         ext.stop()
     return EXIT_OK
@@ -213,21 +212,13 @@ def register_extender(sub: Any) -> None:
 
 
 def run_webhook(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from k8s_bridge.http_serving import serve
     from k8s_bridge.resources import Names
     from k8s_bridge.webhook import create_app
 
     _logging(args)
     app = create_app(Names(args.prefix), args.scheduler_name)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        ssl_certfile=args.tls_cert,
-        ssl_keyfile=args.tls_key,
-        log_level="warning",
-    )
+    serve(app, host=args.host, port=args.port, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
     return EXIT_OK
 
 

@@ -30,6 +30,7 @@ from qgpu.model import (
     PlacementPolicy,
     SliceRequest,
 )
+from qgpu.node_fit import NodeFit, NodeFitCache
 
 UNLIMITED = np.int64(2**62)
 
@@ -116,10 +117,14 @@ class ClusterState:
         # or the engine computed from the state stays valid while it is unchanged. Code that
         # writes the vectors directly (not through apply/release) calls `touch()`.
         self.version = 0
+        # per node, the `version` at which that node last changed (what is cached per node
+        # stays valid while its entry is unchanged)
+        self.node_version = np.zeros(len(self.nodes), dtype=np.int64)
 
     def touch(self) -> None:
-        """Record a change made to the vectors directly (see `version`)."""
+        """Record a change made to the vectors directly (see `version`): every node."""
         self.version += 1
+        self.node_version[:] = self.version
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -169,6 +174,7 @@ class ClusterState:
         if self.node_free_cpu[node] < cpu_milli or self.node_free_hostmem[node] < host_memory_mib:
             raise ValueError(f"slice {slice_id!r} would over-commit the node's CPU or memory")
         self.version += 1
+        self.node_version[node] = self.version
         self.free_core[idx] -= core_per_gpu
         self.free_mem[idx] -= mem
         self.slices[idx] += 1
@@ -195,6 +201,7 @@ class ClusterState:
         if self.node_free_cpu[n] < cpu_milli or self.node_free_hostmem[n] < host_memory_mib:
             raise ValueError(f"{slice_id!r} would over-commit the node's CPU or memory")
         self.version += 1
+        self.node_version[n] = self.version
         self.node_free_cpu[n] -= cpu_milli
         self.node_free_hostmem[n] -= host_memory_mib
         empty = np.zeros(0, dtype=np.int64)
@@ -227,6 +234,7 @@ class ClusterState:
         idx = held.gpus
         node = held.node
         self.version += 1
+        self.node_version[node] = self.version
         self.free_core[idx] += held.core
         self.free_mem[idx] += held.memory
         self.slices[idx] -= 1
@@ -419,6 +427,7 @@ class Engine:
         # the last `candidates` answer: (request object, state version, mask, memory); the
         # extender asks again for the same pod's request between its filter and prioritize
         self._candidates_memo: tuple[SliceRequest, int, np.ndarray, np.ndarray] | None = None
+        self._node_fit = NodeFitCache(state, self.shortfall)
 
     def node_policy_for(self, req: SliceRequest) -> Policy:
         """The node-level policy that decides `req` (its own ``placement``, or the engine's)."""
@@ -432,12 +441,13 @@ class Engine:
         return self._per_request[name.value]
 
     def _checks(
-        self, req: SliceRequest, gpus: np.ndarray | None = None
+        self, req: SliceRequest, gpus: np.ndarray | slice | None = None
     ) -> Iterator[tuple[str, np.ndarray]]:
         """The per-GPU rules a request must pass, in order: (reason name, GPUs that pass),
-        over every GPU, or over `gpus` (indices) only."""
+        over every GPU, or over `gpus` (indices, or a range of them) only."""
         s = self.state
         sub = slice(None) if gpus is None else gpus
+        few = range(gpus.start, gpus.stop) if isinstance(gpus, slice) else gpus
         yield "unhealthy", s.healthy[sub]
         model = s.model_mask(req.model_names)
         if model is not None:
@@ -447,8 +457,16 @@ class Engine:
             ("excluded", req.exclude_uuids, False),
         ):
             if uuids:
+                listed = [s.uuid_index[u] for u in uuids if u in s.uuid_index]
+                if few is not None and len(few) <= 64:  # a few GPUs: no cluster-wide array
+                    marked = set(listed)
+                    yield (
+                        name,
+                        np.fromiter(((int(g) in marked) == allowed for g in few), bool, len(few)),
+                    )
+                    continue
                 keep = np.full(s.gpu_total, not allowed, dtype=bool)
-                keep[[s.uuid_index[u] for u in uuids if u in s.uuid_index]] = allowed
+                keep[listed] = allowed
                 yield name, keep[sub]
         if req.is_whole_gpu:
             yield "memory", s.cap_mem[sub] >= (req.memory_gib or 0)
@@ -472,13 +490,26 @@ class Engine:
         if not explain and memo is not None and memo[0] is req and memo[1] == s.version:
             return memo[2], memo[3], {}  # the same request object, nothing changed since
         reasons: dict[str, int] = {}
-        ok = np.ones(n, dtype=bool)
-        for name, keep in self._checks(req):
-            if explain:
-                dropped = int(np.count_nonzero(ok & ~keep))
-                if dropped:
-                    reasons[name] = reasons.get(name, 0) + dropped
-            ok &= keep
+        if req.include_uuids and not explain:
+            # a request pinned to a few GPUs (one node's, when the extender places a pod on
+            # the node kube-scheduler chose): the rules run over those GPUs only
+            ok = np.zeros(n, dtype=bool)
+            pinned = np.fromiter(
+                {s.uuid_index[u] for u in req.include_uuids if u in s.uuid_index}, np.int64
+            )
+            if len(pinned):
+                keep_pinned = np.ones(len(pinned), dtype=bool)
+                for _name, keep in self._checks(req, pinned):
+                    keep_pinned &= keep
+                ok[pinned] = keep_pinned
+        else:
+            ok = np.ones(n, dtype=bool)
+            for name, keep in self._checks(req):
+                if explain:
+                    dropped = int(np.count_nonzero(ok & ~keep))
+                    if dropped:
+                        reasons[name] = reasons.get(name, 0) + dropped
+                ok &= keep
         memory = s.cap_mem if req.is_whole_gpu else np.full(n, req.memory_gib, dtype=np.int32)
         ok.flags.writeable = False  # shared with later callers through the memo
         if memory is not s.cap_mem:
@@ -486,32 +517,56 @@ class Engine:
         self._candidates_memo = (req, s.version, ok, memory)
         return ok, memory, reasons
 
+    def node_fit(self, req: SliceRequest) -> NodeFit:
+        """Per node: can it take `req` (enough GPUs pass every rule), and if not, the first
+        rule that leaves it short -- `shortfall` over every node, answered from what was
+        computed for the same request shape on the nodes that have not changed since."""
+        if self._node_fit.state is not self.state:
+            self._node_fit = NodeFitCache(self.state, self.shortfall)
+        return self._node_fit.get(req, self.state.node_version)
+
     def shortfall(self, req: SliceRequest, nodes: np.ndarray) -> list[str | None]:
         """Per node (indices): the first rule (a `candidates` reason name) after which the
         node has fewer fitting GPUs than the request needs, ``"GPU count"`` for a node that
         has fewer GPUs than that at all; None where it has enough."""
         s = self.state
+        need = req.gpu_count
         nodes = np.asarray(nodes, dtype=np.int64)
-        counts = s.node_gpu_count[nodes]
-        out: list[str | None] = [
-            "GPU count" if c < req.gpu_count else None for c in counts.tolist()
-        ]
-        # the nodes' GPUs, node after node: only those are looked at
-        offsets = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        gpus = np.repeat(s.node_start[nodes] - offsets, counts) + np.arange(int(counts.sum()))
-        node_of = np.repeat(np.arange(len(nodes)), counts)
-        open_ = counts >= req.gpu_count
-        ok = np.ones(len(gpus), dtype=bool)
-        for name, keep in self._checks(req, gpus):
-            ok &= keep
-            per_node = np.bincount(node_of[ok], minlength=len(nodes))
-            short = open_ & (per_node < req.gpu_count)
-            for j in np.flatnonzero(short).tolist():
-                out[j] = name
-            open_ &= ~short
-            if not open_.any():
-                break
-        return out
+        open_ = nodes[s.node_gpu_count[nodes] >= need]  # the others lack GPUs at all
+        out = np.full(len(nodes), "GPU count", dtype=object)
+        if len(open_) == 0:
+            return out.tolist()
+        if len(open_) == 1:  # one node (what changed since the last pod): its GPUs' range
+            start, count = int(s.node_start[open_[0]]), int(s.node_gpu_count[open_[0]])
+            rules = list(self._checks(req, slice(start, start + count)))
+            first_fail = np.full(count, len(rules), dtype=np.int16)
+            for r in range(len(rules) - 1, -1, -1):
+                first_fail[~rules[r][1]] = r
+            short = int(np.sort(first_fail)[count - need])  # the need-th highest
+            out[np.flatnonzero(s.node_gpu_count[nodes] >= need)] = (
+                rules[short][0] if short < len(rules) else None
+            )
+            return out.tolist()
+        # the open nodes' GPUs, node after node: only those are looked at
+        counts = s.node_gpu_count[open_]
+        offsets = np.zeros(len(open_), dtype=np.int64)
+        np.cumsum(counts[:-1], out=offsets[1:])
+        gpus = np.repeat(s.node_start[open_] - offsets, counts) + np.arange(int(counts.sum()))
+        # each GPU's first failing rule (len(rules): passes them all) ...
+        rules = list(self._checks(req, gpus))
+        first_fail = np.full(len(gpus), len(rules), dtype=np.int16)
+        for r in range(len(rules) - 1, -1, -1):
+            first_fail[~rules[r][1]] = r
+        # ... and a node runs short at the rule where fewer than `need` of its GPUs are
+        # left: its need-th highest first failure (all of them passed: it fits)
+        if need == 1:
+            short_at = np.maximum.reduceat(first_fail, offsets)
+        else:
+            order = np.lexsort((-first_fail, np.repeat(np.arange(len(open_)), counts)))
+            short_at = first_fail[order][offsets + need - 1]
+        names = np.asarray([name for name, _ in rules] + [None], dtype=object)
+        out[np.flatnonzero(s.node_gpu_count[nodes] >= need)] = names[short_at]
+        return out.tolist()
 
     def decide(self, req: SliceRequest) -> Decision:
         """Choose where `req` goes; raise NoFit (with reasons) when nothing fits."""

@@ -389,12 +389,11 @@ class ExtenderState:
             ok = np.ones(len(idx), dtype=bool)
             why: dict[int, str] = {}
             for cr in reqs:
-                mask, _mem, _reasons = self.engine.candidates(cr.request, explain=False)
-                per_node = np.bincount(s.gpu_node[mask], minlength=len(s.nodes))
-                fits = per_node[idx] >= cr.request.gpu_count
+                node_fit = self.engine.node_fit(cr.request)
+                fits = node_fit.fits[idx]
                 failing = np.flatnonzero(ok & ~fits)
                 if len(failing):
-                    rules = self.engine.shortfall(cr.request, idx[failing])
+                    rules = node_fit.rules[idx[failing]].tolist()
                     texts = {rule: _why(cr, rule) for rule in set(rules)}
                     for j, rule in zip(failing.tolist(), rules, strict=True):
                         why[j] = texts[rule]

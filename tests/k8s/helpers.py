@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from k8s_bridge.http_serving import CoalescingHttpProtocol
 from k8s_bridge.protocol import PublishedInventory
 from k8s_bridge.resources import Names
 from qgpu.model import GpuDevice
@@ -92,7 +93,13 @@ class ServedApp:
 
     def __init__(self, app: Any) -> None:
         self.port = free_port()
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        cfg = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            http=CoalescingHttpProtocol,  # as the bridge's CLI serves its apps
+        )
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

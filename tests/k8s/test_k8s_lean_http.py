@@ -3,6 +3,7 @@ configuration's token on every call, and a fallback to the client for what it do
 
 from __future__ import annotations
 
+import http.client
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from k8s_bridge.kube import Conflict, Kube, KubeError
-from k8s_bridge.lean_http import LeanTransport
+from k8s_bridge.lean_http import Connection, LeanTransport
 from tests.fakes.apiserver import FakeApiserver
 from tests.k8s.helpers import NAMES, pod_object, publish_node
 
@@ -131,3 +132,115 @@ def test_https_with_verification_off_is_covered() -> None:
     lean = LeanTransport.for_configuration(cfg)
     assert lean is not None and lean.https and lean.port == 443
     assert lean.context is not None and not lean.context.check_hostname
+
+
+class ScriptedSocket:
+    """A socket whose peer answers with the given chunks, then closes."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+        self.sent: list[bytes] = []
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(bytes(data))
+
+    def recv(self, n: int) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+    def close(self) -> None:
+        pass
+
+
+def _conn(*chunks: bytes) -> tuple[Connection, ScriptedSocket]:
+    sock = ScriptedSocket(*chunks)
+    return Connection(sock, "10.0.0.1:6443"), sock  # type: ignore[arg-type]
+
+
+def test_a_request_leaves_in_one_write_with_its_length() -> None:
+    conn, sock = _conn(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n{}")
+    status, body, keep = conn.request(
+        "POST", "/api/v1/x", {"Content-Type": "application/json"}, b'{"a":1}'
+    )
+    assert (status, body, keep) == (201, b"{}", True)
+    assert sock.sent == [
+        b"POST /api/v1/x HTTP/1.1\r\nHost: 10.0.0.1:6443\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 7\r\n\r\n{"a":1}'
+    ]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "expected"),
+    [
+        # a reply split anywhere, Content-Length
+        ((b"HTTP/1.1 200 OK\r\nConte", b"nt-Length: 5\r\n\r\nhel", b"lo"), (200, b"hello", True)),
+        # chunked, with an extension and a trailer
+        (
+            (
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nhel\r\n",
+                b"2\r\nlo\r\n0\r\nX-Trailer: 1\r\n\r\n",
+            ),
+            (200, b"hello", True),
+        ),
+        # an informational answer first; the server closes after this one
+        (
+            (
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 409 Conflict\r\nConnection: close\r\n"
+                b"Content-Length: 2\r\n\r\n{}",
+            ),
+            (409, b"{}", False),
+        ),
+        # no length at all: the body runs to the close
+        ((b"HTTP/1.1 200 OK\r\n\r\nall of", b" it"), (200, b"all of it", False)),
+        # HTTP/1.0 closes unless it says keep-alive
+        ((b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n",), (200, b"", False)),
+        (
+            (b"HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\nContent-Length: 0\r\n\r\n",),
+            (200, b"", True),
+        ),
+        ((b"HTTP/1.1 204 No Content\r\n\r\n",), (204, b"", True)),
+    ],
+)
+def test_replies_are_read_as_http_1_1_says(chunks: tuple[bytes, ...], expected: tuple) -> None:
+    conn, _ = _conn(*chunks)
+    assert conn.request("GET", "/x", {}, None) == expected
+
+
+@pytest.mark.parametrize(
+    ("chunks", "error"),
+    [
+        ((), http.client.RemoteDisconnected),
+        ((b"HTTP/1.1 200 OK\r\nContent-Le",), http.client.IncompleteRead),
+        ((b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",), http.client.IncompleteRead),
+        ((b"SSH-2.0-OpenSSH\r\n\r\n",), http.client.BadStatusLine),
+        ((b"HTTP/1.1 abc OK\r\n\r\n",), http.client.BadStatusLine),
+        ((b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",), http.client.HTTPException),
+        (
+            (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",),
+            http.client.HTTPException,
+        ),
+        ((b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 101 + b"\r\n",), http.client.HTTPException),
+    ],
+)
+def test_a_broken_or_missing_reply_is_an_http_error(chunks: tuple, error: type) -> None:
+    conn, _ = _conn(*chunks)
+    with pytest.raises(error):
+        conn.request("GET", "/x", {}, None)
+
+
+def test_a_header_value_with_a_line_break_is_refused_before_sending() -> None:
+    conn, sock = _conn()
+    with pytest.raises(ValueError, match="invalid HTTP header"):
+        conn.request("GET", "/x", {"Authorization": "Bearer a\r\nX-Evil: 1"}, None)
+    assert sock.sent == []
+
+
+def test_the_host_header_names_a_non_default_port(recorder: ThreadingHTTPServer) -> None:
+    port = recorder.server_address[1]
+    conn = Connection.open("127.0.0.1", port, 5.0, None)
+    try:
+        assert conn.host_header == f"127.0.0.1:{port}"
+        assert conn.request("GET", "/p", {}, None)[0] == 200
+        assert _Recorder.seen[0]["Host"] == f"127.0.0.1:{port}"
+        assert not conn.dropped()
+    finally:
+        conn.close()
