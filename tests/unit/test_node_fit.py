@@ -1,5 +1,6 @@
-"""Why a node cannot take a request (`Engine.shortfall`), and the per-shape answers kept
-between requests (`Engine.node_fit`): always what asking every node afresh gives."""
+"""Why a node cannot take a request (`Engine.shortfall`), the per-shape answers kept between
+requests (`Engine.node_fit`) and the fitting-GPU mask (`Engine.candidates`): always what
+asking every node afresh gives."""
 
 from __future__ import annotations
 
@@ -99,6 +100,11 @@ def test_shortfall_and_node_fit_agree_with_asking_every_node(data: st.DataObject
         fit = engine.node_fit(req)
         assert fit.rules.tolist() == expected
         assert fit.fits.tolist() == [r is None for r in expected]
+        # the mask alone (a request pinned to a few GPUs looks at those only) is the
+        # mask the explained, cluster-wide pass finds
+        fast, _, _ = engine.candidates(req, explain=False)
+        full, _, _ = engine.candidates(req)
+        assert fast.tolist() == full.tolist()
 
 
 def test_node_fit_asks_again_only_the_nodes_that_changed() -> None:
