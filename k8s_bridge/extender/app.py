@@ -13,7 +13,8 @@ paths, a root path, other methods -- goes through FastAPI as usual.
 
 Filter and prioritize are short CPU work and run on the event loop; bind talks to the
 apiserver and runs on a few threads (`BIND_THREADS`), so binds to different nodes proceed
-in parallel (as kube-scheduler's asynchronous binding cycle issues them).
+in parallel (as kube-scheduler's asynchronous binding cycle issues them). Those threads are
+scheduled as background work (`k8s_bridge.extender.background`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from pydantic import ValidationError
 
+from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -56,8 +58,11 @@ class Verbs:
         self.extender = extender
         # Binds wait on the apiserver, but every thread also competes for the GIL with the
         # event loop and the watches: a few threads keep binds parallel without the thrash.
-        # (A plain executor: its hand-off costs about 60 us of CPU, anyio's about 80.)
-        self.binders = ThreadPoolExecutor(bind_threads, thread_name_prefix="qgpu-bind")
+        # (A plain executor: its hand-off costs about 60 us of CPU, anyio's about 80.) The
+        # threads are batch work: a bind's answer does not preempt the verbs' event loop.
+        self.binders = ThreadPoolExecutor(
+            bind_threads, thread_name_prefix="qgpu-bind", initializer=as_background_thread
+        )
 
     async def filter(self, body: bytes) -> Reply:
         try:

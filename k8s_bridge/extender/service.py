@@ -40,6 +40,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 from pydantic import BaseModel, ConfigDict, Field
 
+from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -158,6 +159,7 @@ class Extender:
                     self._release_lock(lease.handle)
 
     def _watch_loop(self, kind: str, rv: str) -> None:
+        as_background_thread()  # events wait a moment rather than preempt the verbs
         while not self._stop.is_set():
             try:
                 rv = self._watch_once(kind, rv)
@@ -429,6 +431,7 @@ class Extender:
         self._releaser.start()
 
     def _release_idle_loop(self) -> None:
+        as_background_thread()
         period = max(0.01, self.cfg.lock_linger_s / 2)
         while not self._stop.wait(period):
             try:
