@@ -1,5 +1,6 @@
 """The extender's background threads (binds, watches, lock releaser) run as batch work, so
-they never preempt the event loop answering kube-scheduler; the event loop's thread does not."""
+they never preempt the event loop answering kube-scheduler; the event loop's thread does not.
+(SCHED_BATCH is Linux's, as is everything the bridge runs on.)"""
 
 from __future__ import annotations
 
@@ -17,11 +18,6 @@ from k8s_bridge.kube import Kube
 from tests.fakes.apiserver import FakeApiserver
 from tests.k8s.helpers import NAMES, publish_node, wait_until
 
-linux_only = pytest.mark.skipif(
-    not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is a Linux scheduling policy"
-)
-
-
 def _in_thread(fn: Any) -> Any:
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.append(fn()))
@@ -30,7 +26,6 @@ def _in_thread(fn: Any) -> Any:
     return out[0]
 
 
-@linux_only
 def test_only_the_calling_thread_becomes_batch_work() -> None:
     before = os.sched_getscheduler(0)
     assert _in_thread(lambda: (as_background_thread(), os.sched_getscheduler(0))) == (
@@ -40,7 +35,6 @@ def test_only_the_calling_thread_becomes_batch_work() -> None:
     assert os.sched_getscheduler(0) == before  # this thread is untouched
 
 
-@linux_only
 def test_the_bind_threads_are_batch_work() -> None:
     verbs = Verbs(extender=None, bind_threads=2)  # type: ignore[arg-type]
     try:
@@ -59,7 +53,6 @@ def test_a_refused_or_missing_policy_changes_nothing(monkeypatch: pytest.MonkeyP
     assert _in_thread(as_background_thread) is False
 
 
-@linux_only
 def test_the_watch_threads_are_batch_work(apiserver: FakeApiserver) -> None:
     publish_node(apiserver, "n0", [])
     ext = Extender(Kube(apiserver.client(), NAMES), ExtenderConfig(watch=True))
