@@ -18,6 +18,7 @@ from k8s_bridge.kube import Kube
 from tests.fakes.apiserver import FakeApiserver
 from tests.k8s.helpers import NAMES, publish_node, wait_until
 
+
 def _in_thread(fn: Any) -> Any:
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.append(fn()))
