@@ -532,41 +532,42 @@ class Engine:
         s = self.state
         need = req.gpu_count
         nodes = np.asarray(nodes, dtype=np.int64)
-        open_ = nodes[s.node_gpu_count[nodes] >= need]  # the others lack GPUs at all
+        has_enough = s.node_gpu_count[nodes] >= need
+        open_ = nodes[has_enough]  # the others lack GPUs at all
         out = np.full(len(nodes), "GPU count", dtype=object)
         if len(open_) == 0:
             return out.tolist()
+        # A node runs short at the rule where fewer than `need` of its GPUs are left: the
+        # need-th highest of its GPUs' first failing rules (all passed: it fits).
         if len(open_) == 1:  # one node (what changed since the last pod): its GPUs' range
             start, count = int(s.node_start[open_[0]]), int(s.node_gpu_count[open_[0]])
-            rules = list(self._checks(req, slice(start, start + count)))
-            first_fail = np.full(count, len(rules), dtype=np.int16)
-            for r in range(len(rules) - 1, -1, -1):
-                first_fail[~rules[r][1]] = r
-            short = int(np.sort(first_fail)[count - need])  # the need-th highest
-            out[np.flatnonzero(s.node_gpu_count[nodes] >= need)] = (
-                rules[short][0] if short < len(rules) else None
-            )
-            return out.tolist()
-        # the open nodes' GPUs, node after node: only those are looked at
-        counts = s.node_gpu_count[open_]
-        offsets = np.zeros(len(open_), dtype=np.int64)
-        np.cumsum(counts[:-1], out=offsets[1:])
-        gpus = np.repeat(s.node_start[open_] - offsets, counts) + np.arange(int(counts.sum()))
-        # each GPU's first failing rule (len(rules): passes them all) ...
+            names, first_fail = self._first_failures(req, slice(start, start + count))
+            short_at = np.sort(first_fail)[count - need : count - need + 1]
+        else:  # the open nodes' GPUs, node after node: only those are looked at
+            counts = s.node_gpu_count[open_]
+            offsets = np.zeros(len(open_), dtype=np.int64)
+            np.cumsum(counts[:-1], out=offsets[1:])
+            gpus = np.repeat(s.node_start[open_] - offsets, counts) + np.arange(int(counts.sum()))
+            names, first_fail = self._first_failures(req, gpus)
+            if need == 1:
+                short_at = np.maximum.reduceat(first_fail, offsets)
+            else:
+                order = np.lexsort((-first_fail, np.repeat(np.arange(len(open_)), counts)))
+                short_at = first_fail[order][offsets + need - 1]
+        out[np.flatnonzero(has_enough)] = names[short_at]
+        return out.tolist()
+
+    def _first_failures(
+        self, req: SliceRequest, gpus: np.ndarray | slice
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(the rule names, then None; per GPU of `gpus` the index of the first rule it
+        fails, or of that None when it passes them all)."""
         rules = list(self._checks(req, gpus))
-        first_fail = np.full(len(gpus), len(rules), dtype=np.int16)
+        first_fail = np.full(len(rules[0][1]), len(rules), dtype=np.int16)
         for r in range(len(rules) - 1, -1, -1):
             first_fail[~rules[r][1]] = r
-        # ... and a node runs short at the rule where fewer than `need` of its GPUs are
-        # left: its need-th highest first failure (all of them passed: it fits)
-        if need == 1:
-            short_at = np.maximum.reduceat(first_fail, offsets)
-        else:
-            order = np.lexsort((-first_fail, np.repeat(np.arange(len(open_)), counts)))
-            short_at = first_fail[order][offsets + need - 1]
         names = np.asarray([name for name, _ in rules] + [None], dtype=object)
-        out[np.flatnonzero(s.node_gpu_count[nodes] >= need)] = names[short_at]
-        return out.tolist()
+        return names, first_fail
 
     def decide(self, req: SliceRequest) -> Decision:
         """Choose where `req` goes; raise NoFit (with reasons) when nothing fits."""
