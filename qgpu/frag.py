@@ -85,6 +85,8 @@ Weight = Literal["demand", "count", "gpus"]
 _TIE_WEIGHT = 0.2
 _MANY = float(1 << 40)  # copies a node can feed when a type needs no host CPU/memory
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_ALL = slice(None)
+_FEW_GPUS = 64  # below this many GPUs, grouping equal states costs more than it saves
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
 HOST_WEIGHT = 16.0
@@ -132,11 +134,12 @@ class FragPolicy(Policy):
         self._t_hostmem: list[int] = []
         self._t_weight: list[int] = []
         self._arrays_version = -1
+        self._arrays_shape = (-1, -1)  # (classes, types) the type arrays were built for
         self._version = 0
         self._allowed_for: tuple[ClusterState, int] | None = None
         self._allowed = np.zeros((0, 0), dtype=bool)
         self._cache_key: tuple[ClusterState, int] | None = None
-        self._snap = np.zeros((4, 0), dtype=np.int64)
+        self._seen = np.zeros(0, dtype=np.int64)  # node_version the per-GPU copies reflect
         self._per_gpu = np.zeros((0, 0))
         self._per_node = np.zeros((0, 0))
         self._last_view: CandidateView | None = None
@@ -145,6 +148,7 @@ class FragPolicy(Policy):
         # the last `_score`: (state, what it depends on, per-GPU scores); see `_score`
         self._score_memo: tuple[ClusterState, tuple, np.ndarray] | None = None
         self._last_gpu_scores = np.zeros(0)
+        self._keys: _StateKeys | None = None
 
     # -- the request mix ------------------------------------------------------------------
 
@@ -221,42 +225,50 @@ class FragPolicy(Policy):
             out[key] = out.get(key, 0.0) + self._t_weight[t] / total
         return out
 
+    def _refresh_types(self) -> None:
+        """The arrays that describe the classes and types (not their weights)."""
+        self.k_core = np.asarray(self._k_core, dtype=np.int64)
+        self.k_mem = np.asarray(self._k_mem, dtype=np.int64)
+        self.k_count = np.asarray(self._k_count, dtype=np.int64)
+        self.k_whole = self.k_core >= WHOLE_GPU_CORE
+        self.whole_cols = np.flatnonzero(self.k_whole)
+        self.t_class = np.asarray(self._t_class, dtype=np.int64)
+        # types grouped by class (every class has at least one type)
+        self.t_by_class = np.argsort(self.t_class, kind="stable")
+        self.class_starts = np.searchsorted(
+            self.t_class[self.t_by_class], np.arange(len(self._k_core))
+        )
+        self.t_cpu = np.asarray(self._t_cpu, dtype=np.int64)
+        self.t_hostmem = np.asarray(self._t_hostmem, dtype=np.int64)
+        # 1 / need, and for types that need none of it an unlimited number of copies
+        self.t_inv_cpu = np.where(self.t_cpu > 0, 1.0 / np.maximum(self.t_cpu, 1), 0.0)
+        self.t_inv_hostmem = np.where(self.t_hostmem > 0, 1.0 / np.maximum(self.t_hostmem, 1), 0.0)
+        self.t_free_cpu = np.where(self.t_cpu > 0, 0.0, _MANY)
+        self.t_free_hostmem = np.where(self.t_hostmem > 0, 0.0, _MANY)
+        # qgpu-core one copy of a type fills: its share, or 100 x its GPU count ("fgd"
+        # counts usable core and usable whole GPUs directly, see _copies/_gpu_copies)
+        if self.measure == "fgd":
+            unit = np.where(self.k_whole, WHOLE_GPU_CORE, 1)
+        else:
+            unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
+        self.t_unit = unit[self.t_class].astype(np.float64)
+        self._arrays_shape = (len(self._k_core), len(self._t_class))
+
+    def _refresh_weights(self) -> None:
+        """What follows from the types' weights (every arrival changes them)."""
+        self.t_weight = np.asarray(self._t_weight, dtype=np.float64)
+        # the mix's average host CPU and memory per qgpu-core (the host term's rates)
+        self.total_weight = float(self.t_weight.sum())
+        core = float(self.t_weight @ self.t_unit)
+        self.cpu_per_core = float(self.t_weight @ self.t_cpu) / core if core else 0.0
+        self.hostmem_per_core = float(self.t_weight @ self.t_hostmem) / core if core else 0.0
+        self.combo_values = self._combo_values()
+
     def _refresh(self, state: ClusterState) -> None:
         if self._arrays_version != self._version:
-            self.k_core = np.asarray(self._k_core, dtype=np.int64)
-            self.k_mem = np.asarray(self._k_mem, dtype=np.int64)
-            self.k_count = np.asarray(self._k_count, dtype=np.int64)
-            self.k_whole = self.k_core >= WHOLE_GPU_CORE
-            self.whole_cols = np.flatnonzero(self.k_whole)
-            self.t_class = np.asarray(self._t_class, dtype=np.int64)
-            # types grouped by class (every class has at least one type)
-            self.t_by_class = np.argsort(self.t_class, kind="stable")
-            self.class_starts = np.searchsorted(
-                self.t_class[self.t_by_class], np.arange(len(self._k_core))
-            )
-            self.t_cpu = np.asarray(self._t_cpu, dtype=np.int64)
-            self.t_hostmem = np.asarray(self._t_hostmem, dtype=np.int64)
-            self.t_weight = np.asarray(self._t_weight, dtype=np.float64)
-            # 1 / need, and for types that need none of it an unlimited number of copies
-            self.t_inv_cpu = np.where(self.t_cpu > 0, 1.0 / np.maximum(self.t_cpu, 1), 0.0)
-            self.t_inv_hostmem = np.where(
-                self.t_hostmem > 0, 1.0 / np.maximum(self.t_hostmem, 1), 0.0
-            )
-            self.t_free_cpu = np.where(self.t_cpu > 0, 0.0, _MANY)
-            self.t_free_hostmem = np.where(self.t_hostmem > 0, 0.0, _MANY)
-            # qgpu-core one copy of a type fills: its share, or 100 x its GPU count ("fgd"
-            # counts usable core and usable whole GPUs directly, see _copies/_gpu_copies)
-            if self.measure == "fgd":
-                unit = np.where(self.k_whole, WHOLE_GPU_CORE, 1)
-            else:
-                unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
-            self.t_unit = unit[self.t_class].astype(np.float64)
-            # the mix's average host CPU and memory per qgpu-core (the host term's rates)
-            self.total_weight = float(self.t_weight.sum())
-            core = float(self.t_weight @ self.t_unit)
-            self.cpu_per_core = float(self.t_weight @ self.t_cpu) / core if core else 0.0
-            self.hostmem_per_core = float(self.t_weight @ self.t_hostmem) / core if core else 0.0
-            self.combo_values = self._combo_values()
+            if self._arrays_shape != (len(self._k_core), len(self._t_class)):
+                self._refresh_types()  # a new class or type arrived
+            self._refresh_weights()
             self._arrays_version = self._version
         # keyed on the state object itself (held, so its id cannot be reused by another);
         # classes only ever get added, so a known state only needs the new columns
@@ -282,15 +294,18 @@ class FragPolicy(Policy):
     ) -> np.ndarray:
         """Per GPU x class (classes `cls`): copies of a share class a GPU with this free
         core, memory and slice room holds ("fgd": all its free core once one copy fits)."""
-        # GPUs repeat the same few states: compute each distinct (core, memory, room) once
         room = np.clip(room, 0, 255).astype(np.int64)
-        key = (np.clip(core, -1, 1 << 20).astype(np.int64) + 1) << 28
-        key |= (np.clip(mem, -1, 1 << 19).astype(np.int64) + 1) << 8
-        key |= room
-        states, at = np.unique(key, return_inverse=True)
-        u_core = ((states >> 28) - 1)[:, None]
-        u_mem = (((states >> 8) & ((1 << 20) - 1)) - 1)[:, None]
-        u_room = (states & 255)[:, None]
+        core = np.clip(core, -1, 1 << 20).astype(np.int64)
+        mem = np.clip(mem, -1, 1 << 19).astype(np.int64)
+        at: np.ndarray | slice = _ALL
+        if len(room) <= _FEW_GPUS:  # a few GPUs (one node's): directly
+            u_core, u_mem, u_room = core[:, None], mem[:, None], room[:, None]
+        else:  # GPUs repeat the same few states: each distinct (core, memory, room) once
+            key = ((core + 1) << 28) | ((mem + 1) << 8) | room
+            states, at = np.unique(key, return_inverse=True)
+            u_core = ((states >> 28) - 1)[:, None]
+            u_mem = (((states >> 8) & ((1 << 20) - 1)) - 1)[:, None]
+            u_room = (states & 255)[:, None]
         k_core = self.k_core[None, cls]
         k_mem = self.k_mem[None, cls]
         if self.measure == "fgd":
@@ -309,14 +324,13 @@ class FragPolicy(Policy):
         return rows * self._allowed[idx][:, cls]
 
     def _usable_per_gpu(self, s: ClusterState) -> tuple[np.ndarray, np.ndarray]:
-        """(per GPU x class copies, the same summed per node), kept incrementally: only GPUs
-        whose free core / memory / slice count / health changed since the last call are
+        """(per GPU x class copies, the same summed per node), kept incrementally: only the
+        GPUs of nodes that changed since the last call (`ClusterState.node_version`) are
         recomputed (a decision touches one node)."""
         k = len(self._k_core)
-        now = np.stack([s.free_core, s.free_mem, s.slices, s.healthy]).astype(np.int64)
         if self._cache_key is None or self._cache_key[0] is not s:
             self._cache_key = (s, k)
-            self._snap = now
+            self._seen = s.node_version.copy()
             self._per_gpu = self._rows(s, np.arange(s.gpu_total))
             self._per_node = _sum_per_node(s, self._per_gpu)
             self._snap_version = s.version
@@ -329,12 +343,14 @@ class FragPolicy(Policy):
             self._per_gpu = np.concatenate([self._per_gpu, new], axis=1)
             self._per_node = np.concatenate([self._per_node, _sum_per_node(s, new)], axis=1)
             self._cache_key = (s, k)
-        changed = np.flatnonzero(np.any(now != self._snap, axis=0))
-        if len(changed):
+        nodes = np.flatnonzero(s.node_version != self._seen)
+        if len(nodes):
+            changed = s.gpus_of(nodes)
             rows = self._rows(s, changed)
+            # (a GPU of a changed node that did not change itself adds exactly 0)
             np.add.at(self._per_node, s.gpu_node[changed], rows - self._per_gpu[changed])
             self._per_gpu[changed] = rows
-            self._snap[:, changed] = now[:, changed]
+            self._seen[nodes] = s.node_version[nodes]
         self._snap_version = s.version
         return self._per_gpu, self._per_node
 
@@ -414,7 +430,7 @@ class FragPolicy(Policy):
         self._refresh(s)
         per_gpu, per_node = self._usable_per_gpu(s)
         # score each distinct (node state, GPU state) once
-        reps, inverse, gpu_key = _distinct(s, cand)
+        reps, inverse, gpu_key = self._state_keys(s).distinct(cand)
         g = cand[reps]
         n = s.gpu_node[g]
         nodes, at = np.unique(n, return_inverse=True)  # host terms are per node
@@ -480,16 +496,17 @@ class FragPolicy(Policy):
         for t, k in enumerate(self._t_class):
             c = min(self._k_core[k], WHOLE_GPU_CORE)
             weight_of[c] = weight_of.get(c, 0.0) + self._t_weight[t]
-        cores = sorted(weight_of)
-        p = [weight_of[c] / total for c in cores]
+        pairs = [(c, weight_of[c] / total) for c in sorted(weight_of)]
         e = [0.0] * (WHOLE_GPU_CORE + 1)  # Python floats: a tenth of numpy scalars' cost
-        for x in range(1, WHOLE_GPU_CORE + 1):
-            v = 0.0
-            for c, pc in zip(cores, p, strict=True):
-                if c > x:
-                    break
-                v += pc * (c + e[x - c])
-            e[x] = v
+        # x from one core size up to the next: the same types fit, smallest core first
+        for i, (start, _) in enumerate(pairs):
+            fit = pairs[: i + 1]
+            end = pairs[i + 1][0] if i + 1 < len(pairs) else WHOLE_GPU_CORE + 1
+            for x in range(start, end):
+                v = 0.0
+                for c, pc in fit:
+                    v += pc * (c + e[x - c])
+                e[x] = v
         values[:] = e
         return values
 
@@ -522,6 +539,14 @@ class FragPolicy(Policy):
         return -self.host_weight * self.total_weight * (drop - core)
 
     # -- Policy interface -----------------------------------------------------------------
+
+    def _state_keys(self, s: ClusterState) -> _StateKeys:
+        """The GPU and node state keys of `s`, brought up to date (only changed nodes)."""
+        if self._keys is None or self._keys.state is not s:
+            self._keys = _StateKeys(s)
+        else:
+            self._keys.update()
+        return self._keys
 
     def node_scores(self, view: CandidateView) -> np.ndarray:
         per_gpu = self._score(view)
@@ -558,7 +583,7 @@ class FragPolicy(Policy):
         _, per_node = self._usable_per_gpu(s)
         # score each distinct node state once
         _, reps, inverse = np.unique(
-            _node_hash(s, _gpu_hash(s))[view.node_ids], return_index=True, return_inverse=True
+            self._state_keys(s).node_hash[view.node_ids], return_index=True, return_inverse=True
         )
         ids = view.node_ids[reps]
         gpu_copies = self._gpu_copies(per_node[ids])
@@ -586,42 +611,78 @@ def _mixed(values: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _gpu_hash(s: ClusterState) -> np.ndarray:
-    """Per GPU: a key of its state (model, card memory, free core, free memory, slice count,
-    slice limit, health)."""
+def _gpu_hash(s: ClusterState, gpus: np.ndarray | slice = _ALL) -> np.ndarray:
+    """Per GPU (of `gpus`): a key of its state (model, card memory, free core, free memory,
+    slice count, slice limit, health)."""
     key = (
-        s.free_core.astype(np.uint64)
-        | (s.free_mem.astype(np.uint64) << np.uint64(8))
-        | (s.slices.astype(np.uint64) << np.uint64(24))
-        | (s.max_slices.astype(np.uint64) << np.uint64(32))
-        | (s.healthy.astype(np.uint64) << np.uint64(40))
-        | (s.gpu_model.astype(np.uint64) << np.uint64(41))
+        s.free_core[gpus].astype(np.uint64)
+        | (s.free_mem[gpus].astype(np.uint64) << np.uint64(8))
+        | (s.slices[gpus].astype(np.uint64) << np.uint64(24))
+        | (s.max_slices[gpus].astype(np.uint64) << np.uint64(32))
+        | (s.healthy[gpus].astype(np.uint64) << np.uint64(40))
+        | (s.gpu_model[gpus].astype(np.uint64) << np.uint64(41))
     )
-    return key ^ _mixed(s.cap_mem.astype(np.uint64) + np.uint64(1 << 20))
+    return key ^ _mixed(s.cap_mem[gpus].astype(np.uint64) + np.uint64(1 << 20))
 
 
 def _node_hash(s: ClusterState, gpu_key: np.ndarray) -> np.ndarray:
-    """Per node: a hash of the multiset of its GPU states and its free host CPU and memory."""
+    """Per node: a hash of the multiset of its GPU states and its free host CPU and memory
+    (sums wrap modulo 2**64, so a node's sum is the same however it is taken)."""
     h = _mixed(gpu_key)
     csum = np.zeros(len(h) + 1, dtype=np.uint64)
     np.cumsum(h, out=csum[1:])
     node_hash = csum[s.node_start + s.node_gpu_count] - csum[s.node_start]
-    node_hash ^= _mixed(s.node_free_cpu.astype(np.uint64) + np.uint64(3))
-    node_hash += _mixed(_mixed(s.node_free_hostmem.astype(np.uint64) + np.uint64(7)))
-    return node_hash
+    return _with_host(s, node_hash, _ALL)
 
 
-def _distinct(s: ClusterState, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Indices into `cand` of one GPU per distinct (node state, GPU state), lowest first;
-    for each candidate the index of its representative; and every GPU's state key.
+def _with_host(s: ClusterState, gpu_sum: np.ndarray, nodes: np.ndarray | slice) -> np.ndarray:
+    gpu_sum ^= _mixed(s.node_free_cpu[nodes].astype(np.uint64) + np.uint64(3))
+    gpu_sum += _mixed(_mixed(s.node_free_hostmem[nodes].astype(np.uint64) + np.uint64(7)))
+    return gpu_sum
+
+
+def _full_key(gpu_key: np.ndarray, node_hash_of_gpu: np.ndarray) -> np.ndarray:
+    return _mixed(node_hash_of_gpu ^ gpu_key) ^ _mixed(gpu_key)
+
+
+class _StateKeys:
+    """Per GPU its state key, per node its hash, and per GPU the (node, GPU) key that tells
+    equal candidates apart, for one `ClusterState`: computed once, then only for the nodes
+    whose `node_version` moved.
 
     Keys are 64-bit hashes: a collision (never seen, ~2**-64 per pair) would only give one
     candidate another's score, never an infeasible placement (the engine filters those)."""
-    gpu_key = _gpu_hash(s)
-    node_hash = _node_hash(s, gpu_key)
-    key = _mixed(node_hash[s.gpu_node[cand]] ^ gpu_key[cand]) ^ _mixed(gpu_key[cand])
-    _, reps, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return reps, inverse, gpu_key
+
+    def __init__(self, s: ClusterState) -> None:
+        self.state = s
+        self.seen = s.node_version.copy()
+        self.gpu_key = _gpu_hash(s)
+        self.node_hash = _node_hash(s, self.gpu_key)
+        self.key = _full_key(self.gpu_key, self.node_hash[s.gpu_node])
+
+    def update(self) -> None:
+        s = self.state
+        nodes = np.flatnonzero(s.node_version != self.seen)
+        if len(nodes) == 0:
+            return
+        gpus = s.gpus_of(nodes)
+        self.gpu_key[gpus] = _gpu_hash(s, gpus)
+        h = _mixed(self.gpu_key[gpus])
+        counts = s.node_gpu_count[nodes]
+        sums = np.zeros(len(nodes), dtype=np.uint64)
+        has = counts > 0
+        if has.any():
+            offsets = np.concatenate(([0], np.cumsum(counts[has])[:-1]))
+            sums[has] = np.add.reduceat(h, offsets)
+        self.node_hash[nodes] = _with_host(s, sums, nodes)
+        self.key[gpus] = _full_key(self.gpu_key[gpus], self.node_hash[s.gpu_node[gpus]])
+        self.seen[nodes] = s.node_version[nodes]
+
+    def distinct(self, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Indices into `cand` of one GPU per distinct (node state, GPU state), lowest
+        first; for each candidate the index of its representative; every GPU's state key."""
+        _, reps, inverse = np.unique(self.key[cand], return_index=True, return_inverse=True)
+        return reps, inverse, self.gpu_key
 
 
 register_policy(PlacementPolicy.FRAG, FragPolicy)

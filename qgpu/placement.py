@@ -132,6 +132,13 @@ class ClusterState:
     def gpu_total(self) -> int:
         return len(self.gpus)
 
+    def gpus_of(self, nodes: np.ndarray) -> np.ndarray:
+        """The GPU indices of these nodes, node after node."""
+        counts = self.node_gpu_count[nodes]
+        offsets = np.zeros(len(counts), dtype=np.int64)
+        np.cumsum(counts[:-1], out=offsets[1:])
+        return np.repeat(self.node_start[nodes] - offsets, counts) + np.arange(int(counts.sum()))
+
     def model_mask(self, names: tuple[str, ...]) -> np.ndarray | None:
         """Boolean mask of GPUs whose model matches the constraint (None = any)."""
         if not names:

@@ -3,6 +3,7 @@ optimality of its choice under its documented measure, and that every entry poin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -456,3 +457,48 @@ def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes
     policy.observe(share(60))
     assert np.array_equal(scores(policy, ["y"]), afresh(["y"]))
     assert policy._score_memo is not memo  # the mix changed: computed again
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed):
+    """A policy that has followed the cluster through placements, releases, host-only work,
+    new arrivals and a direct write (`touch`) scores exactly as one that computes everything
+    afresh: the per-GPU copies and state keys it updates only for changed nodes, and the mix
+    tables it rebuilds only for new request types, are never stale. 30 nodes of up to 4
+    GPUs: more GPUs than the small-set shortcut covers, and single nodes that it does."""
+    rng = random.Random(seed)
+    nodes = [
+        node(f"n{i}", rng.choice([1, 2, 4]), cpu_milli=rng.choice([8000, 16000])) for i in range(30)
+    ]
+    state = ClusterState(nodes)
+    kept = FragPolicy()
+    engine = Engine(state, kept)
+    arrivals: list[SliceRequest] = []
+    kinds = [share(10), share(25), share(30, cpu=2000), share(50), share(60), WHOLE]
+    for step in range(40):
+        roll = rng.random()
+        if roll < 0.15 and state.held:
+            state.release(rng.choice(sorted(state.held)))
+        elif roll < 0.2:
+            with contextlib.suppress(NoFit, ValueError):
+                engine.place_host(f"h{step}", 1000, 1024)
+        elif roll < 0.23:
+            g = rng.randrange(state.gpu_total)
+            if state.slices[g] == 0:
+                state.free_core[g] = 100  # a direct writer (qgpu_ray's view) ...
+                state.touch()  # ... says so
+        else:
+            req = rng.choice(kinds)
+            arrivals.append(req)
+            with contextlib.suppress(NoFit):
+                engine.place(f"s{step}", req)
+        req = rng.choice(kinds)
+        fresh = FragPolicy()
+        for a in arrivals:
+            fresh.observe(a)
+        mask, memory, _ = engine.candidates(req)
+        for ids in (np.arange(len(nodes)), np.asarray([rng.randrange(len(nodes))])):
+            view = CandidateView(state, req, mask, req.core_per_gpu, memory, ids)
+            assert np.array_equal(kept.node_scores(view), fresh.node_scores(view))
+        if kept._k_core:
+            assert kept.combo_values.tolist() == fresh.combo_values.tolist()
