@@ -345,7 +345,7 @@ class FragPolicy(Policy):
             self._cache_key = (s, k)
         nodes = np.flatnonzero(s.node_version != self._seen)
         if len(nodes):
-            changed = s.gpus_of(nodes)
+            changed, _ = s.gpus_of(nodes)
             rows = self._rows(s, changed)
             # (a GPU of a changed node that did not change itself adds exactly 0)
             np.add.at(self._per_node, s.gpu_node[changed], rows - self._per_gpu[changed])
@@ -665,15 +665,13 @@ class _StateKeys:
         nodes = np.flatnonzero(s.node_version != self.seen)
         if len(nodes) == 0:
             return
-        gpus = s.gpus_of(nodes)
+        gpus, offsets = s.gpus_of(nodes)
         self.gpu_key[gpus] = _gpu_hash(s, gpus)
         h = _mixed(self.gpu_key[gpus])
-        counts = s.node_gpu_count[nodes]
         sums = np.zeros(len(nodes), dtype=np.uint64)
-        has = counts > 0
+        has = s.node_gpu_count[nodes] > 0  # (reduceat cannot sum an empty node)
         if has.any():
-            offsets = np.concatenate(([0], np.cumsum(counts[has])[:-1]))
-            sums[has] = np.add.reduceat(h, offsets)
+            sums[has] = np.add.reduceat(h, offsets[has])
         self.node_hash[nodes] = _with_host(s, sums, nodes)
         self.key[gpus] = _full_key(self.gpu_key[gpus], self.node_hash[s.gpu_node[gpus]])
         self.seen[nodes] = s.node_version[nodes]

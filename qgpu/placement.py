@@ -132,12 +132,14 @@ class ClusterState:
     def gpu_total(self) -> int:
         return len(self.gpus)
 
-    def gpus_of(self, nodes: np.ndarray) -> np.ndarray:
-        """The GPU indices of these nodes, node after node."""
+    def gpus_of(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the GPU indices of these nodes, node after node; where each node's GPUs start
+        in that array)."""
         counts = self.node_gpu_count[nodes]
         offsets = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(counts[:-1], out=offsets[1:])
-        return np.repeat(self.node_start[nodes] - offsets, counts) + np.arange(int(counts.sum()))
+        gpus = np.repeat(self.node_start[nodes] - offsets, counts) + np.arange(int(counts.sum()))
+        return gpus, offsets
 
     def model_mask(self, names: tuple[str, ...]) -> np.ndarray | None:
         """Boolean mask of GPUs whose model matches the constraint (None = any)."""
@@ -552,9 +554,7 @@ class Engine:
             short_at = np.sort(first_fail)[count - need : count - need + 1]
         else:  # the open nodes' GPUs, node after node: only those are looked at
             counts = s.node_gpu_count[open_]
-            offsets = np.zeros(len(open_), dtype=np.int64)
-            np.cumsum(counts[:-1], out=offsets[1:])
-            gpus = np.repeat(s.node_start[open_] - offsets, counts) + np.arange(int(counts.sum()))
+            gpus, offsets = s.gpus_of(open_)
             names, first_fail = self._first_failures(req, gpus)
             if need == 1:
                 short_at = np.maximum.reduceat(first_fail, offsets)
