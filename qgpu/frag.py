@@ -38,11 +38,14 @@ harmless to the CPU-light types that could still use the GPUs, yet the mix as a 
 no longer fill them (on the Alibaba trace: 60 of ~285 idle GPUs were behind exhausted host
 CPU at the end, 8 with the host term).
 
-A **lookahead over combinations** (``combo_weight``, fill measure only) adds, for the GPU a
-share goes to, the change of ``E(free core)``: what later arrivals of the mix, each taking
-the GPU when it fits, are expected to fill into its gap (`_combo_values`). The per-type
-copies value each type alone; E also sees that a 50% gap takes 25 + 25 exactly while a 30%
-gap takes one slice and wastes the rest.
+**Gap values** (``gap_weight``, fill measure only) add, for the GPU a share goes to, the
+change of the value ``V(free core)`` of its gap: the share sizes of the mix are priced by the
+linear program of packing the mix into GPUs (`qgpu.gap_prices`), and ``V(x)`` is the best
+sum of the sizes' values that fits into ``x``. The per-type copies value each type alone;
+``V`` sees which gaps the mix as a whole closes well: beside a 65% share a 35% gap is
+worth all of a 32% share, beside a 47% one a 53% gap is worth only what another 47% fills,
+and a lone 81% leaves 19% that almost nothing closes -- so a 32% share goes to the 65, and
+GPUs fill with the combinations that waste least when the cluster runs full.
 
 Request types weigh by how often they arrived (``weight="count"``, the paper's popularity);
 ``"demand"`` (arrivals x qgpu-core) and ``"gpus"`` (arrivals x GPU count) are there for
@@ -63,6 +66,7 @@ from typing import Literal
 
 import numpy as np
 
+from qgpu.gap_prices import GapPrices, price_gaps
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
 from qgpu.placement import (
     CandidateView,
@@ -90,9 +94,12 @@ _FEW_GPUS = 64  # below this many GPUs, grouping equal states costs more than it
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
 HOST_WEIGHT = 16.0
-# how much the lookahead over combinations (`_combo_values`) counts, fill measure only
-# (measured on the Alibaba trace: 3 to 30 gain alike, a few hundredths of a point)
-COMBO_WEIGHT = 6.0
+# how much a qgpu-core of gap value (`qgpu.gap_prices`) counts, fill measure only (measured
+# on the Alibaba traces: 6 gains most of it, 30 and more all of it; see docs/placement.md)
+GAP_WEIGHT = 30.0
+# the mix is priced again when its proportions (by share size and whole-GPU count) have
+# moved this far (L1) since they were last priced, or a new size arrives
+REPRICE_DRIFT = 0.05
 
 
 class FragPolicy(Policy):
@@ -105,11 +112,11 @@ class FragPolicy(Policy):
         measure: Measure = "fill",
         weight: Weight = "count",
         host_weight: float | None = None,
-        combo_weight: float | None = None,
+        gap_weight: float | None = None,
     ) -> None:
         if measure not in ("fill", "fgd") or weight not in ("demand", "count", "gpus"):
             raise ValueError(f"unknown frag settings measure={measure!r} weight={weight!r}")
-        for name, value in (("host_weight", host_weight), ("combo_weight", combo_weight)):
+        for name, value in (("host_weight", host_weight), ("gap_weight", gap_weight)):
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
         self.measure: Measure = measure
@@ -118,9 +125,15 @@ class FragPolicy(Policy):
         if host_weight is None:
             host_weight = HOST_WEIGHT if measure == "fill" else 0.0
         self.host_weight = float(host_weight)
-        if combo_weight is None:
-            combo_weight = COMBO_WEIGHT if measure == "fill" else 0.0
-        self.combo_weight = float(combo_weight)
+        if gap_weight is None:
+            gap_weight = GAP_WEIGHT if measure == "fill" else 0.0
+        self.gap_weight = float(gap_weight)
+        # the priced mix (gap values), and the mix and slice limit it was priced for
+        self.prices: GapPrices | None = None
+        self._priced_mix: dict[int, float] = {}
+        self._priced_slots = 0
+        self._size_mix: tuple[int, dict[int, float]] = (-1, {})
+        self._slots_for: tuple[ClusterState | None, int] = (None, 0)
         # request classes: what a GPU must offer (core and memory per GPU, count, models)
         self._class_index: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
         self._k_core: list[int] = []
@@ -262,7 +275,6 @@ class FragPolicy(Policy):
         core = float(self.t_weight @ self.t_unit)
         self.cpu_per_core = float(self.t_weight @ self.t_cpu) / core if core else 0.0
         self.hostmem_per_core = float(self.t_weight @ self.t_hostmem) / core if core else 0.0
-        self.combo_values = self._combo_values()
 
     def _refresh(self, state: ClusterState) -> None:
         if self._arrays_version != self._version:
@@ -470,45 +482,54 @@ class FragPolicy(Policy):
             d = drop[:, self.t_class[tight]]
             lost += np.where(short < 0, np.maximum(short + d, 0.0), 0.0) @ values[tight]
         out[cand] = (host_only[at] - lost - before[at])[inverse]
-        if self.combo_weight and view.core < WHOLE_GPU_CORE:
-            # the lookahead over combinations: what the GPU's gap is still worth afterwards
+        if self.gap_weight and view.core < WHOLE_GPU_CORE:
+            # gap values: what the GPU's gap is worth afterwards, less what it was worth
             free = s.free_core[cand]
-            values = self.combo_values
+            values = self.gap_values(s)
             out[cand] += (
-                self.combo_weight
-                * self.total_weight
-                * (values[free - view.core] + view.core - values[free])
+                self.gap_weight * self.total_weight * (values[free - view.core] - values[free])
             )
         self._score_memo = (s, depends, out)
         return out
 
-    def _combo_values(self) -> np.ndarray:
-        """E[x], x = 0..100: the qgpu-core later requests fill into one GPU with x% free if
-        each arrival of the mix takes it when it fits, until one does not:
-        ``E[x] = sum over types with core c <= x of p(type) x (c + E[x - c])`` (whole-GPU
-        types count as c = 100). Unlike the per-type copies it values combinations (a 47%
-        gap beside a 53% one is worth more than two 23% gaps when 47s are common)."""
-        values = np.zeros(WHOLE_GPU_CORE + 1)
-        total = self.total_weight
-        if total <= 0:
-            return values
-        weight_of: dict[int, float] = {}
-        for t, k in enumerate(self._t_class):
-            c = min(self._k_core[k], WHOLE_GPU_CORE)
-            weight_of[c] = weight_of.get(c, 0.0) + self._t_weight[t]
-        pairs = [(c, weight_of[c] / total) for c in sorted(weight_of)]
-        e = [0.0] * (WHOLE_GPU_CORE + 1)  # Python floats: a tenth of numpy scalars' cost
-        # x from one core size up to the next: the same types fit, smallest core first
-        for i, (start, _) in enumerate(pairs):
-            fit = pairs[: i + 1]
-            end = pairs[i + 1][0] if i + 1 < len(pairs) else WHOLE_GPU_CORE + 1
-            for x in range(start, end):
-                v = 0.0
-                for c, pc in fit:
-                    v += pc * (c + e[x - c])
-                e[x] = v
-        values[:] = e
-        return values
+    def gap_values(self, state: ClusterState) -> np.ndarray:
+        """V[x], x = 0..100: what a gap of x free qgpu-core is worth to the mix
+        (`qgpu.gap_prices`), priced again when the mix has moved (`REPRICE_DRIFT`), a new
+        share size or GPU count arrived, or the cluster's typical slice limit differs."""
+        mix = self._mix_by_size()
+        slots = self._typical_slots(state)
+        prices = self.prices
+        if (
+            prices is None
+            or slots != self._priced_slots
+            or mix.keys() != self._priced_mix.keys()
+            or sum(abs(p - self._priced_mix[k]) for k, p in mix.items()) > REPRICE_DRIFT
+        ):
+            shares = {k: p for k, p in mix.items() if k > 0}
+            whole = {-k: p for k, p in mix.items() if k < 0}
+            prices = self.prices = price_gaps(shares, whole, slots)
+            self._priced_mix = mix
+            self._priced_slots = slots
+        return prices.values
+
+    def _mix_by_size(self) -> dict[int, float]:
+        """The mix's proportions by share core (> 0) and by whole-GPU count (as -count)."""
+        if self._size_mix[0] != self._version:
+            weights: dict[int, float] = {}
+            for t, k in enumerate(self._t_class):
+                core = self._k_core[k]
+                key = core if core < WHOLE_GPU_CORE else -self._k_count[k]
+                weights[key] = weights.get(key, 0.0) + self._t_weight[t]
+            total = sum(weights.values()) or 1.0
+            self._size_mix = (self._version, {k: w / total for k, w in weights.items()})
+        return self._size_mix[1]
+
+    def _typical_slots(self, state: ClusterState) -> int:
+        """The slice limit of the cluster's typical GPU (the median), for the patterns."""
+        if self._slots_for[0] is not state:
+            slots = int(np.median(state.max_slices)) if state.gpu_total else 1
+            self._slots_for = (state, max(1, slots))
+        return self._slots_for[1]
 
     def _aggregate(
         self, s: ClusterState, ids: np.ndarray, core: int, cpu: int, hostmem: int

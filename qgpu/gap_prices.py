@@ -1,0 +1,188 @@
+"""What a GPU's free gap is worth to the request mix: share sizes priced by the linear
+program of packing the mix into GPUs (frag's lookahead, `qgpu.frag`).
+
+Owns `GapPrices` and `price_gaps`. The linear program is the textbook relaxation of bin
+packing (Gilmore-Gomory): a *pattern* is a set of shares that fit one GPU together (core
+adds up to at most 100, at most `max_items` slices); choose how many GPUs get each pattern,
+and how many whole-GPU requests run, so that as much GPU core as possible is filled, given
+how often each request arrives and how many GPUs there are. Its dual prices every share
+size: a share of core ``c`` has price ``pi(c)`` (how much the mix loses when one fewer share
+of that size arrives) and a GPU has value ``mu`` (what one more GPU would fill). A share's
+*reduced value* is ``c - pi(c)``: what it is worth beside the others. Every pattern's reduced
+values add up to at most ``mu``, and the patterns the optimum uses add up to exactly ``mu``.
+
+The value of a gap of ``x`` free qgpu-core is then ``V(x)``, the best sum of reduced values
+that fits into ``x``: a gap the mix can close exactly is worth its size, a gap only rare
+sizes can close is worth little. Placing a share of core ``c`` into a gap ``x`` loses
+``V(x) - V(x - c) - (c - pi(c))`` (never negative), which frag adds to its score.
+
+The mix is priced *just beyond the point where the GPUs run out*: the GPU count is set to
+``(1 - BEYOND)`` of the mix's total demand in GPUs, so that some request has to be left out
+and the prices say which leaving-out costs least (on the Alibaba traces: lone 81% shares,
+``mu`` = 81). Below that point every request fits, every price is the size itself and every
+gap is worth 0; far beyond it only the best patterns are used and rare sizes look common.
+Only the mix's proportions matter, not its scale or the cluster's size.
+
+The LP is solved by column generation with HiGHS (`scipy.optimize.linprog`): start from
+single-size patterns, add the pattern of highest reduced value (a small knapsack over core
+and slice count) while it beats ``mu``, and stop when none does (then the prices are optimal
+for all patterns, not only the generated ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import linprog
+
+from qgpu.model import WHOLE_GPU_CORE
+
+# how far beyond the mix's total demand in GPUs the priced cluster is short (see above)
+BEYOND = 0.02
+# prices are rounded to this many decimals: equal inputs give equal prices on any platform
+_DECIMALS = 6
+_MAX_ROUNDS = 1000  # column generation stops long before this (one pattern per round)
+_EPS = 1e-7
+
+
+@dataclass(frozen=True)
+class GapPrices:
+    """The priced mix: per share size its price and reduced value, the value of one GPU
+    (`gpu_value`, the dual ``mu``) and the value of every gap (`values[x]`, x = 0..100)."""
+
+    price: Mapping[int, float]
+    reduced: Mapping[int, float]
+    gpu_value: float
+    values: np.ndarray
+    patterns: int  # how many patterns the column generation needed
+    filled: float  # qgpu-core the optimum fills per GPU (the LP's objective / GPUs)
+
+
+def price_gaps(
+    shares: Mapping[int, float],
+    whole: Mapping[int, float],
+    max_items: int,
+    beyond: float = BEYOND,
+) -> GapPrices:
+    """Price the mix: `shares` maps a share's core (1..99) to how often it arrives, `whole`
+    a whole-GPU request's GPU count to how often it arrives; a GPU holds at most `max_items`
+    shares. Weights need not add up to anything; only their proportions matter."""
+    sizes = sorted(c for c, w in shares.items() if w > 0)
+    for c in sizes:
+        if not 1 <= c < WHOLE_GPU_CORE:
+            raise ValueError(f"share core must be 1..99, got {c}")
+    counts = sorted(k for k, w in whole.items() if w > 0)
+    if max_items < 1:
+        raise ValueError(f"max_items must be >= 1, got {max_items}")
+    if not 0 < beyond < 1:
+        raise ValueError(f"beyond must be between 0 and 1, got {beyond}")
+    if not sizes:
+        return GapPrices({}, {}, 0.0, np.zeros(WHOLE_GPU_CORE + 1), 0, 0.0)
+    total = sum(shares[c] for c in sizes) + sum(whole[k] for k in counts)
+    demand = np.array([shares[c] / total for c in sizes])
+    whole_demand = np.array([whole[k] / total for k in counts])
+    volume = float(demand @ sizes) + WHOLE_GPU_CORE * float(whole_demand @ counts)
+    gpus = (1 - beyond) * volume / WHOLE_GPU_CORE
+
+    size_arr = np.asarray(sizes, dtype=np.int64)
+    columns = [_single(i, c, max_items, len(sizes)) for i, c in enumerate(sizes)]
+    seen = {tuple(col) for col in columns}
+    for _ in range(_MAX_ROUNDS):
+        price, gpu_value, filled = _solve(columns, size_arr, demand, counts, whole_demand, gpus)
+        reduced = size_arr - price
+        best, pattern = _best_pattern(reduced, size_arr, max_items)
+        if best <= gpu_value + _EPS or tuple(pattern) in seen:
+            break
+        columns.append(pattern)
+        seen.add(tuple(pattern))
+    price = np.round(price, _DECIMALS)
+    reduced = np.round(size_arr - price, _DECIMALS)
+    values = _gap_values(reduced, size_arr, max_items)
+    return GapPrices(
+        price={c: float(p) for c, p in zip(sizes, price, strict=True)},
+        reduced={c: float(r) for c, r in zip(sizes, reduced, strict=True)},
+        gpu_value=round(gpu_value, _DECIMALS),
+        values=values,
+        patterns=len(columns),
+        filled=filled / gpus,
+    )
+
+
+def _single(i: int, core: int, max_items: int, n: int) -> np.ndarray:
+    col = np.zeros(n, dtype=np.int64)
+    col[i] = min(max_items, WHOLE_GPU_CORE // core)
+    return col
+
+
+def _solve(
+    columns: list[np.ndarray],
+    sizes: np.ndarray,
+    demand: np.ndarray,
+    counts: list[int],
+    whole_demand: np.ndarray,
+    gpus: float,
+) -> tuple[np.ndarray, float, float]:
+    """The restricted LP over `columns`: (price per size, value of a GPU, core filled)."""
+    patterns = np.stack(columns, axis=1)  # sizes x patterns
+    n_pat, n_whole = patterns.shape[1], len(counts)
+    fill = np.concatenate([sizes @ patterns, WHOLE_GPU_CORE * np.asarray(counts, dtype=float)])
+    a_ub = np.zeros((len(sizes) + 1, n_pat + n_whole))
+    a_ub[: len(sizes), :n_pat] = patterns
+    a_ub[-1, :n_pat] = 1.0
+    a_ub[-1, n_pat:] = counts
+    b_ub = np.concatenate([demand, [gpus]])
+    bounds = [(0, None)] * n_pat + [(0, float(w)) for w in whole_demand]
+    res = linprog(-fill, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    if res.status != 0:  # cannot happen for this LP (x = 0 is feasible, fill is bounded)
+        raise RuntimeError(f"pricing the request mix failed: {res.message}")
+    duals = -np.asarray(res.ineqlin.marginals)
+    return np.maximum(duals[:-1], 0.0), max(float(duals[-1]), 0.0), float(-res.fun)
+
+
+def _knapsack(
+    reduced: np.ndarray, sizes: np.ndarray, max_items: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """value[j, x]: the highest sum of reduced values of exactly j shares whose core adds up
+    to exactly x (-inf: none), over shares of positive reduced value; choice[j, x]: the
+    index of the size added last to reach it."""
+    width = WHOLE_GPU_CORE + 1
+    value = np.full((max_items + 1, width), -np.inf)
+    value[0, 0] = 0.0
+    choice = np.full((max_items + 1, width), -1, dtype=np.int64)
+    for j in range(1, max_items + 1):
+        for i, (c, v) in enumerate(zip(sizes.tolist(), reduced.tolist(), strict=True)):
+            if v <= 0:
+                continue
+            cand = value[j - 1, : width - c] + v
+            better = cand > value[j, c:] + 1e-12
+            value[j, c:] = np.where(better, cand, value[j, c:])
+            choice[j, c:] = np.where(better, i, choice[j, c:])
+    return value, choice
+
+
+def _best_pattern(
+    reduced: np.ndarray, sizes: np.ndarray, max_items: int
+) -> tuple[float, np.ndarray]:
+    """The pattern of highest total reduced value (the column generation's pricing step)."""
+    value, choice = _knapsack(reduced, sizes, max_items)
+    j, x = (int(a) for a in np.unravel_index(int(np.argmax(value)), value.shape))
+    pattern = np.zeros(len(sizes), dtype=np.int64)
+    best = float(value[j, x])
+    while j > 0:
+        i = int(choice[j, x])
+        pattern[i] += 1
+        x -= int(sizes[i])
+        j -= 1
+    return best, pattern
+
+
+def _gap_values(reduced: np.ndarray, sizes: np.ndarray, max_items: int) -> np.ndarray:
+    """V[x], x = 0..100: the best sum of reduced values of at most `max_items` shares that
+    fit into x free qgpu-core."""
+    value, _ = _knapsack(reduced, sizes, max_items)
+    return np.maximum.accumulate(value.max(axis=0))
+
+
+__all__ = ["BEYOND", "GapPrices", "price_gaps"]
