@@ -4,6 +4,7 @@ optimality of its choice under its documented measure, and that every entry poin
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
+from qgpu import frag as frag_module
 from qgpu.cli import main as cli_main
 from qgpu.errors import NoFit
 from qgpu.frag import FragPolicy
@@ -201,40 +203,83 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
     assert placed[None] == ("rich", 4)
 
 
-def test_host_and_combo_terms_are_frag_only_and_validated():
-    assert FragPolicy().host_weight > 0 and FragPolicy().combo_weight > 0
+def test_host_and_gap_terms_are_frag_only_and_validated():
+    assert FragPolicy().host_weight > 0 and FragPolicy().gap_weight > 0
     fgd = FragPolicy(measure="fgd")  # the paper's measure stays as published
-    assert fgd.host_weight == 0 and fgd.combo_weight == 0
+    assert fgd.host_weight == 0 and fgd.gap_weight == 0
     assert FragPolicy(measure="fgd", host_weight=2).host_weight == 2
     with pytest.raises(ValueError, match="host_weight"):
         FragPolicy(host_weight=-1)
-    with pytest.raises(ValueError, match="combo_weight"):
-        FragPolicy(combo_weight=-1)
+    with pytest.raises(ValueError, match="gap_weight"):
+        FragPolicy(gap_weight=-1)
 
 
-def test_lookahead_keeps_the_gap_the_mix_fills_exactly():
-    # Mix: 20% and 25% slices, one each (p = 1/2). g0 holds a 50% slice (50 free), g1 is
-    # empty. For a 20% slice the per-type copies tie: on g0 (50 -> 30) the 20 type goes
-    # from 2 copies to 1 and the 25 type from 2 to 1; on g1 (100 -> 80) from 5 to 4 and 4
-    # to 3; 45 lost either way, so without the lookahead binpack's tie-break takes g0.
-    # The lookahead E(x) (what arrivals of the mix fill into x% free) sees that 50 takes
-    # 25 + 25 exactly while 30 takes one slice and wastes the rest: E(30) = 22.5,
-    # E(50) = 1/2 (20 + E(30)) + 1/2 (25 + E(25)) = 45, so g0 loses 22.5; g1 loses
-    # E(100) - E(80) = 21.875. frag takes g1.
+def test_gap_values_keep_the_gap_a_larger_share_closes():
+    # Mix: 65%, 32% and 81% slices, one each (memory never binds: 1 GiB each). g1 holds a
+    # 32% slice (68 free), g0 is empty, and a 32% slice arrives.
+    # Per-type copies alone: on g1 (68 -> 36) the 65 type loses its copy and the 32 type one
+    # of two (97 lost); on g0 (100 -> 68) the 81 type loses its copy and the 32 type one of
+    # three (113 lost). So without gap values frag pairs the two 32s (like binpack).
+    # Gap values: packing the mix into GPUs that run short, the LP fills GPUs with 65 + 32
+    # and leaves the 81s out (a lone 81 fills least), so a GPU is worth 81, a 65 is worth 65
+    # and a 32 only 16 (65 + 16 = 81; 32 + 32 + 32 would be 48). V(68) = 65, V(36) = 16,
+    # V(100) = 81: g1 loses 65 - 16 = 49 of gap value, g0 only 81 - 65 = 16. With the gap
+    # term (x 30 x the total weight 3) frag opens g0 and keeps g1's gap for a 65.
+    def slice_of(core: int) -> SliceRequest:
+        return SliceRequest(core=core, memory_gib=1)
+
     chosen = {}
-    for combo_weight in (0.0, None):
+    for gap_weight in (0.0, None):
         state = ClusterState([node("n", 2)])
-        state.apply("pre", [gpu_of(state, "n-g0")], 50, [8])
-        policy = FragPolicy(combo_weight=combo_weight)
+        state.apply("pre", [gpu_of(state, "n-g1")], 32, [1])
+        policy = FragPolicy(gap_weight=gap_weight)
         engine = Engine(state, policy)
-        engine.observe(share(20))
-        engine.observe(share(25))
-        chosen[combo_weight] = engine.decide(share(20)).gpu_uuids
-    values = policy._combo_values()
-    assert values[19] == 0 and values[20] == 10 and values[25] == 22.5
-    assert values[30] == 22.5 and values[50] == 45
-    assert values[100] - values[80] == pytest.approx(21.875)
-    assert chosen == {0.0: ("n-g0",), None: ("n-g1",)}
+        for core in (65, 32, 81):
+            engine.observe(slice_of(core))
+        chosen[gap_weight] = engine.decide(slice_of(32)).gpu_uuids
+        if gap_weight is None:
+            values = policy.gap_values(state)
+            assert policy.prices is not None
+            assert policy.prices.reduced == {32: 16.0, 65: 65.0, 81: 81.0}
+            assert (values[100], values[68], values[36]) == (81.0, 65.0, 16.0)
+    assert chosen == {0.0: ("n-g1",), None: ("n-g0",)}
+
+
+def test_the_mix_is_priced_again_only_when_it_has_moved():
+    state = ClusterState([node("n", 2)])
+    policy = FragPolicy()
+    engine = Engine(state, policy)
+    for _ in range(50):
+        engine.observe(share(30))
+        engine.observe(share(60))
+    policy.gap_values(state)
+    first = policy.prices
+    engine.observe(share(30))  # the mix moved by 0.01 (L1): the same prices
+    policy.gap_values(state)
+    assert policy.prices is first
+    engine.observe(share(45))  # a new size: priced again
+    policy.gap_values(state)
+    second = policy.prices
+    assert second is not first and 45 in second.reduced
+    for _ in range(5):  # the 30s' share grows from 0.50 to 0.52 (L1 0.05): not yet
+        engine.observe(share(30))
+    policy.gap_values(state)
+    assert policy.prices is second
+    engine.observe(share(30))
+    policy.gap_values(state)
+    assert policy.prices is not second
+    # another cluster of 16 GiB cards (4 slices each): the same prices; one of 32 GiB cards
+    # (8 slices each): priced again, with patterns of up to 8 shares
+    third = policy.prices
+    policy.gap_values(ClusterState([node("m", 1)]))
+    assert policy.prices is third
+    big = NodeInventory(
+        name="big", gpus=[GpuDevice(uuid="big-g0", index=0, model="V100M32", memory_mib=32768)]
+    )
+    values = policy.gap_values(ClusterState([big]))
+    assert policy.prices is not third
+    # (30, 45 and 60 never fit more than 3 to a GPU, so the values come out the same)
+    assert values.tolist() == third.values.tolist()
 
 
 def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
@@ -296,23 +341,29 @@ def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
     return total
 
 
-def _naive_combo_values(policy: FragPolicy) -> list[float]:
-    """E[x] = sum over types with core c <= x of p(type) x (c + E[x - c]), with loops."""
-    total = sum(policy._t_weight)
+def _naive_gap_values(policy: FragPolicy, state: ClusterState) -> list[float]:
+    """V[x]: the best sum of the priced shares' reduced values, at most the typical slice
+    limit of them, whose core fits into x -- by enumerating every multiset."""
+    policy.gap_values(state)
+    assert policy.prices is not None
+    reduced = policy.prices.reduced
+    slots = int(np.median(state.max_slices))
     values = [0.0] * 101
-    for x in range(1, 101):
-        for t, k in enumerate(policy._t_class):
-            c = min(policy._k_core[k], 100)
-            if c <= x:
-                values[x] += policy._t_weight[t] / total * (c + values[x - c])
+    for n in range(1, slots + 1):
+        for combo in itertools.combinations_with_replacement(sorted(reduced), n):
+            used = sum(combo)
+            if used <= 100:
+                worth = sum(reduced[c] for c in combo)
+                for x in range(used, 101):
+                    values[x] = max(values[x], worth)
     return values
 
 
 def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
     """The documented objective: expected usable core, plus host_weight x total weight x the
     aggregate usable core of every node (free core capped by free host CPU and memory at
-    the mix's average rates per qgpu-core), plus combo_weight x total weight x the
-    lookahead value E of every GPU's free core, with loops."""
+    the mix's average rates per qgpu-core), plus gap_weight x total weight x the gap value
+    V of every GPU's free core, with loops."""
     weight = core = cpu = hostmem = 0.0
     for t, k in enumerate(policy._t_class):
         w = policy._t_weight[t]
@@ -329,12 +380,12 @@ def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
         if hostmem:
             usable = min(usable, int(state.node_free_hostmem[n]) / (hostmem / core))
         aggregate += usable
-    combo = _naive_combo_values(policy)
-    lookahead = sum(combo[int(f)] for f in state.free_core)
+    gap = _naive_gap_values(policy, state)
+    gap_value = sum(gap[int(f)] for f in state.free_core)
     return (
         _naive_usable(state, policy)
         + policy.host_weight * weight * aggregate
-        + policy.combo_weight * weight * lookahead
+        + policy.gap_weight * weight * gap_value
     )
 
 
@@ -387,12 +438,12 @@ def test_fgd_measure_counts_all_free_core_once_one_request_fits():
     # 19% free beside an 81% slice: FGD's measure calls all 19 usable by a 16% type; the
     # fill measure only the 16 one copy fills. A 16% slice there leaves 3% that nothing
     # seen can use, so its score (change of expected usable core, x4 observations) is -19
-    # x 4 with FGD's measure and -16 x 4 with fill.
+    # x 4 with FGD's measure and -16 x 4 with fill (gap values, a separate term, left out).
     state = ClusterState([node("n", 2)])
     state.apply("pre", [0], 81, [13])
     req = share(16)
     for measure, expected in (("fgd", 19), ("fill", 16)):
-        policy = FragPolicy(measure=measure)
+        policy = FragPolicy(measure=measure, gap_weight=0)
         engine = Engine(state, policy)
         for _ in range(4):
             engine.observe(req)
@@ -460,12 +511,15 @@ def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed):
+def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, monkeypatch):
     """A policy that has followed the cluster through placements, releases, host-only work,
     new arrivals and a direct write (`touch`) scores exactly as one that computes everything
     afresh: the per-GPU copies and state keys it updates only for changed nodes, and the mix
     tables it rebuilds only for new request types, are never stale. 30 nodes of up to 4
-    GPUs: more GPUs than the small-set shortcut covers, and single nodes that it does."""
+    GPUs: more GPUs than the small-set shortcut covers, and single nodes that it does.
+    (Both price the mix on every change here; by default a long-lived policy keeps its
+    prices until the mix has moved, see the test above.)"""
+    monkeypatch.setattr(frag_module, "REPRICE_DRIFT", 0.0)
     rng = random.Random(seed)
     nodes = [
         node(f"n{i}", rng.choice([1, 2, 4]), cpu_milli=rng.choice([8000, 16000])) for i in range(30)
@@ -501,4 +555,4 @@ def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed):
             view = CandidateView(state, req, mask, req.core_per_gpu, memory, ids)
             assert np.array_equal(kept.node_scores(view), fresh.node_scores(view))
         if kept._k_core:
-            assert kept.combo_values.tolist() == fresh.combo_values.tolist()
+            assert kept.gap_values(state).tolist() == fresh.gap_values(state).tolist()
