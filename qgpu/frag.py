@@ -98,7 +98,9 @@ HOST_WEIGHT = 16.0
 # on the Alibaba traces: 6 gains most of it, 30 and more all of it; see docs/placement.md)
 GAP_WEIGHT = 30.0
 # the mix is priced again when its proportions (by share size and whole-GPU count) have
-# moved this far (L1) since they were last priced, or a new size arrives
+# moved this far (L1) since they were last priced -- or, while fewer than 1 / drift**2 (400)
+# requests have arrived, by more than 1 / sqrt(arrivals), the proportions' own sampling
+# noise -- or a new size arrives
 REPRICE_DRIFT = 0.05
 
 
@@ -132,7 +134,7 @@ class FragPolicy(Policy):
         self.prices: GapPrices | None = None
         self._priced_mix: dict[int, float] = {}
         self._priced_slots = 0
-        self._size_mix: tuple[int, dict[int, float]] = (-1, {})
+        self._size_mix: tuple[int, dict[int, float], float] = (-1, {}, 0.0)
         self._slots_for: tuple[ClusterState | None, int] = (None, 0)
         # request classes: what a GPU must offer (core and memory per GPU, count, models)
         self._class_index: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
@@ -496,14 +498,15 @@ class FragPolicy(Policy):
         """V[x], x = 0..100: what a gap of x free qgpu-core is worth to the mix
         (`qgpu.gap_prices`), priced again when the mix has moved (`REPRICE_DRIFT`), a new
         share size or GPU count arrived, or the cluster's typical slice limit differs."""
-        mix = self._mix_by_size()
+        mix, arrived = self._mix_by_size()
         slots = self._typical_slots(state)
         prices = self.prices
         if (
             prices is None
             or slots != self._priced_slots
             or mix.keys() != self._priced_mix.keys()
-            or sum(abs(p - self._priced_mix[k]) for k, p in mix.items()) > REPRICE_DRIFT
+            or sum(abs(p - self._priced_mix[k]) for k, p in mix.items())
+            > reprice_threshold(arrived)
         ):
             shares = {k: p for k, p in mix.items() if k > 0}
             whole = {-k: p for k, p in mix.items() if k < 0}
@@ -512,17 +515,19 @@ class FragPolicy(Policy):
             self._priced_slots = slots
         return prices.values
 
-    def _mix_by_size(self) -> dict[int, float]:
-        """The mix's proportions by share core (> 0) and by whole-GPU count (as -count)."""
+    def _mix_by_size(self) -> tuple[dict[int, float], float]:
+        """The mix's proportions by share core (> 0) and by whole-GPU count (as -count), and
+        its total weight (the number of arrivals, with the default weights)."""
         if self._size_mix[0] != self._version:
             weights: dict[int, float] = {}
             for t, k in enumerate(self._t_class):
                 core = self._k_core[k]
                 key = core if core < WHOLE_GPU_CORE else -self._k_count[k]
                 weights[key] = weights.get(key, 0.0) + self._t_weight[t]
-            total = sum(weights.values()) or 1.0
-            self._size_mix = (self._version, {k: w / total for k, w in weights.items()})
-        return self._size_mix[1]
+            total = sum(weights.values())
+            mix = {k: w / total for k, w in weights.items()} if total else {}
+            self._size_mix = (self._version, mix, total)
+        return self._size_mix[1], self._size_mix[2]
 
     def _typical_slots(self, state: ClusterState) -> int:
         """The slice limit of the cluster's typical GPU (the median), for the patterns."""
@@ -616,6 +621,13 @@ class FragPolicy(Policy):
         )
         host = self._host_term(s, ids, 0, view.cpu_milli, view.host_memory_mib)
         return (after - before + host)[inverse] + fill
+
+
+def reprice_threshold(arrived: float) -> float:
+    """How far (L1) the mix's proportions must move before frag prices it again:
+    `REPRICE_DRIFT`, or while few requests have arrived, their sampling noise
+    1 / sqrt(arrivals)."""
+    return max(REPRICE_DRIFT, 1.0 / max(arrived, 1.0) ** 0.5)
 
 
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:

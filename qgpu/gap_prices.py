@@ -1,5 +1,5 @@
 """What a GPU's free gap is worth to the request mix: share sizes priced by the linear
-program of packing the mix into GPUs (frag's lookahead, `qgpu.frag`).
+program of packing the mix into GPUs (frag's gap values, `qgpu.frag`).
 
 Owns `GapPrices` and `price_gaps`. The linear program is the textbook relaxation of bin
 packing (Gilmore-Gomory): a *pattern* is a set of shares that fit one GPU together (core

@@ -249,23 +249,39 @@ def test_the_mix_is_priced_again_only_when_it_has_moved():
     state = ClusterState([node("n", 2)])
     policy = FragPolicy()
     engine = Engine(state, policy)
-    for _ in range(50):
+    for _ in range(10):
         engine.observe(share(30))
         engine.observe(share(60))
     policy.gap_values(state)
+    early = policy.prices
+    # 20 arrivals: the proportions are still noisy. Four more 30s move them by 4/24 (L1),
+    # less than 1 / sqrt(24): the same prices; two more, 6/26 > 1 / sqrt(26): priced again
+    for _ in range(4):
+        engine.observe(share(30))
+    policy.gap_values(state)
+    assert policy.prices is early
+    for _ in range(2):
+        engine.observe(share(30))
+    policy.gap_values(state)
+    assert policy.prices is not early
+    for _ in range(236):
+        engine.observe(share(30))
+    for _ in range(242):
+        engine.observe(share(60))
+    policy.gap_values(state)  # 252 + 252 arrivals: past 400, the drift rule is 0.05 (L1)
     first = policy.prices
-    engine.observe(share(30))  # the mix moved by 0.01 (L1): the same prices
+    engine.observe(share(30))  # the mix moved by 0.002: the same prices
     policy.gap_values(state)
     assert policy.prices is first
     engine.observe(share(45))  # a new size: priced again
     policy.gap_values(state)
     second = policy.prices
     assert second is not first and 45 in second.reduced
-    for _ in range(5):  # the 30s' share grows from 0.50 to 0.52 (L1 0.05): not yet
+    for _ in range(26):  # L1 0.049 from the 30s' share growing: not yet
         engine.observe(share(30))
     policy.gap_values(state)
     assert policy.prices is second
-    engine.observe(share(30))
+    engine.observe(share(30))  # L1 0.051
     policy.gap_values(state)
     assert policy.prices is not second
     # another cluster of 16 GiB cards (4 slices each): the same prices; one of 32 GiB cards
@@ -471,10 +487,11 @@ def test_one_policy_object_across_cluster_states():
     assert got.gpu_uuids == ("x-g0",)  # the 30% gap beside the 70% slice fits it exactly
 
 
-def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes():
+def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes(monkeypatch):
     """Scoring all nodes and then the chosen node alone (the extender's prioritize and
     assume) gives the same scores as a policy that computes them afresh; a placement or a
-    new arrival makes it compute again."""
+    new arrival makes it compute again. (Both price the mix on every change here.)"""
+    monkeypatch.setattr(frag_module, "reprice_threshold", lambda arrived: 0.0)
     nodes = [node("x", 4), node("y", 2), node("z", 3)]
     state = ClusterState(nodes)
     state.apply("pre", [gpu_of(state, "x-g0")], 70, [11])
@@ -519,7 +536,7 @@ def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, 
     GPUs: more GPUs than the small-set shortcut covers, and single nodes that it does.
     (Both price the mix on every change here; by default a long-lived policy keeps its
     prices until the mix has moved, see the test above.)"""
-    monkeypatch.setattr(frag_module, "REPRICE_DRIFT", 0.0)
+    monkeypatch.setattr(frag_module, "reprice_threshold", lambda arrived: 0.0)
     rng = random.Random(seed)
     nodes = [
         node(f"n{i}", rng.choice([1, 2, 4]), cpu_milli=rng.choice([8000, 16000])) for i in range(30)
