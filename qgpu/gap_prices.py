@@ -69,11 +69,18 @@ def price_gaps(
     """Price the mix: `shares` maps a share's core (1..99) to how often it arrives, `whole`
     a whole-GPU request's GPU count to how often it arrives; a GPU holds at most `max_items`
     shares. Weights need not add up to anything; only their proportions matter."""
+    for kind, weights in (("share", shares), ("whole-GPU request", whole)):
+        for key, w in weights.items():
+            if not (np.isfinite(w) and w >= 0):
+                raise ValueError(f"weight of {kind} {key} must be a number >= 0, got {w}")
     sizes = sorted(c for c, w in shares.items() if w > 0)
     for c in sizes:
         if not 1 <= c < WHOLE_GPU_CORE:
             raise ValueError(f"share core must be 1..99, got {c}")
     counts = sorted(k for k, w in whole.items() if w > 0)
+    for k in counts:
+        if k < 1:
+            raise ValueError(f"whole-GPU count must be >= 1, got {k}")
     if max_items < 1:
         raise ValueError(f"max_items must be >= 1, got {max_items}")
     if not 0 < beyond < 1:

@@ -62,6 +62,9 @@ def test_whole_gpus_alone_leave_every_gap_worthless():
         ({30: 1}, {}, 0, BEYOND, "max_items must be >= 1, got 0"),
         ({30: 1}, {}, 4, 0.0, "beyond must be between 0 and 1, got 0.0"),
         ({30: 1}, {}, 4, 1.0, "beyond must be between 0 and 1, got 1.0"),
+        ({30: -1}, {}, 4, BEYOND, "weight of share 30 must be a number >= 0, got -1"),
+        ({30: 1}, {2: float("nan")}, 4, BEYOND, "weight of whole-GPU request 2 must be a number"),
+        ({30: 1}, {0: 1}, 4, BEYOND, "whole-GPU count must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_refused_by_name(shares, whole, max_items, beyond, field):
