@@ -62,6 +62,7 @@ then chooses exactly like binpack.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import numpy as np
@@ -90,6 +91,9 @@ _TIE_WEIGHT = 0.2
 _MANY = float(1 << 40)  # copies a node can feed when a type needs no host CPU/memory
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _ALL = slice(None)
+_log = logging.getLogger(__name__)
+# gap values when the mix cannot be priced: every gap worth 0 (the term drops out)
+_NO_PRICES = GapPrices({}, {}, 0.0, np.zeros(WHOLE_GPU_CORE + 1), 0, 0.0)
 _FEW_GPUS = 64  # below this many GPUs, grouping equal states costs more than it saves
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
@@ -136,6 +140,7 @@ class FragPolicy(Policy):
         self._priced_slots = 0
         self._size_mix: tuple[int, dict[int, float], float] = (-1, {}, 0.0)
         self._slots_for: tuple[ClusterState | None, int] = (None, 0)
+        self._pricing_failed = False
         # request classes: what a GPU must offer (core and memory per GPU, count, models)
         self._class_index: dict[tuple[int, int, int, tuple[str, ...]], int] = {}
         self._k_core: list[int] = []
@@ -510,7 +515,20 @@ class FragPolicy(Policy):
         ):
             shares = {k: p for k, p in mix.items() if k > 0}
             whole = {-k: p for k, p in mix.items() if k < 0}
-            prices = self.prices = price_gaps(shares, whole, slots)
+            try:
+                prices = price_gaps(shares, whole, slots)
+            except RuntimeError as exc:  # the LP solver gave up: place without gap values
+                if not self._pricing_failed:  # once per run of failures
+                    _log.warning(
+                        "frag: pricing the request mix failed (%s); placing "
+                        "without gap values until it succeeds",
+                        exc,
+                    )
+                self._pricing_failed = True
+                prices = _NO_PRICES
+            else:
+                self._pricing_failed = False
+            self.prices = prices
             self._priced_mix = mix
             self._priced_slots = slots
         return prices.values

@@ -298,6 +298,30 @@ def test_the_mix_is_priced_again_only_when_it_has_moved():
     assert values.tolist() == third.values.tolist()
 
 
+def test_a_mix_that_cannot_be_priced_places_without_gap_values(monkeypatch, caplog):
+    def give_up(*args, **kwargs):
+        raise RuntimeError("iteration limit reached")
+
+    state = ClusterState([node("n", 2)])
+    state.apply("pre", [gpu_of(state, "n-g1")], 32, [1])
+    policy = FragPolicy()
+    engine = Engine(state, policy)
+    for core in (65, 32, 81):
+        engine.observe(SliceRequest(core=core, memory_gib=1))
+    monkeypatch.setattr(frag_module, "price_gaps", give_up)
+    with caplog.at_level("WARNING", logger="qgpu.frag"):
+        # as with gap_weight=0 in the hand-worked case above: the two 32s pair up
+        assert engine.decide(SliceRequest(core=32, memory_gib=1)).gpu_uuids == ("n-g1",)
+        engine.observe(SliceRequest(core=47, memory_gib=1))  # a new size: tried again
+        engine.decide(SliceRequest(core=32, memory_gib=1))
+    assert policy.gap_values(state).tolist() == [0.0] * 101
+    failures = [r for r in caplog.records if "pricing the request mix failed" in r.message]
+    assert len(failures) == 1 and "iteration limit reached" in failures[0].message
+    monkeypatch.undo()
+    engine.observe(SliceRequest(core=23, memory_gib=1))  # the next pricing succeeds
+    assert policy.gap_values(state)[100] > 0
+
+
 def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
     rng = random.Random(3)
     for _ in range(20):
