@@ -67,7 +67,7 @@ from typing import Literal
 
 import numpy as np
 
-from qgpu.gap_prices import GapPrices, price_gaps
+from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
 from qgpu.placement import (
     CandidateView,
@@ -92,8 +92,6 @@ _MANY = float(1 << 40)  # copies a node can feed when a type needs no host CPU/m
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _ALL = slice(None)
 _log = logging.getLogger(__name__)
-# gap values when the mix cannot be priced: every gap worth 0 (the term drops out)
-_NO_PRICES = GapPrices({}, {}, 0.0, np.zeros(WHOLE_GPU_CORE + 1), 0, 0.0)
 _FEW_GPUS = 64  # below this many GPUs, grouping equal states costs more than it saves
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
@@ -525,7 +523,7 @@ class FragPolicy(Policy):
                         exc,
                     )
                 self._pricing_failed = True
-                prices = _NO_PRICES
+                prices = NO_PRICES  # every gap worth 0: the term drops out
             else:
                 self._pricing_failed = False
             self.prices = prices

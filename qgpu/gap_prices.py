@@ -60,6 +60,16 @@ class GapPrices:
     filled: float  # qgpu-core the optimum fills per GPU (the LP's objective / GPUs)
 
 
+def _unpriced() -> GapPrices:
+    values = np.zeros(WHOLE_GPU_CORE + 1)
+    values.setflags(write=False)
+    return GapPrices({}, {}, 0.0, values, 0, 0.0)
+
+
+# a mix without shares: every gap is worth 0
+NO_PRICES = _unpriced()
+
+
 def price_gaps(
     shares: Mapping[int, float],
     whole: Mapping[int, float],
@@ -86,7 +96,7 @@ def price_gaps(
     if not 0 < beyond < 1:
         raise ValueError(f"beyond must be between 0 and 1, got {beyond}")
     if not sizes:
-        return GapPrices({}, {}, 0.0, np.zeros(WHOLE_GPU_CORE + 1), 0, 0.0)
+        return NO_PRICES
     total = sum(shares[c] for c in sizes) + sum(whole[k] for k in counts)
     demand = np.array([shares[c] / total for c in sizes])
     whole_demand = np.array([whole[k] / total for k in counts])
@@ -192,4 +202,4 @@ def _gap_values(reduced: np.ndarray, sizes: np.ndarray, max_items: int) -> np.nd
     return np.maximum.accumulate(value.max(axis=0))
 
 
-__all__ = ["BEYOND", "GapPrices", "price_gaps"]
+__all__ = ["BEYOND", "NO_PRICES", "GapPrices", "price_gaps"]
