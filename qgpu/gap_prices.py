@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from qgpu.model import WHOLE_GPU_CORE
 
@@ -142,6 +141,10 @@ def _solve(
     gpus: float,
 ) -> tuple[np.ndarray, float, float]:
     """The restricted LP over `columns`: (price per size, value of a GPU, core filled)."""
+    # imported on first use: scipy.optimize takes ~0.4 s to import, and most processes that
+    # import qgpu (the CLI, the node agent, Ray workers) never price a mix
+    from scipy.optimize import linprog
+
     patterns = np.stack(columns, axis=1)  # sizes x patterns
     n_pat, n_whole = patterns.shape[1], len(counts)
     fill = np.concatenate([sizes @ patterns, WHOLE_GPU_CORE * np.asarray(counts, dtype=float)])
