@@ -31,8 +31,10 @@ for all patterns, not only the generated ones).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -62,7 +64,7 @@ class GapPrices:
 def _unpriced() -> GapPrices:
     values = np.zeros(WHOLE_GPU_CORE + 1)
     values.setflags(write=False)
-    return GapPrices({}, {}, 0.0, values, 0, 0.0)
+    return GapPrices(MappingProxyType({}), MappingProxyType({}), 0.0, values, 0, 0.0)
 
 
 # a mix without shares: every gap is worth 0
@@ -97,8 +99,28 @@ def price_gaps(
     if not sizes:
         return NO_PRICES
     total = sum(shares[c] for c in sizes) + sum(whole[k] for k in counts)
-    demand = np.array([shares[c] / total for c in sizes])
-    whole_demand = np.array([whole[k] / total for k in counts])
+    return _priced(
+        tuple((c, shares[c] / total) for c in sizes),
+        tuple((k, whole[k] / total) for k in counts),
+        max_items,
+        beyond,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _priced(
+    share_mix: tuple[tuple[int, float], ...],
+    whole_mix: tuple[tuple[int, float], ...],
+    max_items: int,
+    beyond: float,
+) -> GapPrices:
+    """`price_gaps` for a normalised mix, remembered: engines made for one decision (the
+    ledger's reserve, the Ray SDK) price the live slices afresh each time, and the same
+    mixes recur."""
+    sizes = [c for c, _ in share_mix]
+    counts = [k for k, _ in whole_mix]
+    demand = np.array([p for _, p in share_mix])
+    whole_demand = np.array([p for _, p in whole_mix])
     volume = float(demand @ sizes) + WHOLE_GPU_CORE * float(whole_demand @ counts)
     gpus = (1 - beyond) * volume / WHOLE_GPU_CORE
 
@@ -116,9 +138,10 @@ def price_gaps(
     price = np.round(price, _DECIMALS)
     reduced = np.round(size_arr - price, _DECIMALS)
     values = _gap_values(reduced, size_arr, max_items)
+    values.setflags(write=False)  # shared by every caller of the same mix
     return GapPrices(
-        price={c: float(p) for c, p in zip(sizes, price, strict=True)},
-        reduced={c: float(r) for c, r in zip(sizes, reduced, strict=True)},
+        price=MappingProxyType({c: float(p) for c, p in zip(sizes, price, strict=True)}),
+        reduced=MappingProxyType({c: float(r) for c, r in zip(sizes, reduced, strict=True)}),
         gpu_value=round(gpu_value, _DECIMALS),
         values=values,
         patterns=len(columns),

@@ -47,6 +47,13 @@ def test_only_the_proportions_count():
     b = price_gaps({c: 7 * w for c, w in mix.items()}, {1: 28, 8: 7}, max_items=4)
     assert a.reduced == b.reduced and a.gpu_value == b.gpu_value
     assert a.values.tolist() == b.values.tolist()
+    # the same mix is priced once per process (engines made for one decision price the
+    # live slices every time); what callers share cannot be changed
+    assert a is b
+    with pytest.raises(ValueError, match="read-only"):
+        a.values[0] = 1.0
+    with pytest.raises(TypeError):
+        a.reduced[81] = 0.0  # type: ignore[index]
 
 
 def test_whole_gpus_alone_leave_every_gap_worthless():
