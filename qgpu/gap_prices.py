@@ -62,12 +62,12 @@ class GapPrices:
 
 
 def _unpriced() -> GapPrices:
+    """Prices of a mix without shares: every gap is worth 0 (read-only, shared)."""
     values = np.zeros(WHOLE_GPU_CORE + 1)
     values.setflags(write=False)
     return GapPrices(MappingProxyType({}), MappingProxyType({}), 0.0, values, 0, 0.0)
 
 
-# a mix without shares: every gap is worth 0
 NO_PRICES = _unpriced()
 
 
