@@ -20,10 +20,13 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = Path("enforcement") / "native"
-COMMON = [str(NATIVE / "common" / n) for n in ("clock.c", "proc.c", "shm.c", "table.c")]
+COMMON = [
+    str(NATIVE / "common" / n) for n in ("clock.c", "proc.c", "shm.c", "table.c", "procaddr.c")
+]
 SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c")]
 
-# (extension name, output file relative to the package root, soname, sources, extra links)
+# (extension name, output file relative to the package root, soname, sources, extra links,
+#  extra compiler flags)
 LIBRARIES = {
     "enforcement.native.libqgpu_hook": (
         NATIVE / "libqgpu_hook.so",
@@ -31,37 +34,56 @@ LIBRARIES = {
         [
             str(NATIVE / "hook" / n)
             for n in (
+                "libc_sym.c",
                 "real.c",
                 "dlsym.c",
                 "config.c",
                 "ledger.c",
+                "region.c",
                 "init.c",
                 "mem.c",
+                "vmm.c",
+                "pool.c",
+                "ctx.c",
                 "launch.c",
                 "nvml.c",
             )
         ]
         + COMMON,
         (),
+        # pin libc symbol versions so the interposer loads on glibc 2.17+ (glibc_compat.h)
+        ("-include", str(ROOT / NATIVE / "hook" / "glibc_compat.h")),
     ),
     "enforcement.native.sim.libcuda": (
         NATIVE / "sim" / "libcuda.so.1",
         "libcuda.so.1",
-        [str(NATIVE / "sim" / n) for n in ("driver.c", "mem.c", "exec.c", "procaddr.c")]
+        [str(NATIVE / "sim" / n) for n in ("driver.c", "ctx.c", "mem.c", "exec.c", "procaddr.c")]
         + SIM_CORE
         + COMMON,
         ("libcuda.so",),
+        (),
     ),
     "enforcement.native.sim.libnvidia-ml": (
         NATIVE / "sim" / "libnvidia-ml.so.1",
         "libnvidia-ml.so.1",
         [str(NATIVE / "sim" / "nvml.c"), *SIM_CORE, *COMMON],
         ("libnvidia-ml.so",),
+        (),
     ),
 }
 
 CFLAGS = ["-std=gnu11", "-O2", "-g", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra"]
-LDFLAGS = ["-shared", "-Wl,-Bsymbolic", "-Wl,-z,now", "-ldl", "-lpthread", "-lrt"]
+# libdl, libpthread and librt are NEEDED explicitly: on glibc < 2.34 dlsym and friends live
+# there (the interposer finds libc's dlsym in libc.so or libdl.so, hook/libc_sym.c)
+LDFLAGS = [
+    "-shared",
+    "-Wl,-Bsymbolic",
+    "-Wl,-z,now",
+    "-Wl,--no-as-needed",
+    "-l:libdl.so.2",
+    "-l:libpthread.so.0",
+    "-l:librt.so.1",
+]
 
 
 class BuildNative(build_ext):
@@ -75,13 +97,14 @@ class BuildNative(build_ext):
         return str(base / LIBRARIES[ext_name][0])
 
     def build_extension(self, ext: Extension) -> None:
-        _, soname, sources, aliases = LIBRARIES[ext.name]
+        _, soname, sources, aliases, extra = LIBRARIES[ext.name]
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
         cc = shlex.split(os.environ.get("CC") or "cc")
         cmd = [
             *cc,
             *CFLAGS,
+            *extra,
             "-o",
             str(out),
             *[str(ROOT / s) for s in sources],
@@ -95,7 +118,7 @@ class BuildNative(build_ext):
     def copy_extensions_to_source(self) -> None:
         """Editable installs build in a temporary dir and copy the outputs back."""
         super().copy_extensions_to_source()
-        for rel, _, _, aliases in LIBRARIES.values():
+        for rel, _, _, aliases, _ in LIBRARIES.values():
             _make_aliases(ROOT / rel, aliases)
 
 

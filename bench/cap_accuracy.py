@@ -1,11 +1,14 @@
 """Compute-cap accuracy on the simulated driver: target vs achieved share of device time
-for each isolation policy, measured on the simulated GPU timeline (so the numbers do not
-depend on CPU speed). Every workload keeps 8 kernels of 5 ms in flight.
+for each isolation policy, measured on the simulated GPU (so the numbers do not depend on
+CPU speed), on both device models side by side: `timesliced` (processes take turns on the
+device in 2 ms slices, as real GPUs do) and `fifo` (one queue in submission order). Every
+workload keeps 8 kernels of 5 ms in flight.
 
-    python bench/cap_accuracy.py [--window 2.0]
+    python bench/cap_accuracy.py [--window 2.0] [--models timesliced,fifo]
 
 Scenarios: fixed-share alone at 10..90 %; fixed-share pairs under contention; burst-share
-alone and next to a busy neighbour; best-effort pairs. Prints a table, no assertions.
+alone and next to busy neighbours; best-effort pairs and triples; mixed policies on one GPU
+(what `make demo` runs). Prints a table, no assertions.
 """
 
 from __future__ import annotations
@@ -48,12 +51,20 @@ SCENARIOS: list[tuple[str, list[Slice]]] = [
      [Slice("bs", "burst-share", 40, 40), Slice("fs", "fixed-share", 60, 60)]),
     ("best-effort x2", [Slice("x", "best-effort", 30, 50), Slice("y", "best-effort", 70, 50)]),
     ("best-effort x3", [Slice(n, "best-effort", 100, 100 / 3) for n in "xyz"]),
+    ("fs 20 + fs 20 + bs 40 + best-effort",
+     [Slice("f1", "fixed-share", 20, 20), Slice("f2", "fixed-share", 20, 20),
+      Slice("bs", "burst-share", 40, 40), Slice("be", "best-effort", 100, 20)]),
+    ("fs 30 + best-effort x2",
+     [Slice("fs", "fixed-share", 30, 30), Slice("x", "best-effort", 100, 35),
+      Slice("y", "best-effort", 100, 35)]),
 ]  # fmt: skip
+MODELS = ("timesliced", "fifo")
 
 
 def slice_env(cfg: SimConfig, gpu: int, state: Path, sl: Slice, tag: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QGPU_")}
     env.update(sim_environment(cfg.path))
+    env.update(cfg.device_sharing_env())
     uuid = cfg.gpus[gpu].uuid
     env.update(
         PYTHONPATH=str(REPO),
@@ -110,27 +121,43 @@ def run_scenario(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=float, default=2.0, help="seconds measured per scenario")
-    args = ap.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="qgpu-acc-", dir="/tmp") as tmp:
-        cfg = write_sim_config(Path(tmp) / "sim.conf", f"{len(SCENARIOS)}xH100-80GB", node="acc")
-        for i, (title, slices) in enumerate(SCENARIOS):
-            got = run_scenario(cfg, i, Path(tmp) / "ledgers", slices, f"s{i}", args.window)
-            rows += [(title, sl, g) for sl, g in zip(slices, got, strict=True)]
-    print(
-        f"{'scenario':36} {'slice':6} {'policy':12} {'core':>4} {'target %':>9} "
-        f"{'achieved %':>11} {'error':>7}"
+    ap.add_argument(
+        "--models", default=",".join(MODELS), help="device models, comma-separated (timesliced,fifo)"
     )
-    worst = 0.0
-    for title, sl, got in rows:
-        err = got - sl.target
-        if not title.startswith("burst-share 30% alone"):
-            worst = max(worst, abs(err))
-        print(
-            f"{title:36} {sl.name:6} {sl.policy:12} {sl.core:4d} {sl.target:9.1f} "
-            f"{got:11.2f} {err:+7.2f}"
-        )
-    print(f"largest error where a share is the target: {worst:.2f} points (goal: 5)")
+    args = ap.parse_args()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="qgpu-acc-", dir="/tmp") as tmp:
+        for model in models:
+            cfg = write_sim_config(
+                Path(tmp) / f"{model}.conf",
+                f"{len(SCENARIOS)}xH100-80GB",
+                node=f"acc-{model}",
+                scheduler=model,
+            )
+            got: list[float] = []
+            for i, (_title, slices) in enumerate(SCENARIOS):
+                got += run_scenario(
+                    cfg, i, Path(tmp) / f"ledgers-{model}", slices, f"{model}{i}", args.window
+                )
+            results[model] = got
+    head = "".join(f" {m + ' %':>13} {'error':>7}" for m in models)
+    print(f"{'scenario':36} {'slice':6} {'policy':12} {'core':>4} {'target %':>9}{head}")
+    worst = dict.fromkeys(models, 0.0)
+    k = 0
+    for title, slices in SCENARIOS:
+        for sl in slices:
+            cols = ""
+            for m in models:
+                got = results[m][k]
+                err = got - sl.target
+                if not title.startswith("burst-share 30% alone"):
+                    worst[m] = max(worst[m], abs(err))
+                cols += f" {got:13.2f} {err:+7.2f}"
+            k += 1
+            print(f"{title:36} {sl.name:6} {sl.policy:12} {sl.core:4d} {sl.target:9.1f}{cols}")
+    for m in models:
+        print(f"{m}: largest error where a share is the target: {worst[m]:.2f} points (goal: 5)")
     return 0
 
 

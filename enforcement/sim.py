@@ -26,28 +26,30 @@ _UUID_NAMESPACE = uuid.UUID("6f1d3c1e-5a0b-4c8e-9d27-2b1f0e7a9c44")
 
 @dataclass(frozen=True)
 class GpuModel:
-    """A GPU model the simulator knows: marketing name, memory, SM count, compute capability."""
+    """A GPU model the simulator knows: marketing name, memory, SM count, compute capability,
+    resident threads per SM."""
 
     key: str
     name: str
     memory_gib: int
     sms: int
     cc: str
+    threads_per_sm: int = 2048
 
 
 MODELS: dict[str, GpuModel] = {
     m.key.lower(): m
     for m in (
-        GpuModel("T4-16GB", "Tesla T4", 16, 40, "7.5"),
+        GpuModel("T4-16GB", "Tesla T4", 16, 40, "7.5", 1024),
         GpuModel("V100-16GB", "Tesla V100-SXM2-16GB", 16, 80, "7.0"),
         GpuModel("V100-32GB", "Tesla V100-SXM2-32GB", 32, 80, "7.0"),
-        GpuModel("A10-24GB", "NVIDIA A10", 24, 72, "8.6"),
+        GpuModel("A10-24GB", "NVIDIA A10", 24, 72, "8.6", 1536),
         GpuModel("A30-24GB", "NVIDIA A30", 24, 56, "8.0"),
         GpuModel("A100-40GB", "NVIDIA A100-SXM4-40GB", 40, 108, "8.0"),
         GpuModel("A100-80GB", "NVIDIA A100-SXM4-80GB", 80, 108, "8.0"),
-        GpuModel("L4-24GB", "NVIDIA L4", 24, 58, "8.9"),
-        GpuModel("L40S-48GB", "NVIDIA L40S", 48, 142, "8.9"),
-        GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9"),
+        GpuModel("L4-24GB", "NVIDIA L4", 24, 58, "8.9", 1536),
+        GpuModel("L40S-48GB", "NVIDIA L40S", 48, 142, "8.9", 1536),
+        GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9", 1536),
         GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 80, 132, "9.0"),
         GpuModel("H200-141GB", "NVIDIA H200", 141, 132, "9.0"),
     )
@@ -68,6 +70,12 @@ _ALIASES = {
 _ITEM_RE = re.compile(r"^(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9._-]+)$")
 
 
+SCHEDULERS = ("timesliced", "fifo")
+PROCADDR_MODES = ("internal", "exported")
+# what one context costs on a simulated GPU (the interposer charges the same by default)
+CONTEXT_MEMORY = 512 << 20
+
+
 class SimSpecError(ValueError):
     """A simulated-GPU spec that cannot be parsed; the message names the part and the rule."""
 
@@ -81,6 +89,8 @@ class SimGpu:
     memory_bytes: int
     sms: int
     cc: str
+    threads_per_sm: int = 2048
+    context_memory: int = CONTEXT_MEMORY
 
     @property
     def memory_gib(self) -> int:
@@ -93,6 +103,13 @@ class SimConfig:
     node: str
     state_dir: Path
     gpus: tuple[SimGpu, ...]
+    scheduler: str = "timesliced"
+    timeslice_us: int = 2000
+
+    def device_sharing_env(self) -> dict[str, str]:
+        """How these GPUs share themselves between processes, in the interposer's terms
+        (QGPU_DEVICE_SHARING): what a slice's limits need on them."""
+        return {"QGPU_DEVICE_SHARING": "timesliced" if self.scheduler == "timesliced" else "serial"}
 
     def gpu(self, key: int | str) -> SimGpu:
         """A GPU by index or UUID."""
@@ -137,15 +154,56 @@ def write_sim_config(
     spec: str,
     node: str = "sim-node",
     state_dir: str | os.PathLike[str] | None = None,
+    *,
+    scheduler: str = "timesliced",
+    timeslice_us: int = 2000,
+    cuda_version: int = 13000,
+    driver_version: str = "580.65.06",
+    procaddr: str = "internal",
+    context_memory: int = CONTEXT_MEMORY,
 ) -> SimConfig:
-    """Write the config file for ``spec`` and return what it describes."""
+    """Write the config file for ``spec`` and return what it describes.
+
+    ``scheduler``: ``timesliced`` (processes take turns on the device in ``timeslice_us``
+    slices, as on a real GPU) or ``fifo`` (one queue in submission order). ``cuda_version`` /
+    ``driver_version``: what the simulated driver reports (and which entry points it has).
+    ``procaddr``: ``internal`` (cuGetProcAddress hands out entry points that are not the
+    exported symbols, as a real driver may) or ``exported``. ``context_memory``: bytes each
+    context costs on the device."""
     path = Path(path)
     models = parse_spec(spec)
+    if scheduler not in SCHEDULERS:
+        raise SimSpecError(f"scheduler {scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
+    if procaddr not in PROCADDR_MODES:
+        raise SimSpecError(f"procaddr {procaddr!r}: must be one of {', '.join(PROCADDR_MODES)}")
+    if not 1 <= timeslice_us <= 1_000_000:
+        raise SimSpecError(f"timeslice_us {timeslice_us!r}: must be 1..1000000")
+    if context_memory < 0:
+        raise SimSpecError(f"context_memory {context_memory!r}: must be >= 0 bytes")
     state = Path(state_dir) if state_dir else Path(f"{path}.state")
-    lines = ["# qgpu simulated GPUs (enforcement/sim.py)", f"node={node}", f"state_dir={state}"]
+    lines = [
+        "# qgpu simulated GPUs (enforcement/sim.py)",
+        f"node={node}",
+        f"state_dir={state}",
+        f"scheduler={scheduler}",
+        f"timeslice_us={timeslice_us}",
+        f"cuda_version={cuda_version}",
+        f"driver_version={driver_version}",
+        f"procaddr={procaddr}",
+    ]
     gpus = []
     for i, m in enumerate(models):
-        g = SimGpu(i, gpu_uuid(node, i), m.key, m.name, m.memory_gib * GIB, m.sms, m.cc)
+        g = SimGpu(
+            i,
+            gpu_uuid(node, i),
+            m.key,
+            m.name,
+            m.memory_gib * GIB,
+            m.sms,
+            m.cc,
+            m.threads_per_sm,
+            context_memory,
+        )
         gpus.append(g)
         lines += [
             f"gpu{i}.uuid={g.uuid}",
@@ -154,12 +212,14 @@ def write_sim_config(
             f"gpu{i}.memory={g.memory_bytes}",
             f"gpu{i}.sms={g.sms}",
             f"gpu{i}.cc={g.cc}",
+            f"gpu{i}.threads_per_sm={g.threads_per_sm}",
+            f"gpu{i}.context_memory={g.context_memory}",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
-    return SimConfig(path, node, state, tuple(gpus))
+    return SimConfig(path, node, state, tuple(gpus), scheduler, timeslice_us)
 
 
 def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
@@ -184,11 +244,20 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
                 int(values[p + "memory"]),
                 int(values.get(p + "sms", "80")),
                 values.get(p + "cc", "8.0"),
+                int(values.get(p + "threads_per_sm", "2048")),
+                int(values.get(p + "context_memory", str(CONTEXT_MEMORY))),
             )
         )
         i += 1
     state = Path(values.get("state_dir") or f"{path}.state")
-    return SimConfig(path, values.get("node", ""), state, tuple(gpus))
+    return SimConfig(
+        path,
+        values.get("node", ""),
+        state,
+        tuple(gpus),
+        values.get("scheduler", "timesliced"),
+        int(values.get("timeslice_us", "2000")),
+    )
 
 
 def sim_environment(config_path: str | os.PathLike[str]) -> dict[str, str]:
@@ -213,27 +282,23 @@ def load_sim_nvml(config_path: str | os.PathLike[str]) -> ctypes.CDLL:
 # --- reading the shared per-GPU state (layout: enforcement/native/sim/sim.h) ---
 
 _HEADER = struct.Struct("<QIIQQqQQq")  # magic .. created_ns, offsets 0..64
-_PROC_RING = 32
-_PROC = struct.Struct(f"<iIQQQqQ16x{_PROC_RING}q{_PROC_RING}q")  # sim_proc_t, 576 bytes
+_SCHED = struct.Struct("<I")  # scheduler, offset 388
+_DONE_TOTAL = struct.Struct("<Q")  # done_total_ns, offset 424
+_PROC = struct.Struct("<iIQQQqQQQ")  # pid .. contexts, the first 64 bytes of sim_proc_t
+_PROC_SIZE = 728 + 16 * 512
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
-_MAGIC = 0x324D495355504751  # "QGPUSIM2"
+_MAGIC = 0x334D495355504751  # "QGPUSIM3"
 
 
 @dataclass(frozen=True)
 class SimProcess:
     pid: int
     mem_used: int
-    busy_ns: int
-    last_end_ns: int
+    busy_ns: int  # device time of the work it submitted
+    done_ns: int  # device time of its work the device had run when the snapshot was taken
     launches: int
-    recent: tuple[tuple[int, int], ...] = ()  # its last ops on the timeline (start, end)
-
-    def busy_completed(self, now_ns: int) -> int:
-        """Device time of this process's work finished by ``now_ns`` (exact while fewer than
-        32 of its ops are queued)."""
-        pending = sum(max(0, end - max(start, now_ns)) for start, end in self.recent)
-        return self.busy_ns - pending
+    contexts: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,37 +308,65 @@ class SimGpuState:
     now_ns: int
     mem_total: int
     mem_used: int
-    tail_ns: int
     busy_total_ns: int
+    done_total_ns: int
     launches: int
+    scheduler: str = "timesliced"
     processes: tuple[SimProcess, ...] = field(default=())
 
     @property
     def busy_completed_ns(self) -> int:
-        return self.busy_total_ns - max(0, self.tail_ns - self.now_ns)
+        return self.done_total_ns
 
     def process(self, pid: int) -> SimProcess | None:
         return next((p for p in self.processes if p.pid == pid), None)
 
 
+_advance_lib: ctypes.CDLL | None = None
+
+
+def _advance(path: Path) -> None:
+    """Bring the GPU's device model up to now (the simulated driver's qgpuSimAdvance)."""
+    global _advance_lib
+    if _advance_lib is None:
+        lib = ctypes.CDLL(str(sim_library_dir() / "libnvidia-ml.so.1"))
+        lib.qgpuSimAdvance.argtypes = [ctypes.c_char_p]
+        lib.qgpuSimAdvance.restype = ctypes.c_int
+        _advance_lib = lib
+    if _advance_lib.qgpuSimAdvance(os.fsencode(path)) != 0:
+        raise ValueError(f"{path} is not a simulated GPU state file")
+
+
 def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> SimGpuState:
-    """Snapshot of a simulated GPU's shared state (memory, timeline, processes)."""
+    """Snapshot of a simulated GPU's shared state (memory, device time, processes), with the
+    device model brought up to now first."""
     cfg = config if isinstance(config, SimConfig) else load_sim_config(config)
-    data = cfg.state_path(gpu).read_bytes()
+    path = cfg.state_path(gpu)
+    _advance(path)
     now = _monotonic_ns()
-    magic, _ver, _nprocs, total, used, tail, busy, launches, _created = _HEADER.unpack_from(data, 0)
+    data = path.read_bytes()
+    magic, _ver, _nprocs, total, used, _tail, busy, launches, _created = _HEADER.unpack_from(data, 0)
     if magic != _MAGIC:
-        raise ValueError(f"{cfg.state_path(gpu)} is not a simulated GPU state file")
+        raise ValueError(f"{path} is not a simulated GPU state file")
+    (sched,) = _SCHED.unpack_from(data, 388)
+    (done_total,) = _DONE_TOTAL.unpack_from(data, 424)
     procs = []
     for i in range(_MAX_PROCS):
-        fields = _PROC.unpack_from(data, _PROCS_OFFSET + i * _PROC.size)
-        pid, _head, _start, mem, pbusy, last_end, plaunch = fields[:7]
+        pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(
+            data, _PROCS_OFFSET + i * _PROC_SIZE
+        )
         if pid:
-            starts = fields[7 : 7 + _PROC_RING]
-            ends = fields[7 + _PROC_RING :]
-            recent = tuple((a, b) for a, b in zip(starts, ends, strict=True) if b)
-            procs.append(SimProcess(pid, mem, pbusy, last_end, plaunch, recent))
-    return SimGpuState(now, total, used, tail, busy, launches, tuple(procs))
+            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs))
+    return SimGpuState(
+        now,
+        total,
+        used,
+        busy,
+        done_total,
+        launches,
+        SCHEDULERS[0] if sched == 1 else SCHEDULERS[1],
+        tuple(procs),
+    )
 
 
 def gpu_memory_used(config: SimConfig | str | os.PathLike[str], gpu: int | str = 0) -> int:
@@ -295,10 +388,10 @@ def busy_share(before: SimGpuState, after: SimGpuState, pid: int | None = None) 
     if span <= 0:
         raise ValueError("snapshots must be in time order")
     if pid is None:
-        return (after.busy_completed_ns - before.busy_completed_ns) / span
+        return (after.done_total_ns - before.done_total_ns) / span
     a, b = before.process(pid), after.process(pid)
-    done_a = a.busy_completed(before.now_ns) if a else 0
-    done_b = b.busy_completed(after.now_ns) if b else 0
+    done_a = a.done_ns if a else 0
+    done_b = b.done_ns if b else 0
     return (done_b - done_a) / span
 
 

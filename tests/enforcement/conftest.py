@@ -17,9 +17,16 @@ from pathlib import Path
 import pytest
 
 from enforcement.native import hook_library_path, sim_library_dir
-from enforcement.sim import SimConfig, busy_share, read_gpu_state, write_sim_config
+from enforcement.sim import (
+    CONTEXT_MEMORY,
+    SimConfig,
+    busy_share,
+    read_gpu_state,
+    write_sim_config,
+)
 
 GIB = 1 << 30
+CTX = CONTEXT_MEMORY  # what each process's CUDA context costs on a simulated GPU
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,6 +70,7 @@ class Sim:
         hook: bool = True,
     ) -> dict[str, str]:
         env = self.base_env(gpu)
+        env.update(self.config.device_sharing_env())
         env.update(
             QGPU_SLICE_ID=slice_id,
             QGPU_DEVICE_UUID=self.uuid(gpu),

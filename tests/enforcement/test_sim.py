@@ -20,7 +20,7 @@ from enforcement.sim import (
     write_sim_config,
 )
 
-from .conftest import GIB, Sim, finish, measure_shares, start_burn, wait_ready
+from .conftest import CTX, GIB, Sim, finish, measure_shares, start_burn, wait_ready
 
 
 def py(env: dict[str, str], script: str) -> str:
@@ -99,8 +99,8 @@ def test_device_memory_is_shared_and_freed_with_the_process(sim: Sim) -> None:
         for p in procs:
             assert p.stdout and p.stdout.readline()
         state = read_gpu_state(sim.config, 0)
-        assert state.mem_used == 70 * GIB
-        assert sorted(p.mem_used for p in state.processes) == [30 * GIB, 40 * GIB]
+        assert state.mem_used == 70 * GIB + 2 * CTX  # a context costs memory too
+        assert sorted(p.mem_used for p in state.processes) == [30 * GIB + CTX, 40 * GIB + CTX]
         third = py(
             env,
             "from enforcement.simcuda import open_driver\n"
@@ -213,9 +213,9 @@ def test_pynvml_uses_the_simulated_nvml(sim: Sim) -> None:
     assert out["count"] == 5
     assert out["uuid"] == sim.uuid(0)
     assert out["name"] == "NVIDIA H100 80GB HBM3"
-    assert out["mem"] == [80 * GIB, 5 * GIB, 75 * GIB]
+    assert out["mem"] == [80 * GIB, 5 * GIB + 2 * CTX, 75 * GIB - 2 * CTX]  # two contexts
     assert out["mem2"] == out["mem"]
-    assert [holder.pid, 5 * GIB] in out["procs"]
+    assert [holder.pid, 5 * GIB + CTX] in out["procs"]
     assert burn.pid in [p[0] for p in out["procs"]]
     assert out["procs2"] == len(out["procs"])
     assert out["sms"] == 132

@@ -6,7 +6,7 @@
 
 ``worker.py serve`` reads commands on stdin and answers one line each on stdout:
 ``init`` -> ``ok <CUresult of cuInit>``; ``ctx``; ``alloc API BYTES`` -> ``ok ID`` or
-``err CODE``; ``free ID``; ``meminfo`` -> ``ok FREE TOTAL``; ``totalmem``; ``quit``.
+``err CODE``; ``free ID``; ``sync`` (cuCtxSynchronize); ``meminfo`` -> ``ok FREE TOTAL``; ``totalmem``; ``quit``.
 The process survives every driver error (it reports the code), so tests can check that the
 host program keeps running.
 """
@@ -59,6 +59,9 @@ def serve(args: argparse.Namespace) -> int:
                     reply = f"err {code}"
             elif cmd == "free":
                 drv.mem_free(allocs.pop(int(rest[0])))
+                reply = "ok"
+            elif cmd == "sync":
+                drv.ctx_synchronize()
                 reply = "ok"
             elif cmd == "meminfo":
                 free, total = drv.mem_get_info()

@@ -22,12 +22,22 @@ QGPU_HIDDEN uint64_t qgpu_proc_start_time(int pid);
 /* 1 if pid is alive and still the process that started at start_time. */
 QGPU_HIDDEN int qgpu_proc_alive(int pid, uint64_t start_time);
 
+/* stat/fstat as system calls (libc has them as functions only since glibc 2.33, and the
+ * interposer must load on older ones). Return 0 or -1 with errno set. */
+struct stat;
+QGPU_HIDDEN int qgpu_stat(const char *path, struct stat *st);
+QGPU_HIDDEN int qgpu_fstat(int fd, struct stat *st);
+
 /* Map a shared state file of `size` bytes, creating and initialising it under flock when
  * new. `mutex_offset` is where a pthread_mutex_t lives inside; `magic` the first 8 bytes.
  * init_cb (may be NULL) fills a fresh file. Returns NULL and sets errno on failure. */
 typedef void (*qgpu_init_cb)(void *base, void *arg);
 QGPU_HIDDEN void *qgpu_map_state(const char *path, size_t size, uint64_t magic,
                                  size_t mutex_offset, qgpu_init_cb init_cb, void *arg);
+
+/* Map an existing, initialised state file (NULL when missing, short or of another magic). */
+QGPU_HIDDEN void *qgpu_map_existing(const char *path, size_t size, uint64_t magic);
+QGPU_HIDDEN void qgpu_unmap_state(void *base, size_t size);
 
 /* Lock a robust process-shared mutex; returns 1 when the previous owner died holding it
  * (the caller must repair derived totals), 0 otherwise. */
@@ -60,5 +70,19 @@ QGPU_HIDDEN int qgpu_table_put(qgpu_table_t *t, uint64_t key, uint64_t size, int
 /* Removes key; returns 0 and fills size/tag when found, -1 otherwise. */
 QGPU_HIDDEN int qgpu_table_take(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
 QGPU_HIDDEN int qgpu_table_get(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
+/* Removes up to `max` entries for which pred() holds, copying them to out; returns how many. */
+QGPU_HIDDEN size_t qgpu_table_take_if(qgpu_table_t *t,
+                                      int (*pred)(uint64_t key, uint64_t size, int64_t tag),
+                                      qgpu_entry_t *out, size_t max);
+
+/* cuGetProcAddress by NVIDIA's rules (procaddr.c): the exported symbol that serves `name` for
+ * a caller built for `cuda_version` with `flags`, on a driver of `driver_version`; NULL when
+ * none does, with *status a CUdriverProcAddressQueryResult (SYMBOL_NOT_FOUND when the name is
+ * unknown to this driver, VERSION_NOT_SUFFICIENT when only newer forms exist). */
+QGPU_HIDDEN const char *qgpu_procaddr_symbol(const char *name, int cuda_version, uint64_t flags,
+                                             int driver_version, int *status);
+QGPU_HIDDEN int qgpu_procaddr_count(void);
+/* row i: returns its name and fills the rest; NULL past the end */
+QGPU_HIDDEN const char *qgpu_procaddr_row(int i, const char **symbol, int *version, int *ptds);
 
 #endif

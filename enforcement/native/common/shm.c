@@ -7,9 +7,20 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "qgpu_common.h"
+
+int qgpu_stat(const char *path, struct stat *st) {
+#if defined(SYS_newfstatat)
+    return (int)syscall(SYS_newfstatat, AT_FDCWD, path, st, 0);
+#else
+    return (int)syscall(SYS_fstatat, AT_FDCWD, path, st, 0);
+#endif
+}
+
+int qgpu_fstat(int fd, struct stat *st) { return (int)syscall(SYS_fstat, fd, st); }
 
 int qgpu_mkdirs(const char *path) {
     char tmp[PATH_MAX];
@@ -54,7 +65,7 @@ void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex
         return NULL;
     }
     struct stat st;
-    if (fstat(fd, &st) != 0 || ((size_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)) {
+    if (qgpu_fstat(fd, &st) != 0 || ((size_t)st.st_size < size && ftruncate(fd, (off_t)size) != 0)) {
         int e = errno;
         close(fd);
         errno = e;
@@ -77,6 +88,28 @@ void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex
     flock(fd, LOCK_UN);
     close(fd);
     return base;
+}
+
+void *qgpu_map_existing(const char *path, size_t size, uint64_t magic) {
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    struct stat st;
+    if (qgpu_fstat(fd, &st) != 0 || (size_t)st.st_size < size) {
+        close(fd);
+        return NULL;
+    }
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) return NULL;
+    if (__atomic_load_n((uint64_t *)base, __ATOMIC_ACQUIRE) != magic) {
+        munmap(base, size);
+        return NULL;
+    }
+    return base;
+}
+
+void qgpu_unmap_state(void *base, size_t size) {
+    if (base) munmap(base, size);
 }
 
 int qgpu_lock(pthread_mutex_t *m) {

@@ -100,3 +100,24 @@ int qgpu_table_get(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag) 
     pthread_mutex_unlock(&t->lock);
     return e ? 0 : -1;
 }
+
+size_t qgpu_table_take_if(qgpu_table_t *t, int (*pred)(uint64_t key, uint64_t size, int64_t tag),
+                          qgpu_entry_t *out, size_t max) {
+    size_t n = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->cap && n < max; i++) {
+        qgpu_entry_t *e = &t->slots[i];
+        if (e->key <= DELETED) continue;
+        uint64_t key = (e->key & (1ULL << 63)) && (e->key & ~(1ULL << 63)) <= DELETED
+                           ? e->key & ~(1ULL << 63)
+                           : e->key;
+        if (!pred(key, e->size, e->tag)) continue;
+        out[n] = *e;
+        out[n].key = key;
+        n++;
+        e->key = DELETED;
+        t->live--;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return n;
+}

@@ -17,13 +17,19 @@
 #define DEFAULT_LIMITS_FILE QGPU_DEFAULT_LIMITS_FILE
 #define DEFAULT_STATE_DIR "/tmp/qgpu-state"
 
-enum { K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_FILE, K_REAL, K_SIM, K_COUNT };
+#define DEFAULT_CONTEXT_MEMORY (512ULL << 20) /* what a context costs, unless told */
+
+enum {
+    K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_FILE, K_REAL, K_SIM, K_CTXMEM, K_SHARING,
+    K_SLICE_US, K_COUNT
+};
 static const char *const keys[K_COUNT] = {
-    "QGPU_SLICE_ID",  "QGPU_DEVICE_UUID", "QGPU_MEMORY_LIMIT", "QGPU_CORE_LIMIT",
-    "QGPU_ISOLATION", "QGPU_STATE_DIR",   "QGPU_LIMITS_FILE",  "QGPU_REAL_LIBCUDA",
-    "QGPU_SIM_CONFIG"};
+    "QGPU_SLICE_ID",     "QGPU_DEVICE_UUID",    "QGPU_MEMORY_LIMIT", "QGPU_CORE_LIMIT",
+    "QGPU_ISOLATION",    "QGPU_STATE_DIR",      "QGPU_LIMITS_FILE",  "QGPU_REAL_LIBCUDA",
+    "QGPU_SIM_CONFIG",   "QGPU_CONTEXT_MEMORY", "QGPU_DEVICE_SHARING", "QGPU_TIMESLICE_US"};
 /* keys a trusted file controls exclusively */
-static const int slice_keys[] = {K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_REAL};
+static const int slice_keys[] = {K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_REAL,
+                                 K_CTXMEM, K_SHARING, K_SLICE_US};
 
 typedef struct {
     char val[K_COUNT][1024];
@@ -123,10 +129,10 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
     int have_file = 0, trusted = 0;
     /* A trusted file at the default path is authoritative whatever the environment says:
      * pointing QGPU_LIMITS_FILE elsewhere must not escape it. */
-    if (stat(DEFAULT_LIMITS_FILE, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == 0 &&
+    if (qgpu_stat(DEFAULT_LIMITS_FILE, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == 0 &&
         !(st.st_mode & (S_IWGRP | S_IWOTH)))
         path = DEFAULT_LIMITS_FILE;
-    if (stat(path, &st) == 0) {
+    if (qgpu_stat(path, &st) == 0) {
         if (!S_ISREG(st.st_mode)) {
             snprintf(err, errlen, "QGPU_LIMITS_FILE=%s: not a regular file", path);
             return -1;
@@ -182,6 +188,24 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
         BAD(K_MEM, "must be an integer number of bytes > 0");
     }
     snprintf(out->mem_source, sizeof out->mem_source, "%s", src[K_MEM]);
+    out->context_memory = DEFAULT_CONTEXT_MEMORY;
+    if (eff.set[K_CTXMEM] && parse_u64(eff.val[K_CTXMEM], &out->context_memory) != 0)
+        BAD(K_CTXMEM, "must be an integer number of bytes (what one CUDA context costs)");
+    out->timesliced = 1;
+    if (eff.set[K_SHARING]) {
+        if (!strcmp(eff.val[K_SHARING], "timesliced"))
+            out->timesliced = 1;
+        else if (!strcmp(eff.val[K_SHARING], "serial"))
+            out->timesliced = 0;
+        else
+            BAD(K_SHARING, "must be timesliced (processes take turns on the device, as on "
+                           "NVIDIA GPUs) or serial (one queue for all processes)");
+    }
+    uint64_t slice_us = 2000;
+    if (eff.set[K_SLICE_US] &&
+        (parse_u64(eff.val[K_SLICE_US], &slice_us) != 0 || slice_us < 1 || slice_us > 1000000))
+        BAD(K_SLICE_US, "must be an integer 1..1000000 (microseconds of one time slice)");
+    out->timeslice_ns = (int64_t)slice_us * 1000;
     uint64_t core = 100;
     if (eff.set[K_CORE] && (parse_u64(eff.val[K_CORE], &core) != 0 || core < 1 || core > 100))
         BAD(K_CORE, "must be an integer 1..100 (100 = no compute cap)");

@@ -1,9 +1,19 @@
-/* Interposition entry points: dlsym (for runtimes that dlopen the driver and look entry
- * points up by name) and cuGetProcAddress / cuGetProcAddress_v2 (how CUDA >= 11.3 runtimes
- * resolve the driver). Both hand out our wrappers, including for cuGetProcAddress itself. */
+/* Interposition entry points: how a program reaches the driver, and how the hook keeps every
+ * path leading to its wrappers.
+ *  - dlsym / dlvsym: wrapped driver names give the wrappers; asking for dlsym or dlvsym
+ *    themselves (any version, any handle, RTLD_NEXT) gives these functions, never libc's.
+ *  - dlopen with RTLD_DEEPBIND: a library opened that way would resolve its own libcuda
+ *    first and call the driver directly; the flag is dropped, so its CUDA calls resolve to
+ *    the hook like everyone's (docs/enforcement.md).
+ *  - cuGetProcAddress / cuGetProcAddress_v2 (how CUDA >= 11.3 runtimes find the driver):
+ *    resolved by NVIDIA's rules (the requested name, version and flags -> the exported
+ *    symbol, from the toolkit's headers), so the wrapper handed out always has the ABI the
+ *    caller asked for, whatever pointer the driver returned; a pointer equal to a wrapped
+ *    function's is swapped too (identity as a second check). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <link.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "hook.h"
@@ -12,20 +22,38 @@ static int interesting(const char *name) {
     return name && ((name[0] == 'c' && name[1] == 'u') || strncmp(name, "nvml", 4) == 0);
 }
 
+QGPU_EXPORT void *dlsym(void *handle, const char *name);
+QGPU_EXPORT void *dlvsym(void *handle, const char *name, const char *version);
+
+/* The resolvers themselves: whoever asks for them gets ours. */
+static void *own_resolver(const char *name, int *refuse) {
+    *refuse = 0;
+    if (!name) return NULL;
+    /* libc's and ld.so's private entry points to the loader are no way around us */
+    if (strncmp(name, "__libc_dl", 9) == 0 || strncmp(name, "_dl_", 4) == 0) {
+        *refuse = 1;
+        return NULL;
+    }
+    if (strcmp(name, "dlsym") == 0) return (void *)dlsym;
+    if (strcmp(name, "dlvsym") == 0) return (void *)dlvsym;
+    if (strcmp(name, "dlopen") == 0) return (void *)dlopen;
+    return NULL;
+}
+
 /* dlsym(RTLD_NEXT, ...) means "after the caller", and glibc would take us for the caller:
  * walk the link map from the real caller instead, accepting only symbols defined in each
  * object itself. */
-static void *next_after(const void *caller, const char *name) {
+static void *next_after(const void *caller, const char *name, const char *version) {
     Dl_info info;
     struct link_map *self = NULL;
     if (!dladdr1(caller, &info, (void **)&self, RTLD_DL_LINKMAP) || !self)
-        return hook_real_dlsym(RTLD_NEXT, name);
+        return version ? hook_real_dlvsym(RTLD_NEXT, name, version) : hook_real_dlsym(RTLD_NEXT, name);
     for (struct link_map *l = self->l_next; l; l = l->l_next) {
         if (!l->l_name || !l->l_name[0]) continue;
         /* a link_map of a startup object is not a usable handle: ask for a real one */
         void *h = dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue; /* the vDSO */
-        void *p = hook_real_dlsym(h, name);
+        void *p = version ? hook_real_dlvsym(h, name, version) : hook_real_dlsym(h, name);
         dlclose(h);
         if (!p) continue;
         struct link_map *owner = NULL;
@@ -34,9 +62,7 @@ static void *next_after(const void *caller, const char *name) {
     return NULL;
 }
 
-QGPU_EXPORT void *dlsym(void *handle, const char *name) {
-    void *p = handle == RTLD_NEXT ? next_after(__builtin_return_address(0), name)
-                                  : hook_real_dlsym(handle, name);
+static void *wrap_result(void *p, const char *name) {
     if (p && interesting(name)) {
         void *w = hook_wrapper_for(name);
         if (w) return w;
@@ -44,11 +70,41 @@ QGPU_EXPORT void *dlsym(void *handle, const char *name) {
     return p;
 }
 
-/* A pointer the real cuGetProcAddress returned is swapped for our wrapper of the same
- * exported function: identity, not name matching, so the wrapper's ABI (_v2, _v3, _ptsz)
- * is always the one the caller asked for. */
-static void *wrap_pointer(void *p) {
+QGPU_EXPORT void *dlsym(void *handle, const char *name) {
+    int refuse;
+    void *own = own_resolver(name, &refuse);
+    if (own || refuse) return own;
+    void *p = handle == RTLD_NEXT ? next_after(__builtin_return_address(0), name, NULL)
+                                  : hook_real_dlsym(handle, name);
+    return wrap_result(p, name);
+}
+
+QGPU_EXPORT void *dlvsym(void *handle, const char *name, const char *version) {
+    int refuse;
+    void *own = own_resolver(name, &refuse);
+    if (own || refuse) return own;
+    void *p = handle == RTLD_NEXT ? next_after(__builtin_return_address(0), name, version)
+                                  : hook_real_dlvsym(handle, name, version);
+    return wrap_result(p, name);
+}
+
+QGPU_EXPORT void *dlopen(const char *file, int flags) {
+    return hook_libc_dlopen(file, flags & ~RTLD_DEEPBIND);
+}
+
+/* The wrapper for (symbol, version, flags) by NVIDIA's table, else by the pointer. */
+static void *wrap_pointer(const char *symbol, int version, cuuint64_t flags, void *p) {
     if (!p) return p;
+    const char *exported = qgpu_procaddr_symbol(symbol, version, flags, hook_driver_version(), NULL);
+    if (exported) {
+        int i = hook_index_of(exported);
+        void *w = hook_wrapper_for(exported);
+        if (w) {
+            /* the driver's entry point serves the wrapper if dlsym found none */
+            if (i >= 0 && !hook_real_fn[i] && !hook_is_own(p)) hook_real_fn[i] = p;
+            return w;
+        }
+    }
     for (int i = 0; i < HIDX_COUNT; i++) {
         if (hook_real_fn[i] != p) continue;
         void *w = hook_wrapper_for(hook_fn_names[i]);
@@ -62,7 +118,7 @@ QGPU_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cud
     hook_load_cuda();
     if (!HAVE_REAL(cuGetProcAddress_v2)) return CUDA_ERROR_NOT_FOUND;
     CUresult r = REAL(cuGetProcAddress_v2)(symbol, pfn, cudaVersion, flags, status);
-    if (r == CUDA_SUCCESS && pfn) *pfn = wrap_pointer(*pfn);
+    if (r == CUDA_SUCCESS && pfn) *pfn = wrap_pointer(symbol, cudaVersion, flags, *pfn);
     return r;
 }
 
@@ -71,6 +127,6 @@ QGPU_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVe
     hook_load_cuda();
     if (!HAVE_REAL(cuGetProcAddress)) return CUDA_ERROR_NOT_FOUND;
     CUresult r = REAL(cuGetProcAddress)(symbol, pfn, cudaVersion, flags);
-    if (r == CUDA_SUCCESS && pfn) *pfn = wrap_pointer(*pfn);
+    if (r == CUDA_SUCCESS && pfn) *pfn = wrap_pointer(symbol, cudaVersion, flags, *pfn);
     return r;
 }

@@ -2,9 +2,10 @@
  *
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
  * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
- * region are mapped (ledger.c), and wrappers (mem.c, launch.c, nvml.c, init.c) apply them.
- * dlsym.c makes the wrappers reachable via dlsym and cuGetProcAddress; real.c finds the
- * real driver's functions. */
+ * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
+ * VMM handles (vmm.c), pools, stream-ordered and graph memory (pool.c), contexts (ctx.c),
+ * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
+ * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -13,24 +14,50 @@
 #include "../common/qgpu_common.h"
 #include "../include/qgpu_cuda_api.h"
 
-/* Every exported wrapper (also what dlsym/cuGetProcAddress hand out). */
+/* Every exported wrapper (also what dlsym/dlvsym/cuGetProcAddress hand out). Every ABI form
+ * (v1, _v2.., _ptsz) of a wrapped entry point is wrapped: tests/enforcement check that against
+ * the generated cuGetProcAddress table. */
 #define HOOK_WRAPPED(X)                                                                      \
-    X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2) X(cuMemAlloc_v2)                    \
-    X(cuMemAllocPitch_v2) X(cuMemAllocManaged) X(cuMemFree_v2) X(cuMemCreate) X(cuMemRelease) \
+    X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2)                                     \
+    X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch) X(cuMemAllocPitch_v2)                  \
+    X(cuMemAllocManaged) X(cuMemFree) X(cuMemFree_v2)                                        \
+    X(cuArrayCreate) X(cuArrayCreate_v2) X(cuArray3DCreate) X(cuArray3DCreate_v2)            \
+    X(cuArrayDestroy) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy)                   \
+    X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2)            \
+    X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
+    X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
-    X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayDestroy) X(cuMemGetInfo_v2)           \
-    X(cuDeviceTotalMem_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx)      \
-    X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)  \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(nvmlDeviceGetMemoryInfo)                        \
-    X(nvmlDeviceGetMemoryInfo_v2)
+    X(cuMemPoolTrimTo) X(cuMemPoolDestroy)                                                   \
+    X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
+    X(cuEventSynchronize)                                                                    \
+    X(cuGraphAddMemAllocNode) X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                 \
+    X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
+    X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
+    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \
+    X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
+    X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
+    X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuCtxSetLimit)                                \
+    X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)    \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)                           \
+    X(cuLaunchCooperativeKernelMultiDevice) X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                   \
+    X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)                                 \
+    X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)       \
+    X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)      \
+    X(nvmlDeviceGetGraphicsRunningProcesses_v2) X(nvmlDeviceGetGraphicsRunningProcesses_v3)  \
+    X(nvmlDeviceGetMPSComputeRunningProcesses) X(nvmlDeviceGetMPSComputeRunningProcesses_v2) \
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3) X(nvmlDeviceGetProcessUtilization)
 
 /* Real functions the hook calls itself without wrapping them. */
 #define HOOK_INTERNAL(X)                                                                     \
-    X(cuEventCreate) X(cuEventRecord) X(cuEventQuery) X(cuEventElapsedTime)                  \
-    X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuStreamIsCapturing) X(cuDeviceGetCount)       \
-    X(cuDeviceGet)                                                                           \
-    X(cuDeviceGetUuid) X(nvmlDeviceGetUUID)
+    X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
+    X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2) X(cuDeviceGetCount) \
+    X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute) X(cuDeviceGetMemPool)          \
+    X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
+    X(nvmlDeviceGetUUID)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
@@ -42,12 +69,20 @@ enum {
 extern QGPU_HIDDEN void *hook_real_fn[HIDX_COUNT];
 extern QGPU_HIDDEN const char *const hook_fn_names[HIDX_COUNT];
 
+/* libc_sym.c: libc's dlsym/dlvsym/dlopen, read from its symbol table */
+QGPU_HIDDEN void *hook_libc_dlsym(void *handle, const char *name);
+QGPU_HIDDEN void *hook_libc_dlvsym(void *handle, const char *name, const char *version);
+QGPU_HIDDEN void *hook_libc_dlopen(const char *file, int flags);
+
 /* real.c */
 QGPU_HIDDEN void *hook_real_dlsym(void *handle, const char *name);
+QGPU_HIDDEN void *hook_real_dlvsym(void *handle, const char *name, const char *version);
 QGPU_HIDDEN void hook_load_cuda(void); /* resolves every cu* real pointer once */
 QGPU_HIDDEN void hook_load_nvml(void);
 QGPU_HIDDEN void *hook_wrapper_for(const char *name); /* exact exported name -> wrapper */
 QGPU_HIDDEN int hook_index_of(const char *name);
+QGPU_HIDDEN int hook_is_own(void *p);
+QGPU_HIDDEN int hook_driver_version(void); /* the real driver's CUDA version */
 
 /* config.c */
 enum { POLICY_BEST_EFFORT = 0, POLICY_FIXED_SHARE = 1, POLICY_BURST_SHARE = 2 };
@@ -56,6 +91,9 @@ typedef struct {
     char slice_id[72];
     char device_uuid[64];
     uint64_t mem_limit;
+    uint64_t context_memory; /* charged per context */
+    int timesliced; /* the device time-slices between processes (real GPUs); 0: one queue */
+    int64_t timeslice_ns; /* the length of one time slice (QGPU_TIMESLICE_US) */
     int core;
     int policy;
     char state_dir[1024];
@@ -74,24 +112,57 @@ QGPU_HIDDEN void hook_fail(const char *fmt, ...);
 
 /* ledger.c */
 QGPU_HIDDEN int ledger_open(const hook_limits_t *lim, char *err, size_t errlen);
-QGPU_HIDDEN int ledger_region_open(const char *state_dir, const char *uuid, const hook_limits_t *lim);
-/* 0 ok, -1 refused (over the cap: counted in the ledger's oom_refusals) */
+/* 0 ok, -1 refused (over the cap: counted in the ledger's oom_refusals). Overflow-safe. */
 QGPU_HIDDEN int ledger_reserve(uint64_t bytes);
+/* Memory the driver has already committed (found after the fact): charged even past the cap,
+ * so the slice's next allocations are refused and the agent's watchdog sees it. */
+QGPU_HIDDEN void ledger_force(uint64_t bytes);
 QGPU_HIDDEN void ledger_release(uint64_t bytes);
 QGPU_HIDDEN uint64_t ledger_used(void);
-QGPU_HIDDEN void ledger_publish_activity(void);
-/* Compute bucket: returns available device-ns after refill (minus in-flight estimate);
- * *alone is set for burst-share when no other slice on the GPU is active. */
-QGPU_HIDDEN int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int *alone);
+/* Compute bucket, refilled at `share` percent: available device-ns after refill, minus the
+ * in-flight estimate. `alone` (a burst-share slice bursting) forgives a negative balance. */
+QGPU_HIDDEN int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int share, int alone);
 QGPU_HIDDEN void ledger_debit(int64_t busy_ns);
 /* Adds the time a launch was held back waiting for compute credit (throttled_ns). */
 QGPU_HIDDEN void ledger_add_throttled(int64_t held_ns);
+/* 1 if `pid` holds a live slot of this slice (NVML views show only the slice's processes) */
+QGPU_HIDDEN int ledger_has_pid(int pid);
+
+/* region.c: the processes of one GPU */
+typedef struct {
+    int other_slices;       /* other slices of any policy active on the GPU */
+    int guaranteed_slices;  /* other fixed-/burst-share slices active on the GPU */
+    int best_effort_slices; /* best-effort slices active on the GPU, this one included */
+    int guaranteed_share;   /* sum of the shares of the active guaranteed slices */
+} region_summary_t;
+QGPU_HIDDEN int region_open(const char *state_dir, const char *uuid, const hook_limits_t *lim);
+QGPU_HIDDEN void region_forget_entry(void);
+QGPU_HIDDEN void region_publish_launch(void); /* every launch: one coarse clock read */
+QGPU_HIDDEN void region_publish_pending(int gated, int64_t until_ns);
+QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on the device */
+QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
+QGPU_HIDDEN CUcontext mem_current_ctx(void);
+QGPU_HIDDEN void mem_forget_ctx(CUcontext ctx); /* the driver freed what the context held */
+QGPU_HIDDEN void mem_untrack_if_tracked(uint64_t key);
+
+/* pool.c */
+QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
+/* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
 
 /* launch.c */
-QGPU_HIDDEN int gate_before(CUstream stream, void **pair_out);
+typedef struct {
+    int gated; /* launches wait for credit and are timed */
+    int share; /* percent the bucket refills at */
+    int alone; /* burst-share with no other slice active: bursting */
+} gate_mode_t;
+QGPU_HIDDEN gate_mode_t gate_mode(void);
+QGPU_HIDDEN void hook_register_sampler_atfork(void);
+QGPU_HIDDEN int gate_before(CUstream stream, void **pair_out, gate_mode_t mode);
 QGPU_HIDDEN void gate_after(CUstream stream, void *pair);
 
 #define REAL(name) ((__typeof__(&name))hook_real_fn[HIDX_##name])
@@ -107,5 +178,10 @@ QGPU_HIDDEN void gate_after(CUstream stream, void *pair);
         if (hs_ == HOOK_ERROR) return CUDA_ERROR_NOT_INITIALIZED;                            \
         if (hs_ != HOOK_ACTIVE) return REAL(name)(__VA_ARGS__);                              \
     } while (0)
+
+/* size arithmetic that refuses instead of wrapping */
+static inline int hook_mul(uint64_t a, uint64_t b, uint64_t *out) {
+    return __builtin_mul_overflow(a, b, out) ? -1 : 0;
+}
 
 #endif

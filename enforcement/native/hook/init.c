@@ -62,7 +62,7 @@ static void load_config(void) {
         hook_fail("%s", err);
         return;
     }
-    if (g_lim.device_uuid[0]) ledger_region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
+    if (g_lim.device_uuid[0]) region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
     g_capped = g_lim.policy != POLICY_BEST_EFFORT && g_lim.core < 100;
     __atomic_store_n(&g_hook_state, HOOK_ACTIVE, __ATOMIC_RELEASE);
 }
@@ -104,7 +104,7 @@ static void check_device(void) {
     }
     if (!g_lim.device_uuid[0]) {
         snprintf(g_lim.device_uuid, sizeof g_lim.device_uuid, "%s", uuid);
-        ledger_region_open(g_lim.state_dir, uuid, &g_lim);
+        region_open(g_lim.state_dir, uuid, &g_lim);
     }
 }
 

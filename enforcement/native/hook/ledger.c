@@ -4,8 +4,7 @@
  * slot (slots of dead processes are reclaimed: pid + start time, so kill -9 and pid reuse
  * are handled) and the compute token bucket (device-ns of credit, refilled at the share).
  *
- * gpu-<uuid>.region: one per physical GPU: each slice on it publishes when it last launched
- * work, so a burst-share slice knows whether it is alone.
+ * (The per-GPU region the slices of one GPU share is region.c.)
  *
  * The slice ledger's layout is read by enforcement/agent/slice_stats.py (memory per live
  * pid, busy_ns, oom_refusals, throttled_ns): keep the offsets below stable, or change both.
@@ -23,13 +22,9 @@
 #include "hook.h"
 
 #define LEDGER_MAGIC 0x3144454c55504751ULL /* "QGPULED1" */
-#define REGION_MAGIC 0x3147455255504751ULL /* "QGPUREG1" */
 #define LEDGER_VERSION 2
 #define MAX_SLOTS 64
-#define MAX_REGION 32
 #define BUCKET_WINDOW_NS 100000000LL  /* credit saved up while idle: 100 ms of the share */
-#define ACTIVE_WINDOW_NS 100000000LL  /* a slice that launched in the last 100 ms is active */
-#define STALE_REGION_NS 60000000000LL /* region entries idle for 60 s may be reused */
 
 typedef struct {
     int32_t pid;
@@ -61,32 +56,12 @@ typedef struct {
     ledger_slot_t slots[MAX_SLOTS]; /* 512 */
 } slice_ledger_t;
 
-typedef struct {
-    char slice_id[72];
-    int64_t last_launch_ns;
-    int32_t policy;
-    int32_t core;
-    int32_t pid;
-    int32_t pad;
-} region_entry_t;
-
-typedef struct {
-    uint64_t magic;
-    uint32_t version;
-    uint32_t max_entries;
-    char pad0[48];
-    char lock_area[64]; /* 64 */
-    region_entry_t entries[MAX_REGION]; /* 128 */
-} gpu_region_t;
-
 _Static_assert(sizeof(ledger_slot_t) == 64, "slot layout");
 _Static_assert(__builtin_offsetof(slice_ledger_t, slots) == 512, "ledger layout");
 _Static_assert(__builtin_offsetof(slice_ledger_t, oom_refusals) == 208, "ledger layout");
 _Static_assert(__builtin_offsetof(slice_ledger_t, throttled_ns) == 216, "ledger layout");
 
 static slice_ledger_t *L;
-static gpu_region_t *R;
-static region_entry_t *my_entry;
 static int my_pid;
 static uint64_t my_start;
 static ledger_slot_t *my_slot;
@@ -187,47 +162,17 @@ int ledger_open(const hook_limits_t *lim, char *err, size_t errlen) {
     return 0;
 }
 
-int ledger_region_open(const char *state_dir, const char *uuid, const hook_limits_t *lim) {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/gpu-%s.region", state_dir, uuid);
-    gpu_region_t *r = qgpu_map_state(path, sizeof(gpu_region_t), REGION_MAGIC,
-                                     __builtin_offsetof(gpu_region_t, lock_area), NULL, NULL);
-    if (!r) return -1;
-    qgpu_lock((pthread_mutex_t *)r->lock_area);
-    region_entry_t *mine = NULL, *free_e = NULL;
-    int64_t now = qgpu_now_ns();
-    for (int i = 0; i < MAX_REGION; i++) {
-        region_entry_t *e = &r->entries[i];
-        if (e->slice_id[0] && strcmp(e->slice_id, lim->slice_id) == 0) {
-            mine = e;
-            break;
-        }
-        if (!free_e && (!e->slice_id[0] || now - e->last_launch_ns > STALE_REGION_NS)) free_e = e;
-    }
-    if (!mine && free_e) {
-        mine = free_e;
-        memset(mine, 0, sizeof *mine);
-        snprintf(mine->slice_id, sizeof mine->slice_id, "%s", lim->slice_id);
-    }
-    if (mine) {
-        /* registered counts as active: a fresh entry is never mistaken for a stale one */
-        __atomic_store_n(&mine->last_launch_ns, qgpu_now_coarse_ns(), __ATOMIC_RELAXED);
-        mine->policy = lim->policy;
-        mine->core = lim->core;
-        mine->pid = getpid();
-    }
-    qgpu_unlock((pthread_mutex_t *)r->lock_area);
-    if (!mine) return -1;
-    __atomic_store_n(&my_entry, mine, __ATOMIC_RELEASE);
-    R = r;
-    return 0;
+static int fits(uint64_t bytes) {
+    uint64_t lim = g_lim.mem_limit;
+    return bytes <= lim && L->mem_used <= lim - bytes; /* never `used + bytes`: it can wrap */
 }
 
 int ledger_reserve(uint64_t bytes) {
+    if (bytes == 0) return 0;
     LLOCK();
-    if (L->mem_used + bytes > g_lim.mem_limit) {
+    if (!fits(bytes)) {
         reclaim_dead();
-        if (L->mem_used + bytes > g_lim.mem_limit) {
+        if (!fits(bytes)) {
             LUNLOCK();
             __atomic_fetch_add(&L->oom_refusals, 1, __ATOMIC_RELAXED);
             return -1;
@@ -244,7 +189,28 @@ int ledger_reserve(uint64_t bytes) {
     return 0;
 }
 
+void ledger_force(uint64_t bytes) {
+    if (bytes == 0) return;
+    LLOCK();
+    ledger_slot_t *s = slot();
+    if (s) s->mem_used = s->mem_used > UINT64_MAX - bytes ? UINT64_MAX : s->mem_used + bytes;
+    L->mem_used = L->mem_used > UINT64_MAX - bytes ? UINT64_MAX : L->mem_used + bytes;
+    LUNLOCK();
+}
+
+int ledger_has_pid(int pid) {
+    int found = 0;
+    LLOCK();
+    for (int i = 0; i < MAX_SLOTS && !found; i++) {
+        ledger_slot_t *s = &L->slots[i];
+        found = s->pid == pid && qgpu_proc_alive(s->pid, s->start_time);
+    }
+    LUNLOCK();
+    return found;
+}
+
 void ledger_release(uint64_t bytes) {
+    if (bytes == 0) return;
     LLOCK();
     ledger_slot_t *s = slot();
     if (s) s->mem_used = s->mem_used >= bytes ? s->mem_used - bytes : 0;
@@ -260,29 +226,8 @@ uint64_t ledger_used(void) {
     return used;
 }
 
-void ledger_publish_activity(void) {
-    region_entry_t *e = __atomic_load_n(&my_entry, __ATOMIC_ACQUIRE);
-    if (!e) return;
-    int64_t now = qgpu_now_coarse_ns();
-    if (__atomic_load_n(&e->last_launch_ns, __ATOMIC_RELAXED) != now)
-        __atomic_store_n(&e->last_launch_ns, now, __ATOMIC_RELAXED);
-}
-
-static int others_active(int64_t now) {
-    if (!R) return 1; /* unknown GPU: assume contention (never over the share) */
-    for (int i = 0; i < MAX_REGION; i++) {
-        region_entry_t *e = &R->entries[i];
-        if (!e->slice_id[0] || strncmp(e->slice_id, g_lim.slice_id, sizeof e->slice_id) == 0)
-            continue;
-        if (now - __atomic_load_n(&e->last_launch_ns, __ATOMIC_RELAXED) < ACTIVE_WINDOW_NS)
-            return 1;
-    }
-    return 0;
-}
-
-int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int *alone) {
-    int64_t cap = BUCKET_WINDOW_NS * g_lim.core / 100;
-    *alone = g_lim.policy == POLICY_BURST_SHARE && !others_active(now);
+int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int share, int alone) {
+    int64_t cap = BUCKET_WINDOW_NS * share / 100;
     LLOCK();
     if (L->refill_ns == 0 || now - L->refill_ns > 10 * BUCKET_WINDOW_NS) {
         /* first use, or a long idle period: start from a full bucket */
@@ -290,11 +235,11 @@ int64_t ledger_compute_avail(int64_t now, int64_t inflight_ns, int *alone) {
         else L->tokens_ns = cap;
         L->refill_ns = now;
     } else if (now > L->refill_ns) {
-        L->tokens_ns += (now - L->refill_ns) * g_lim.core / 100;
+        L->tokens_ns += (now - L->refill_ns) * share / 100;
         L->refill_ns = now;
         if (L->tokens_ns > cap) L->tokens_ns = cap;
     }
-    if (*alone && L->tokens_ns < 0) L->tokens_ns = 0; /* bursting is not a debt */
+    if (alone && L->tokens_ns < 0) L->tokens_ns = 0; /* bursting is not a debt */
     int64_t avail = L->tokens_ns - inflight_ns;
     LUNLOCK();
     return avail;

@@ -1,4 +1,4 @@
-/* Finding the real driver: the real dlsym (we override dlsym), the real libcuda.so.1 /
+/* Finding the real driver: libc's own dlsym/dlvsym (we export both), the real libcuda.so.1 /
  * libnvidia-ml.so.1 and every function the hook wraps or calls. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -22,18 +22,11 @@ static void *const wrappers[] = {
 };
 #define NWRAPPED (sizeof wrappers / sizeof wrappers[0])
 
-typedef void *(*dlsym_fn)(void *, const char *);
-static dlsym_fn real_dlsym;
-static pthread_once_t dlsym_once = PTHREAD_ONCE_INIT;
+/* libc's dlsym and dlvsym (libc_sym.c), never the wrappers this library exports. */
+void *hook_real_dlsym(void *handle, const char *name) { return hook_libc_dlsym(handle, name); }
 
-static void find_dlsym(void) {
-    real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!real_dlsym) real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-}
-
-void *hook_real_dlsym(void *handle, const char *name) {
-    pthread_once(&dlsym_once, find_dlsym);
-    return real_dlsym ? real_dlsym(handle, name) : NULL;
+void *hook_real_dlvsym(void *handle, const char *name, const char *version) {
+    return hook_libc_dlvsym(handle, name, version);
 }
 
 int hook_index_of(const char *name) {
@@ -47,7 +40,7 @@ void *hook_wrapper_for(const char *name) {
     return (i >= 0 && (size_t)i < NWRAPPED) ? wrappers[i] : NULL;
 }
 
-static int is_own(void *p) {
+int hook_is_own(void *p) {
     for (size_t i = 0; i < NWRAPPED; i++)
         if (wrappers[i] == p) return 1;
     return 0;
@@ -58,12 +51,13 @@ static void resolve(void *lib, const char *prefix) {
     for (int i = 0; i < HIDX_COUNT; i++) {
         if (strncmp(hook_fn_names[i], prefix, n) != 0) continue;
         void *p = hook_real_dlsym(lib, hook_fn_names[i]);
-        hook_real_fn[i] = is_own(p) ? NULL : p; /* never forward to ourselves */
+        hook_real_fn[i] = hook_is_own(p) ? NULL : p; /* never forward to ourselves */
     }
 }
 
 static pthread_once_t cuda_once = PTHREAD_ONCE_INIT;
 static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+static int driver_version;
 
 static void load_cuda(void) {
     hook_state(); /* a trusted limits file may name the real driver */
@@ -74,6 +68,9 @@ static void load_cuda(void) {
         return;
     }
     resolve(lib, "cu");
+    int v = 0;
+    if (HAVE_REAL(cuDriverGetVersion) && REAL(cuDriverGetVersion)(&v) == CUDA_SUCCESS)
+        driver_version = v;
 }
 
 static void load_nvml(void) {
@@ -84,3 +81,8 @@ static void load_nvml(void) {
 
 void hook_load_cuda(void) { pthread_once(&cuda_once, load_cuda); }
 void hook_load_nvml(void) { pthread_once(&nvml_once, load_nvml); }
+
+int hook_driver_version(void) {
+    hook_load_cuda();
+    return driver_version ? driver_version : 99999; /* unknown: every form the table knows */
+}

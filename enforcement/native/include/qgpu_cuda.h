@@ -22,6 +22,10 @@ typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
+typedef unsigned int CUdeviceptr_v1;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -38,6 +42,9 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 #define CUDA_ERROR_LAUNCH_FAILED 719
 #define CUDA_ERROR_NOT_PERMITTED 800
 #define CUDA_ERROR_NOT_SUPPORTED 801
+#define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
+#define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
+#define CUDA_ERROR_ILLEGAL_STATE 401
 #define CUDA_ERROR_UNKNOWN 999
 
 typedef struct CUuuid_st {
@@ -73,6 +80,23 @@ typedef struct {
     CUarray_format Format;
     unsigned int NumChannels;
 } CUDA_ARRAY_DESCRIPTOR;
+
+/* CUDA 2.0 (v1) descriptors: 32-bit sizes */
+typedef struct {
+    unsigned int Width;
+    unsigned int Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR_v1;
+
+typedef struct {
+    unsigned int Width;
+    unsigned int Height;
+    unsigned int Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR_v1;
 
 typedef struct {
     size_t Width;
@@ -115,6 +139,55 @@ typedef struct {
     unsigned char reserved[54];
 } CUmemPoolProps;
 
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+typedef struct {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr; /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef struct {
+    void *execAffinityParams; /* CUexecAffinityParam* */
+    int numExecAffinityParams;
+    void *cigParams; /* CUctxCigParam* */
+} CUctxCreateParams;
+
+#define CU_DEV_RESOURCE_TYPE_SM 1
+typedef struct {
+    int type; /* CUdevResourceType */
+    unsigned char _internal_padding[92];
+    union {
+        struct {
+            unsigned int smCount, minSmPartitionSize, smCoscheduledAlignment;
+        } sm;
+        unsigned char _oversize[48];
+    };
+} CUdevResource;
+
+#define CU_LIMIT_STACK_SIZE 0
+#define CU_LIMIT_PRINTF_FIFO_SIZE 1
+#define CU_LIMIT_MALLOC_HEAP_SIZE 2
+
+#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5
+#define CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH 6
+#define CU_MEMPOOL_ATTR_USED_MEM_CURRENT 7
+#define CU_MEMPOOL_ATTR_USED_MEM_HIGH 8
+
+#define CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT 0
+#define CU_GRAPH_MEM_ATTR_USED_MEM_HIGH 1
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
+#define CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH 3
+
+#define CU_STREAM_CAPTURE_STATUS_NONE 0
+#define CU_STREAM_CAPTURE_STATUS_ACTIVE 1
+
 typedef struct CUlaunchAttribute_st {
     int id;
     char pad[4];
@@ -138,6 +211,15 @@ typedef struct {
     void **kernelParams;
     void **extra;
 } CUDA_KERNEL_NODE_PARAMS;
+
+typedef struct {
+    CUfunction function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS;
 
 typedef struct {
     CUfunction func;

@@ -1,4 +1,5 @@
-/* Simulated driver: initialisation, devices, contexts, error strings. */
+/* Simulated driver: configuration, initialisation, versions, devices, attributes, export
+ * tables, error strings. Contexts live in ctx.c, memory in mem.c, execution in exec.c. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,12 +13,29 @@ QGPU_HIDDEN int g_sim_vis[SIM_MAX_GPUS];
 QGPU_HIDDEN sim_gpu_state_t *g_sim_state[SIM_MAX_GPUS];
 QGPU_HIDDEN qgpu_table_t g_sim_allocs = QGPU_TABLE_INIT;
 
+static pthread_once_t config_once = PTHREAD_ONCE_INIT;
+static int config_ok;
+static char config_err[600];
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;
 static int init_called;
-static __thread struct CUctx_st *tl_ctx;
-static struct CUctx_st primary[SIM_MAX_GPUS];
-static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static int forked; /* a child of a process that had initialised CUDA: CUDA is not fork-safe */
+
+static void mark_forked(void) { forked = 1; }
+
+static void load_config(void) {
+    const char *path = getenv("QGPU_SIM_CONFIG");
+    if (!path || !*path) {
+        snprintf(config_err, sizeof config_err, "QGPU_SIM_CONFIG is not set: no simulated GPUs");
+        return;
+    }
+    config_ok = sim_config_load(path, &g_sim_cfg, config_err, sizeof config_err) == 0;
+}
+
+int sim_config_loaded(void) {
+    pthread_once(&config_once, load_config);
+    return config_ok;
+}
 
 /* CUDA_VISIBLE_DEVICES: indices or (prefixes of) UUIDs, stopping at the first bad entry. */
 static void parse_visible(void) {
@@ -68,6 +86,8 @@ static void release_own_slots(void) {
         sim_proc_t *p = sim_state_proc_slot(st, 0);
         if (p && p->pid == pid) {
             st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
+            for (int k = 0; k < SIM_MAX_PROCS; k++)
+                if (&st->procs[k] == p && st->ts_cur == k) st->ts_cur = -1;
             memset(p, 0, sizeof *p);
         }
         sim_state_unlock(st);
@@ -75,22 +95,17 @@ static void release_own_slots(void) {
 }
 
 static void do_init(void) {
-    const char *path = getenv("QGPU_SIM_CONFIG");
-    char err[512];
-    if (!path || !*path) {
-        fprintf(stderr, "qgpu-sim: QGPU_SIM_CONFIG is not set: no simulated GPUs\n");
-        init_result = CUDA_ERROR_NO_DEVICE;
-        return;
-    }
-    if (sim_config_load(path, &g_sim_cfg, err, sizeof err) != 0) {
-        fprintf(stderr, "qgpu-sim: %s\n", err);
-        init_result = CUDA_ERROR_NOT_INITIALIZED;
+    if (!sim_config_loaded()) {
+        fprintf(stderr, "qgpu-sim: %s\n", config_err);
+        init_result = getenv("QGPU_SIM_CONFIG") && *getenv("QGPU_SIM_CONFIG")
+                          ? CUDA_ERROR_NOT_INITIALIZED
+                          : CUDA_ERROR_NO_DEVICE;
         return;
     }
     parse_visible();
     for (int v = 0; v < g_sim_nvis; v++) {
         int g = g_sim_vis[v];
-        g_sim_state[g] = sim_state_open(&g_sim_cfg.gpus[g]);
+        g_sim_state[g] = sim_state_open(&g_sim_cfg.gpus[g], &g_sim_cfg);
         if (!g_sim_state[g]) {
             fprintf(stderr, "qgpu-sim: cannot open state file %s\n", g_sim_cfg.gpus[g].state_path);
             init_result = CUDA_ERROR_NOT_INITIALIZED;
@@ -98,24 +113,29 @@ static void do_init(void) {
         }
     }
     atexit(release_own_slots);
+    pthread_atfork(NULL, NULL, mark_forked);
     init_result = CUDA_SUCCESS;
 }
 
+/* Like the real driver, CUDA cannot be used in a child forked after initialisation: every
+ * call there, cuInit included, fails with CUDA_ERROR_NOT_INITIALIZED. */
 CUresult sim_check_init(void) {
-    if (!__atomic_load_n(&init_called, __ATOMIC_ACQUIRE)) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!__atomic_load_n(&init_called, __ATOMIC_ACQUIRE) || forked) return CUDA_ERROR_NOT_INITIALIZED;
     return init_result;
 }
 
 SIM_EXPORT CUresult cuInit(unsigned int flags) {
+    if (forked) return CUDA_ERROR_NOT_INITIALIZED;
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_once(&init_once, do_init);
     __atomic_store_n(&init_called, 1, __ATOMIC_RELEASE);
     return init_result;
 }
 
+/* Allowed before cuInit (NVIDIA's runtime asks first): the configured CUDA version. */
 SIM_EXPORT CUresult cuDriverGetVersion(int *version) {
     if (!version) return CUDA_ERROR_INVALID_VALUE;
-    *version = g_sim_cfg.cuda_version ? g_sim_cfg.cuda_version : 12040;
+    *version = sim_config_loaded() ? g_sim_cfg.cuda_version : 13000;
     return CUDA_SUCCESS;
 }
 
@@ -173,6 +193,14 @@ SIM_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
+/* v1 (CUDA 2.0 ABI): 32-bit size, saturated on cards of 4 GiB and more. */
+SIM_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    size_t b = 0;
+    CUresult r = cuDeviceTotalMem_v2(bytes ? &b : NULL, dev);
+    if (r == CUDA_SUCCESS) *bytes = b > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)b;
+    return r;
+}
+
 SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     int g;
     CUresult r = sim_device_gidx(dev, &g);
@@ -181,16 +209,33 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     const sim_gpu_config_t *c = &g_sim_cfg.gpus[g];
     switch (attrib) {
     case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *value = 1024; break;
+    case 2: case 3: *value = 1024; break;       /* MAX_BLOCK_DIM_X/Y */
+    case 4: *value = 64; break;                 /* MAX_BLOCK_DIM_Z */
+    case 5: *value = 2147483647; break;         /* MAX_GRID_DIM_X */
+    case 6: case 7: *value = 65535; break;      /* MAX_GRID_DIM_Y/Z */
+    case 8: *value = 49152; break;              /* MAX_SHARED_MEMORY_PER_BLOCK */
+    case 9: *value = 65536; break;              /* TOTAL_CONSTANT_MEMORY */
     case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *value = 32; break;
+    case 12: *value = 65536; break;             /* MAX_REGISTERS_PER_BLOCK */
+    case 13: *value = 1755000; break;           /* CLOCK_RATE (kHz) */
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = c->sms; break;
+    case 36: *value = 2619000; break;           /* MEMORY_CLOCK_RATE */
+    case 37: *value = 5120; break;              /* GLOBAL_MEMORY_BUS_WIDTH */
+    case 38: *value = 50 << 20; break;          /* L2_CACHE_SIZE */
+    case 39: *value = c->threads_per_sm; break; /* MAX_THREADS_PER_MULTIPROCESSOR */
+    case 41: *value = 1; break;                 /* UNIFIED_ADDRESSING */
     case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: *value = c->pci_bus; break;
     case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: *value = 0; break;
     case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: *value = 0; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *value = c->cc_major; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = c->cc_minor; break;
+    case 81: *value = 228 << 10; break;         /* MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
+    case 82: *value = 65536; break;             /* MAX_REGISTERS_PER_MULTIPROCESSOR */
     case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
+    case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *value = 1; break;
+    case 106: *value = 32; break;               /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     default:
         if (attrib <= 0 || attrib > 200) return CUDA_ERROR_INVALID_VALUE;
         *value = 0;
@@ -207,151 +252,19 @@ SIM_EXPORT CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
-/* ---- contexts ---- */
-
-static void attach_process(int gidx) {
-    sim_gpu_state_t *st = g_sim_state[gidx];
-    sim_state_lock(st);
-    sim_state_reclaim_dead(st);
-    sim_state_proc_slot(st, 1);
-    sim_state_unlock(st);
-}
-
-struct CUctx_st *sim_current_ctx(void) { return tl_ctx; }
-
-SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    (void)flags;
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    struct CUctx_st *c = calloc(1, sizeof *c);
-    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
-    c->magic = CTX_MAGIC;
-    c->dev = dev;
-    c->gidx = g;
-    c->refcount = 1;
-    attach_process(g);
-    tl_ctx = c;
-    *pctx = c;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!ctx || ctx->magic != CTX_MAGIC || ctx->primary) return CUDA_ERROR_INVALID_CONTEXT;
-    if (tl_ctx == ctx) tl_ctx = NULL;
-    ctx->magic = 0;
-    free(ctx);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (ctx && ctx->magic != CTX_MAGIC) return CUDA_ERROR_INVALID_CONTEXT;
-    tl_ctx = ctx;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    *pctx = tl_ctx;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) { return cuCtxSetCurrent(ctx); }
-
-SIM_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (pctx) *pctx = tl_ctx;
-    tl_ctx = NULL;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!tl_ctx) return CUDA_ERROR_INVALID_CONTEXT;
-    if (!dev) return CUDA_ERROR_INVALID_VALUE;
-    *dev = tl_ctx->dev;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuCtxSynchronize(void) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!tl_ctx) return CUDA_ERROR_INVALID_CONTEXT;
-    qgpu_sleep_until_ns(tl_ctx->last_end_ns);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&ctx_lock);
-    struct CUctx_st *c = &primary[dev];
-    if (c->magic != CTX_MAGIC) {
-        c->magic = CTX_MAGIC;
-        c->dev = dev;
-        c->gidx = g;
-        c->primary = 1;
-        attach_process(g);
+/* NVIDIA's runtime asks for private tables by UUID. The simulator has none of them: every
+ * request is answered CUDA_ERROR_NOT_FOUND, as a driver without the table would. With
+ * QGPU_SIM_TRACE_EXPORT_TABLES set, each requested UUID is printed on stderr (that is how
+ * docs/enforcement.md records what the runtime asks for). */
+SIM_EXPORT CUresult cuGetExportTable(const void **table, const CUuuid *id) {
+    if (!table || !id) return CUDA_ERROR_INVALID_VALUE;
+    *table = NULL;
+    if (getenv("QGPU_SIM_TRACE_EXPORT_TABLES")) {
+        char hex[33];
+        for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", (unsigned char)id->bytes[i]);
+        fprintf(stderr, "qgpu-sim: cuGetExportTable %s: not found\n", hex);
     }
-    c->refcount++;
-    pthread_mutex_unlock(&ctx_lock);
-    *pctx = c;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    pthread_mutex_lock(&ctx_lock);
-    if (primary[dev].refcount > 0) primary[dev].refcount--;
-    pthread_mutex_unlock(&ctx_lock);
-    return CUDA_SUCCESS;
-}
-
-/* ---- modules ---- */
-
-SIM_EXPORT CUresult cuModuleLoadData(CUmodule *mod, const void *image) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!mod || !image) return CUDA_ERROR_INVALID_VALUE;
-    struct CUmod_st *m = calloc(1, sizeof *m);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
-    m->magic = MOD_MAGIC;
-    *mod = m;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleUnload(CUmodule mod) {
-    if (!mod || mod->magic != MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    mod->magic = 0;
-    free(mod);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *fn, CUmodule mod, const char *name) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!fn || !name) return CUDA_ERROR_INVALID_VALUE;
-    if (!mod || mod->magic != MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    struct CUfunc_st *f = calloc(1, sizeof *f);
-    if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
-    f->magic = FUNC_MAGIC;
-    snprintf(f->name, sizeof f->name, "%s", name);
-    f->busy_kernel = strcmp(name, "qgpu_sim_busy") == 0;
-    *fn = f;
-    return CUDA_SUCCESS;
+    return CUDA_ERROR_NOT_FOUND;
 }
 
 /* ---- errors ---- */
@@ -375,6 +288,8 @@ static const struct {
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -398,13 +313,4 @@ SIM_EXPORT CUresult cuGetErrorName(CUresult error, const char **str) {
         }
     *str = NULL;
     return CUDA_ERROR_INVALID_VALUE;
-}
-
-/* Older entry points with the same ABI as their _v2 successors (still exported by real
- * drivers for old binaries). */
-SIM_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
-SIM_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
-SIM_EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
-SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
-    return cuDevicePrimaryCtxRelease_v2(dev);
 }

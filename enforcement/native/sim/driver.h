@@ -13,27 +13,45 @@
 #define GRAPH_MAGIC 0x47524150u
 #define EXEC_MAGIC 0x47455843u
 #define POOL_MAGIC 0x504f4f4cu
+#define GREEN_MAGIC 0x4752454eu
+#define DESC_MAGIC 0x44455343u
+
+/* A point in a process's queue: an event, or a stream-ordered free. fifo: its time is known
+ * when recorded; timesliced: it completes when the process's queue reaches it while the
+ * process holds the device (sim_state_advance writes the time into the shared slot). */
+typedef struct {
+    int gidx;
+    int ts_mode;
+    int slot;     /* the process slot (timesliced) */
+    uint64_t seq; /* marker sequence number (timesliced) */
+    int64_t ts;   /* completion time, once known */
+    int done;
+} sim_marker_t;
 
 struct CUctx_st {
     uint32_t magic;
     CUdevice dev; /* visible ordinal */
     int gidx;     /* index in the config */
     int primary;
-    int refcount;
-    int64_t last_end_ns; /* end of the last op queued by this context */
+    int green;
+    unsigned flags;
+    int64_t last_end_ns; /* fifo: end of the last op queued by this context */
+    uint64_t limits[3];  /* CU_LIMIT_STACK_SIZE, PRINTF_FIFO_SIZE, MALLOC_HEAP_SIZE */
+    uint64_t charged;    /* device memory this context holds (its cost + its limits) */
 };
 
 struct CUstream_st {
     uint32_t magic;
     struct CUctx_st *ctx;
     int64_t last_end_ns;
+    struct CUgraph_st *capture; /* the graph being captured, or NULL */
 };
 
 struct CUevent_st {
     uint32_t magic;
     unsigned flags;
     int recorded;
-    int64_t ts_ns;
+    sim_marker_t m;
 };
 
 struct CUmod_st {
@@ -44,23 +62,49 @@ struct CUfunc_st {
     uint32_t magic;
     int busy_kernel; /* named qgpu_sim_busy: first param is nanoseconds */
     char name[128];
+    /* legacy launch state (cuFuncSetBlockShape, cuParamSet*) */
+    int bx, by, bz;
+    unsigned param_size;
+    unsigned char params[256];
 };
 
+#define SIM_GRAPH_ALLOCS 64
 struct CUgraph_st {
     uint32_t magic;
     int nodes;
     int64_t total_ns;
+    int nallocs;
+    uint64_t alloc_size[SIM_GRAPH_ALLOCS]; /* memory alloc nodes */
+    uint64_t alloc_ptr[SIM_GRAPH_ALLOCS];
+    int gidx;
 };
 
 struct CUgraphExec_st {
     uint32_t magic;
     int nodes;
     int64_t total_ns;
+    uint64_t alloc_bytes; /* what its memory nodes need from the graph pool */
+    int gidx;
 };
 
 struct CUmemPoolHandle_st {
     uint32_t magic;
     int gidx;
+    int is_default;
+    uint64_t reserved; /* physical memory the pool holds (charged to the device) */
+    uint64_t used;     /* handed out and not yet freed in stream order */
+    uint64_t threshold;
+    uint64_t reserved_high, used_high;
+};
+
+struct CUgreenCtx_st {
+    uint32_t magic;
+    struct CUctx_st ctx;
+};
+
+struct CUdevResourceDesc_st {
+    uint32_t magic;
+    unsigned sms;
 };
 
 extern QGPU_HIDDEN sim_config_t g_sim_cfg;
@@ -69,12 +113,31 @@ extern QGPU_HIDDEN int g_sim_vis[SIM_MAX_GPUS];
 extern QGPU_HIDDEN sim_gpu_state_t *g_sim_state[SIM_MAX_GPUS];
 extern QGPU_HIDDEN qgpu_table_t g_sim_allocs;
 
+/* driver.c */
 QGPU_HIDDEN CUresult sim_check_init(void);
-QGPU_HIDDEN struct CUctx_st *sim_current_ctx(void);
 QGPU_HIDDEN CUresult sim_device_gidx(CUdevice dev, int *gidx);
-QGPU_HIDDEN int64_t sim_enqueue(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur_ns,
-                               int kernels);
-QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);
+QGPU_HIDDEN int sim_config_loaded(void); /* loads the config for calls allowed before cuInit */
+
+/* ctx.c */
+QGPU_HIDDEN struct CUctx_st *sim_current_ctx(void);
+QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);
+
+/* mem.c */
 QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
+QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
+QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
+QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
+QGPU_HIDDEN CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr);
+QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
+
+/* exec.c */
+QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);
+QGPU_HIDDEN struct CUstream_st *sim_real_stream(CUstream s);
+QGPU_HIDDEN void sim_submit(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur_ns,
+                            int kernels);
+QGPU_HIDDEN void sim_marker_record(struct CUctx_st *ctx, struct CUstream_st *s, sim_marker_t *m);
+QGPU_HIDDEN int sim_marker_poll(sim_marker_t *m); /* 1 once completed (m->ts set) */
+QGPU_HIDDEN void sim_marker_wait(sim_marker_t *m);
+QGPU_HIDDEN void sim_wait_idle(struct CUctx_st *ctx, struct CUstream_st *s);
 
 #endif

@@ -1,121 +1,255 @@
-/* Simulated device memory: every allocation API charges the GPU's shared accounting. No
- * host memory backs the fake device addresses. */
+/* Simulated device memory, with the lifetimes a real driver gives it:
+ *  - plain allocations (cuMemAlloc v1/v2, pitch, managed, arrays, mipmapped arrays) belong to
+ *    the context they were made in and die with it;
+ *  - VMM physical allocations (cuMemCreate) live until they are released AND unmapped: a
+ *    handle released while still mapped keeps its memory (NVIDIA's vectorAddMMAP sample
+ *    releases right after mapping);
+ *  - stream-ordered allocations come from memory pools: a pool keeps the physical memory it
+ *    grew by (its "reserved" memory) after cuMemFreeAsync, which takes effect when the stream
+ *    reaches it; at a synchronisation the pool gives back what it holds above its release
+ *    threshold (default 0), and cuMemPoolTrimTo gives back on demand;
+ *  - graph memory nodes take memory from a per-device graph pool at upload or launch, kept
+ *    until cuDeviceGraphMemTrim.
+ * Every size check is overflow-safe. No host memory backs the device addresses. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "driver.h"
 
-#define TAG_HOST (-1) /* host-located cuMemCreate: tracked, not charged */
+#define GRANULE (2ULL << 20)
+#define TAG_KIND_SHIFT 8
+#define TAG_CTX_SHIFT 16
+enum { KIND_DEV = 1, KIND_ARRAY = 2, KIND_V1 = 3 };
+
+/* ---- addresses ---- */
 
 static uint64_t next_addr = 0x7f0000000000ULL;
 
+static uint64_t round_up(uint64_t size) {
+    if (size > UINT64_MAX - (GRANULE - 1)) return 0;
+    return (size + GRANULE - 1) & ~(GRANULE - 1);
+}
+
 uint64_t sim_next_address(uint64_t size) {
-    uint64_t step = (size + 0x1FFFFFULL) & ~0x1FFFFFULL; /* 2 MiB granules */
-    if (!step) step = 0x200000ULL;
+    uint64_t step = round_up(size);
+    if (!step) step = GRANULE;
+    if (step > (1ULL << 46)) step = 1ULL << 46; /* fake VA: never past the 47-bit space */
     return __atomic_fetch_add(&next_addr, step, __ATOMIC_RELAXED);
 }
 
-static CUresult charge(int gidx, uint64_t size) {
+/* CUDA 2.0 (v1) pointers are 32-bit: a first-fit allocator of 2 MiB granules below 4 GiB. */
+#define V1_BASE 0x10000000ULL
+#define V1_GRANULES 1792 /* up to 0xF0000000 */
+static unsigned char v1_used[V1_GRANULES];
+static pthread_mutex_t v1_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t v1_take(uint64_t size) {
+    uint64_t n = round_up(size) / GRANULE;
+    if (!n) n = 1;
+    pthread_mutex_lock(&v1_lock);
+    for (uint64_t i = 0; n <= V1_GRANULES && i + n <= V1_GRANULES; i++) {
+        uint64_t k = 0;
+        while (k < n && !v1_used[i + k]) k++;
+        if (k == n) {
+            memset(v1_used + i, 1, n);
+            pthread_mutex_unlock(&v1_lock);
+            return V1_BASE + i * GRANULE;
+        }
+        i += k;
+    }
+    pthread_mutex_unlock(&v1_lock);
+    return 0;
+}
+
+static void v1_give(uint64_t addr, uint64_t size) {
+    uint64_t n = round_up(size) / GRANULE, i = (addr - V1_BASE) / GRANULE;
+    if (!n) n = 1;
+    pthread_mutex_lock(&v1_lock);
+    if (i + n <= V1_GRANULES) memset(v1_used + i, 0, n);
+    pthread_mutex_unlock(&v1_lock);
+}
+
+/* ---- the GPU's accounting ---- */
+
+CUresult sim_charge(int gidx, uint64_t bytes) {
+    if (!bytes) return CUDA_SUCCESS;
     sim_gpu_state_t *st = g_sim_state[gidx];
     sim_state_lock(st);
-    if (st->mem_used + size > st->mem_total) {
-        sim_state_reclaim_dead(st);
-        if (st->mem_used + size > st->mem_total) {
-            sim_state_unlock(st);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-    }
-    sim_proc_t *p = sim_state_proc_slot(st, 1);
-    if (!p) {
-        sim_state_unlock(st);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    st->mem_used += size;
-    p->mem_used += size;
+    CUresult r = sim_state_charge(st, bytes);
     sim_state_unlock(st);
+    return r;
+}
+
+void sim_uncharge(int gidx, uint64_t bytes) {
+    if (gidx < 0 || !bytes) return;
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    sim_state_lock(st);
+    sim_state_uncharge(st, bytes);
+    sim_state_unlock(st);
+}
+
+static int64_t make_tag(int kind, int gidx, const struct CUctx_st *ctx) {
+    (void)ctx;
+    return ((int64_t)(uintptr_t)ctx << TAG_CTX_SHIFT) | ((int64_t)kind << TAG_KIND_SHIFT) | gidx;
+}
+static int tag_gidx(int64_t tag) { return (int)(tag & 0xff); }
+static int tag_kind(int64_t tag) { return (int)((tag >> TAG_KIND_SHIFT) & 0xff); }
+static uintptr_t tag_ctx(int64_t tag) { return (uintptr_t)((uint64_t)tag >> TAG_CTX_SHIFT); }
+
+static CUresult ctx_gidx(struct CUctx_st **ctx, int *gidx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    *ctx = c;
+    *gidx = c->gidx;
     return CUDA_SUCCESS;
 }
 
-static void uncharge(int gidx, uint64_t size) {
-    if (gidx < 0) return;
-    sim_gpu_state_t *st = g_sim_state[gidx];
-    sim_state_lock(st);
-    sim_proc_t *p = sim_state_proc_slot(st, 0);
-    st->mem_used = st->mem_used >= size ? st->mem_used - size : 0;
-    if (p) p->mem_used = p->mem_used >= size ? p->mem_used - size : 0;
-    sim_state_unlock(st);
-}
-
-static CUresult alloc_on(int gidx, uint64_t size, unsigned long long *out) {
+static CUresult alloc_in(struct CUctx_st *ctx, int kind, uint64_t size, CUdeviceptr *out) {
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = charge(gidx, size);
+    CUresult r = sim_charge(ctx->gidx, size);
     if (r) return r;
-    uint64_t a = sim_next_address(size);
-    if (qgpu_table_put(&g_sim_allocs, a, size, gidx) != 0) {
-        uncharge(gidx, size);
+    uint64_t a = kind == KIND_V1 ? v1_take(size) : sim_next_address(size);
+    if (!a || qgpu_table_put(&g_sim_allocs, a, size, make_tag(kind, ctx->gidx, ctx)) != 0) {
+        if (a && kind == KIND_V1) v1_give(a, size);
+        sim_uncharge(ctx->gidx, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *out = a;
     return CUDA_SUCCESS;
 }
 
-static CUresult free_key(uint64_t key) {
+static CUresult free_kind(uint64_t key, int want_array) {
     uint64_t size;
-    int64_t gidx;
-    if (qgpu_table_take(&g_sim_allocs, key, &size, &gidx) != 0) return CUDA_ERROR_INVALID_VALUE;
-    uncharge((int)gidx, size);
+    int64_t tag;
+    if (qgpu_table_get(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
+    if ((tag_kind(tag) == KIND_ARRAY) != want_array) return CUDA_ERROR_INVALID_VALUE;
+    if (qgpu_table_take(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (tag_kind(tag) == KIND_V1) v1_give(key, size);
+    sim_uncharge(tag_gidx(tag), size);
     return CUDA_SUCCESS;
 }
 
-static CUresult ctx_gidx(int *gidx) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    struct CUctx_st *c = sim_current_ctx();
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    *gidx = c->gidx;
-    return CUDA_SUCCESS;
+/* A destroyed context takes its allocations with it. */
+static uintptr_t dying_ctx;
+static int owned_by_dying(uint64_t key, uint64_t size, int64_t tag) {
+    (void)key;
+    (void)size;
+    return tag_ctx(tag) == dying_ctx;
 }
+static pthread_mutex_t dying_lock = PTHREAD_MUTEX_INITIALIZER;
+
+QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx) {
+    pthread_mutex_lock(&dying_lock);
+    dying_ctx = (uintptr_t)ctx;
+    qgpu_entry_t taken[256];
+    size_t n;
+    while ((n = qgpu_table_take_if(&g_sim_allocs, owned_by_dying, taken, 256)) > 0) {
+        for (size_t i = 0; i < n; i++) {
+            if (tag_kind(taken[i].tag) == KIND_V1) v1_give(taken[i].key, taken[i].size);
+            sim_uncharge(tag_gidx(taken[i].tag), taken[i].size);
+        }
+        if (n < 256) break;
+    }
+    pthread_mutex_unlock(&dying_lock);
+}
+
+/* ---- plain allocations ---- */
 
 SIM_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+    struct CUctx_st *c;
     int g;
-    CUresult r = ctx_gidx(&g);
+    CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
     if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_on(g, size, dptr);
+    return alloc_in(c, KIND_DEV, size, dptr);
 }
 
-SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
-                                       size_t height, unsigned int elem) {
+SIM_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int size) {
+    struct CUctx_st *c;
     int g;
-    CUresult r = ctx_gidx(&g);
+    CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
-    if (!dptr || !pitch || !width || !height || (elem != 4 && elem != 8 && elem != 16))
-        return CUDA_ERROR_INVALID_VALUE;
-    size_t p = (width + 511) & ~(size_t)511;
-    r = alloc_on(g, (uint64_t)p * height, dptr);
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr a;
+    r = alloc_in(c, KIND_V1, size, &a);
+    if (!r) *dptr = (CUdeviceptr_v1)a;
+    return r;
+}
+
+static CUresult pitch_alloc(struct CUctx_st *c, int kind, uint64_t width, uint64_t height,
+                            unsigned elem, CUdeviceptr *dptr, uint64_t *pitch) {
+    if (!width || !height || (elem != 4 && elem != 8 && elem != 16)) return CUDA_ERROR_INVALID_VALUE;
+    if (width > UINT64_MAX - 511) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t p = (width + 511) & ~(uint64_t)511, bytes;
+    if (__builtin_mul_overflow(p, height, &bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = alloc_in(c, kind, bytes, dptr);
     if (!r) *pitch = p;
     return r;
 }
 
-SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
-    (void)flags;
+SIM_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
+                                       size_t height, unsigned int elem) {
+    struct CUctx_st *c;
     int g;
-    CUresult r = ctx_gidx(&g);
+    CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
-    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_on(g, size, dptr);
+    if (!dptr || !pitch) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr d;
+    uint64_t p;
+    r = pitch_alloc(c, KIND_DEV, width, height, elem, &d, &p);
+    if (!r) {
+        *dptr = d;
+        *pitch = p;
+    }
+    return r;
+}
+
+SIM_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width,
+                                    unsigned int height, unsigned int elem) {
+    struct CUctx_st *c;
+    int g;
+    CUresult r = ctx_gidx(&c, &g);
+    if (r) return r;
+    if (!dptr || !pitch) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr d;
+    uint64_t p;
+    r = pitch_alloc(c, KIND_V1, width, height, elem, &d, &p);
+    if (!r) {
+        *dptr = (CUdeviceptr_v1)d;
+        *pitch = (unsigned int)p;
+    }
+    return r;
+}
+
+SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
+    struct CUctx_st *c;
+    int g;
+    CUresult r = ctx_gidx(&c, &g);
+    if (r) return r;
+    if (!dptr || (flags != 1 && flags != 2)) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_in(c, KIND_DEV, size, dptr);
 }
 
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!dptr) return CUDA_SUCCESS;
-    return free_key(dptr);
+    return free_kind(dptr, 0);
+}
+
+SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!dptr) return CUDA_SUCCESS;
+    return free_kind(dptr, 0);
 }
 
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    struct CUctx_st *c;
     int g;
-    CUresult r = ctx_gidx(&g);
+    CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
     if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
     sim_gpu_state_t *st = g_sim_state[g];
@@ -127,131 +261,13 @@ SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     return CUDA_SUCCESS;
 }
 
-/* ---- virtual memory management ---- */
-
-SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
-                                const CUmemAllocationProp *prop, unsigned long long flags) {
-    CUresult r = sim_check_init();
+SIM_EXPORT CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total) {
+    size_t f = 0, t = 0;
+    CUresult r = cuMemGetInfo_v2(free_bytes ? &f : NULL, total ? &t : NULL);
     if (r) return r;
-    if (!handle || !prop || !size || flags) return CUDA_ERROR_INVALID_VALUE;
-    if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
-        int g;
-        r = sim_device_gidx(prop->location.id, &g);
-        if (r) return r;
-        unsigned long long h;
-        r = alloc_on(g, size, &h);
-        if (!r) *handle = h;
-        return r;
-    }
-    uint64_t h = sim_next_address(size);
-    qgpu_table_put(&g_sim_allocs, h, size, TAG_HOST);
-    *handle = h;
+    *free_bytes = f > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)f;
+    *total = t > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)t;
     return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    return free_key(handle);
-}
-
-SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *gran, const CUmemAllocationProp *prop,
-                                                  int option) {
-    (void)prop;
-    (void)option;
-    if (!gran) return CUDA_ERROR_INVALID_VALUE;
-    *gran = 2 << 20;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
-                                        CUdeviceptr addr, unsigned long long flags) {
-    (void)alignment;
-    (void)addr;
-    (void)flags;
-    if (!ptr || !size) return CUDA_ERROR_INVALID_VALUE;
-    *ptr = sim_next_address(size);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
-    (void)ptr;
-    (void)size;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
-                             CUmemGenericAllocationHandle handle, unsigned long long flags) {
-    (void)ptr;
-    (void)offset;
-    (void)flags;
-    uint64_t have;
-    if (qgpu_table_get(&g_sim_allocs, handle, &have, NULL) != 0) return CUDA_ERROR_INVALID_HANDLE;
-    return size <= have ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-}
-
-SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
-    (void)ptr;
-    (void)size;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
-    (void)ptr;
-    (void)size;
-    (void)desc;
-    (void)count;
-    return CUDA_SUCCESS;
-}
-
-/* ---- stream-ordered allocator ---- */
-
-SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!pool || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        return CUDA_ERROR_INVALID_VALUE;
-    int g;
-    r = sim_device_gidx(props->location.id, &g);
-    if (r) return r;
-    struct CUmemPoolHandle_st *p = calloc(1, sizeof *p);
-    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
-    p->magic = POOL_MAGIC;
-    p->gidx = g;
-    *pool = p;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
-    if (!pool || pool->magic != POOL_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    pool->magic = 0;
-    free(pool);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    struct CUctx_st *c = sim_stream_ctx(stream);
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_on(c->gidx, size, dptr);
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
-                                            CUstream stream) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!dptr || !pool || pool->magic != POOL_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_stream_ctx(stream)) return CUDA_ERROR_INVALID_CONTEXT;
-    return alloc_on(pool->gidx, size, dptr);
-}
-
-SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
-    (void)stream;
-    CUresult r = sim_check_init();
-    if (r) return r;
-    return free_key(dptr);
 }
 
 /* ---- arrays ---- */
@@ -263,36 +279,656 @@ static uint64_t format_bytes(CUarray_format f) {
     case CU_ARRAY_FORMAT_UNSIGNED_INT16:
     case CU_ARRAY_FORMAT_SIGNED_INT16:
     case CU_ARRAY_FORMAT_HALF: return 2;
-    default: return 4;
+    case CU_ARRAY_FORMAT_UNSIGNED_INT32:
+    case CU_ARRAY_FORMAT_SIGNED_INT32:
+    case CU_ARRAY_FORMAT_FLOAT: return 4;
+    default: return 0;
     }
 }
 
+/* bytes of a w x h x d array (0 dims count as 1); 0 on a bad descriptor, UINT64_MAX on
+ * overflow */
+static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned ch) {
+    uint64_t fb = format_bytes(f), out;
+    if (!w || !fb || (ch != 1 && ch != 2 && ch != 4)) return 0;
+    if (__builtin_mul_overflow(w, h ? h : 1, &out) || __builtin_mul_overflow(out, d ? d : 1, &out) ||
+        __builtin_mul_overflow(out, fb * ch, &out))
+        return UINT64_MAX;
+    return out;
+}
+
 static CUresult array_create(CUarray *arr, uint64_t bytes) {
+    struct CUctx_st *c;
     int g;
-    CUresult r = ctx_gidx(&g);
+    CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
-    unsigned long long a;
-    r = alloc_on(g, bytes, &a);
+    if (!arr || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (bytes == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUdeviceptr a;
+    r = alloc_in(c, KIND_ARRAY, bytes, &a);
     if (!r) *arr = (CUarray)(uintptr_t)a;
     return r;
 }
 
 SIM_EXPORT CUresult cuArrayCreate_v2(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR *d) {
-    if (!arr || !d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
-        return CUDA_ERROR_INVALID_VALUE;
-    uint64_t h = d->Height ? d->Height : 1;
-    return array_create(arr, d->Width * h * format_bytes(d->Format) * d->NumChannels);
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(arr, array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels));
+}
+
+SIM_EXPORT CUresult cuArrayCreate(CUarray *arr, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(arr, array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels));
 }
 
 SIM_EXPORT CUresult cuArray3DCreate_v2(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR *d) {
-    if (!arr || !d || !d->Width || (d->NumChannels != 1 && d->NumChannels != 2 && d->NumChannels != 4))
-        return CUDA_ERROR_INVALID_VALUE;
-    uint64_t h = d->Height ? d->Height : 1, dep = d->Depth ? d->Depth : 1;
-    return array_create(arr, d->Width * h * dep * format_bytes(d->Format) * d->NumChannels);
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(arr, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels));
+}
+
+SIM_EXPORT CUresult cuArray3DCreate(CUarray *arr, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return array_create(arr, array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels));
 }
 
 SIM_EXPORT CUresult cuArrayDestroy(CUarray arr) {
     CUresult r = sim_check_init();
     if (r) return r;
-    return free_key((uint64_t)(uintptr_t)arr);
+    return free_kind((uint64_t)(uintptr_t)arr, 1) ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
 }
+
+/* A mipmapped array holds every level: each halves the previous one (at least 1). */
+SIM_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                           unsigned int levels) {
+    if (!out || !d || levels == 0) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t w = d->Width, h = d->Height, dep = d->Depth, total = 0;
+    for (unsigned l = 0; l < levels; l++) {
+        uint64_t b = array_bytes(w, h, dep, d->Format, d->NumChannels);
+        if (!b) return CUDA_ERROR_INVALID_VALUE;
+        if (b == UINT64_MAX || total > UINT64_MAX - b) return CUDA_ERROR_OUT_OF_MEMORY;
+        total += b;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        dep = dep > 1 ? dep / 2 : dep;
+    }
+    CUarray a;
+    CUresult r = array_create(&a, total);
+    if (!r) *out = (CUmipmappedArray)(void *)a;
+    return r;
+}
+
+SIM_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray m) {
+    return cuArrayDestroy((CUarray)(void *)m);
+}
+
+SIM_EXPORT CUresult cuMipmappedArrayGetLevel(CUarray *level, CUmipmappedArray m, unsigned int l) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!level || qgpu_table_get(&g_sim_allocs, (uint64_t)(uintptr_t)m, NULL, NULL) != 0)
+        return CUDA_ERROR_INVALID_HANDLE;
+    *level = (CUarray)((char *)(void *)m + l); /* a view: no memory of its own */
+    return CUDA_SUCCESS;
+}
+
+/* ---- virtual memory management: physical handles live until released and unmapped ---- */
+
+typedef struct {
+    uint64_t handle, size;
+    int gidx; /* -1: host memory, not charged */
+    int released;
+    int refs; /* cuMemCreate + cuMemRetainAllocationHandle - cuMemRelease */
+    int maps;
+} vmm_handle_t;
+
+typedef struct {
+    uint64_t va, size, handle;
+} vmm_map_t;
+
+static vmm_handle_t *handles;
+static size_t nhandles, cap_handles;
+static vmm_map_t *maps;
+static size_t nmaps, cap_maps;
+static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static vmm_handle_t *find_handle(uint64_t h) {
+    for (size_t i = 0; i < nhandles; i++)
+        if (handles[i].handle == h) return &handles[i];
+    return NULL;
+}
+
+static void drop_if_dead(vmm_handle_t *h) {
+    if (h->refs > 0 || h->maps > 0) return;
+    if (h->gidx >= 0) sim_uncharge(h->gidx, h->size);
+    *h = handles[--nhandles];
+}
+
+static int grow(void **arr, size_t *cap, size_t n, size_t elem) {
+    if (n < *cap) return 0;
+    size_t nc = *cap ? *cap * 2 : 64;
+    void *p = realloc(*arr, nc * elem);
+    if (!p) return -1;
+    *arr = p;
+    *cap = nc;
+    return 0;
+}
+
+SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                                const CUmemAllocationProp *prop, unsigned long long flags) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!handle || !prop || !size || flags || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
+    int g = -1;
+    if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+        r = sim_device_gidx(prop->location.id, &g);
+        if (r) return r;
+        r = sim_charge(g, size);
+        if (r) return r;
+    } else if (prop->location.type != CU_MEM_LOCATION_TYPE_HOST) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_lock(&vmm_lock);
+    if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) != 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        if (g >= 0) sim_uncharge(g, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t h = sim_next_address(size) | 1; /* an opaque handle, not an address */
+    handles[nhandles++] = (vmm_handle_t){h, size, g, 0, 1, 0};
+    pthread_mutex_unlock(&vmm_lock);
+    *handle = h;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    pthread_mutex_lock(&vmm_lock);
+    vmm_handle_t *h = find_handle(handle);
+    if (!h || h->refs <= 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    h->refs--;
+    drop_if_dead(h); /* still mapped: the memory stays until the last unmap */
+    pthread_mutex_unlock(&vmm_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t a = (uint64_t)(uintptr_t)addr;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < nmaps; i++) {
+        if (a < maps[i].va || a - maps[i].va >= maps[i].size) continue;
+        vmm_handle_t *h = find_handle(maps[i].handle);
+        if (!h) break;
+        h->refs++;
+        *handle = h->handle;
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *gran, const CUmemAllocationProp *prop,
+                                                  int option) {
+    (void)option;
+    if (!gran || !prop) return CUDA_ERROR_INVALID_VALUE;
+    *gran = GRANULE;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                        CUdeviceptr addr, unsigned long long flags) {
+    (void)alignment;
+    (void)addr;
+    (void)flags;
+    if (!ptr || !size || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
+    *ptr = sim_next_address(size);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    if (!ptr || !size) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                             CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!ptr || !size || flags || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_lock);
+    vmm_handle_t *h = find_handle(handle);
+    if (!h || h->refs <= 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (offset > h->size || size > h->size - offset) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    for (size_t i = 0; i < nmaps; i++) {
+        if (ptr < maps[i].va + maps[i].size && maps[i].va < ptr + size) {
+            pthread_mutex_unlock(&vmm_lock);
+            return CUDA_ERROR_INVALID_VALUE; /* already mapped */
+        }
+    }
+    if (grow((void **)&maps, &cap_maps, nmaps, sizeof *maps) != 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    maps[nmaps++] = (vmm_map_t){ptr, size, handle};
+    h->maps++;
+    pthread_mutex_unlock(&vmm_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!ptr || !size) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_lock);
+    int found = 0;
+    for (size_t i = 0; i < nmaps;) {
+        vmm_map_t m = maps[i];
+        if (m.va >= ptr && m.va - ptr < size) {
+            maps[i] = maps[--nmaps];
+            vmm_handle_t *h = find_handle(m.handle);
+            if (h) {
+                h->maps--;
+                drop_if_dead(h);
+            }
+            found = 1;
+            continue;
+        }
+        i++;
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
+    if (!ptr || !size || !desc || !count) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+/* ---- memory pools and the stream-ordered allocator ---- */
+
+#define MAX_POOLS 256
+static struct CUmemPoolHandle_st *pools[MAX_POOLS];
+static int npools;
+static struct CUmemPoolHandle_st *default_pool[SIM_MAX_GPUS], *current_pool[SIM_MAX_GPUS];
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static qgpu_table_t pool_allocs = QGPU_TABLE_INIT; /* ptr -> (size, pool) */
+
+typedef struct {
+    sim_marker_t m;
+    struct CUmemPoolHandle_st *pool;
+    uint64_t size;
+} pending_free_t;
+static pending_free_t *pending;
+static size_t npending, cap_pending;
+
+static struct CUmemPoolHandle_st *new_pool(int gidx, int is_default) {
+    if (npools >= MAX_POOLS) return NULL;
+    struct CUmemPoolHandle_st *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->magic = POOL_MAGIC;
+    p->gidx = gidx;
+    p->is_default = is_default;
+    pools[npools++] = p;
+    return p;
+}
+
+static int valid_pool(CUmemoryPool p) {
+    for (int i = 0; i < npools; i++)
+        if (pools[i] == p) return p->magic == POOL_MAGIC;
+    return 0;
+}
+
+/* locked: frees whose stream position has been reached go back to their pool */
+static void reap_locked(void) {
+    for (size_t i = 0; i < npending;) {
+        if (sim_marker_poll(&pending[i].m)) {
+            struct CUmemPoolHandle_st *p = pending[i].pool;
+            p->used = p->used >= pending[i].size ? p->used - pending[i].size : 0;
+            pending[i] = pending[--npending];
+            continue;
+        }
+        i++;
+    }
+}
+
+/* locked: give back what the pool holds above max(used, keep) */
+static void trim_locked(struct CUmemPoolHandle_st *p, uint64_t keep) {
+    uint64_t floor = p->used > keep ? p->used : keep;
+    if (p->reserved <= floor) return;
+    uint64_t give = (p->reserved - floor) & ~(GRANULE - 1);
+    if (!give) return;
+    p->reserved -= give;
+    sim_uncharge(p->gidx, give);
+}
+
+void sim_pools_on_sync(struct CUctx_st *ctx) {
+    pthread_mutex_lock(&pool_lock);
+    reap_locked();
+    for (int i = 0; i < npools; i++)
+        if (pools[i]->magic == POOL_MAGIC && (!ctx || pools[i]->gidx == ctx->gidx))
+            trim_locked(pools[i], pools[i]->threshold);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+static struct CUmemPoolHandle_st *device_pool_locked(int gidx, int current) {
+    if (!default_pool[gidx]) default_pool[gidx] = new_pool(gidx, 1);
+    if (current && current_pool[gidx]) return current_pool[gidx];
+    return default_pool[gidx];
+}
+
+SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    *pool = device_pool_locked(g, 0);
+    pthread_mutex_unlock(&pool_lock);
+    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    *pool = device_pool_locked(g, 1);
+    pthread_mutex_unlock(&pool_lock);
+    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    pthread_mutex_lock(&pool_lock);
+    if (!valid_pool(pool) || pool->gidx != g) {
+        pthread_mutex_unlock(&pool_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    current_pool[g] = pool;
+    pthread_mutex_unlock(&pool_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!pool || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_INVALID_VALUE;
+    int g;
+    r = sim_device_gidx(props->location.id, &g);
+    if (r) return r;
+    pthread_mutex_lock(&pool_lock);
+    struct CUmemPoolHandle_st *p = new_pool(g, 0);
+    pthread_mutex_unlock(&pool_lock);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    *pool = p;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    pthread_mutex_lock(&pool_lock);
+    if (!valid_pool(pool) || pool->is_default) {
+        pthread_mutex_unlock(&pool_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    reap_locked();
+    /* memory still allocated from it is given back when freed; the rest now */
+    trim_locked(pool, pool->used);
+    for (int g = 0; g < SIM_MAX_GPUS; g++)
+        if (current_pool[g] == pool) current_pool[g] = NULL;
+    pool->magic = 0; /* kept allocated: outstanding frees may still name it */
+    pthread_mutex_unlock(&pool_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    pthread_mutex_lock(&pool_lock);
+    if (!valid_pool(pool)) {
+        pthread_mutex_unlock(&pool_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    reap_locked();
+    trim_locked(pool, keep);
+    pthread_mutex_unlock(&pool_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!valid_pool(pool)) {
+        r = CUDA_ERROR_INVALID_VALUE;
+    } else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
+        pool->threshold = *(cuuint64_t *)value;
+    } else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH || attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) {
+        if (*(cuuint64_t *)value != 0) r = CUDA_ERROR_INVALID_VALUE; /* can only be reset */
+        else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pool->reserved_high = pool->reserved;
+        else pool->used_high = pool->used;
+    } else if (attr < 1 || attr > 3) {
+        r = CUDA_ERROR_INVALID_VALUE; /* the reuse flags (1..3) are accepted and ignored */
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    if (!valid_pool(pool)) {
+        pthread_mutex_unlock(&pool_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    reap_locked();
+    CUresult r = CUDA_SUCCESS;
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = pool->threshold; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = pool->reserved; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = pool->reserved_high; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = pool->used; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = pool->used_high; break;
+    case 1: case 2: case 3: *(int *)value = 1; break;
+    default: r = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+static CUresult pool_alloc(struct CUmemPoolHandle_st *p, uint64_t size, CUdeviceptr *out) {
+    if (!size) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    reap_locked();
+    uint64_t spare = p->reserved - p->used;
+    if (spare < size) {
+        uint64_t grow_by = round_up(size - spare);
+        if (!grow_by) {
+            pthread_mutex_unlock(&pool_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        CUresult r = sim_charge(p->gidx, grow_by);
+        if (r) {
+            pthread_mutex_unlock(&pool_lock);
+            return r;
+        }
+        p->reserved += grow_by;
+        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    }
+    p->used += size;
+    if (p->used > p->used_high) p->used_high = p->used;
+    uint64_t a = sim_next_address(size);
+    qgpu_table_put(&pool_allocs, a, size, (int64_t)(uintptr_t)p);
+    pthread_mutex_unlock(&pool_lock);
+    *out = a;
+    return CUDA_SUCCESS;
+}
+
+static CUresult alloc_async(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandle_st *pool,
+                            CUstream stream) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_stream_ctx(stream);
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
+    struct CUstream_st *s = sim_real_stream(stream);
+    if (s && s->capture) return sim_graph_alloc_node(s->capture, size, dptr); /* a graph node */
+    if (!pool) {
+        pthread_mutex_lock(&pool_lock);
+        pool = device_pool_locked(c->gidx, 1);
+        pthread_mutex_unlock(&pool_lock);
+        if (!pool) return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return pool_alloc(pool, size, dptr);
+}
+
+SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream) {
+    return alloc_async(dptr, size, NULL, stream);
+}
+
+SIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream stream) {
+    return alloc_async(dptr, size, NULL, stream ? stream : (CUstream)(uintptr_t)2);
+}
+
+static CUresult from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream stream) {
+    pthread_mutex_lock(&pool_lock);
+    int ok = valid_pool(pool);
+    pthread_mutex_unlock(&pool_lock);
+    if (!ok) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_async(dptr, size, pool, stream);
+}
+
+SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
+                                            CUstream stream) {
+    return from_pool(dptr, size, pool, stream);
+}
+
+SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
+                                                 CUstream stream) {
+    return from_pool(dptr, size, pool, stream ? stream : (CUstream)(uintptr_t)2);
+}
+
+static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_stream_ctx(stream);
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    struct CUstream_st *s = sim_real_stream(stream);
+    if (s && s->capture) return CUDA_SUCCESS; /* a free node of the captured graph */
+    uint64_t size;
+    int64_t tag;
+    pthread_mutex_lock(&pool_lock);
+    int found = qgpu_table_take(&pool_allocs, dptr, &size, &tag) == 0;
+    pthread_mutex_unlock(&pool_lock);
+    if (!found) /* cuMemFreeAsync also frees cuMemAlloc'ed memory (at once, like cuMemFree) */
+        return free_kind(dptr, 0) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    pending_free_t f = {.pool = (struct CUmemPoolHandle_st *)(uintptr_t)tag, .size = size};
+    sim_marker_record(c, s, &f.m); /* takes effect when the stream reaches this point */
+    pthread_mutex_lock(&pool_lock);
+    if (grow((void **)&pending, &cap_pending, npending, sizeof *pending) != 0) {
+        sim_marker_wait(&f.m); /* no room to remember it: wait for it */
+        f.pool->used = f.pool->used >= size ? f.pool->used - size : 0;
+    } else {
+        pending[npending++] = f;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) { return free_async(dptr, stream); }
+
+SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
+    return free_async(dptr, stream ? stream : (CUstream)(uintptr_t)2);
+}
+
+/* ---- graph memory: a per-device pool for graph allocation nodes ---- */
+
+static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
+static uint64_t graph_used_high[SIM_MAX_GPUS];
+
+CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr) {
+    if (!size) return CUDA_ERROR_INVALID_VALUE;
+    if (g->nallocs >= SIM_GRAPH_ALLOCS) return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t a = sim_next_address(size);
+    g->alloc_size[g->nallocs] = size;
+    g->alloc_ptr[g->nallocs] = a;
+    g->nallocs++;
+    g->nodes++;
+    *dptr = a;
+    return CUDA_SUCCESS;
+}
+
+CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
+    pthread_mutex_lock(&pool_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (bytes > graph_reserved[gidx]) {
+        uint64_t more = round_up(bytes - graph_reserved[gidx]);
+        r = more ? sim_charge(gidx, more) : CUDA_ERROR_OUT_OF_MEMORY;
+        if (!r) {
+            graph_reserved[gidx] += more;
+            if (graph_reserved[gidx] > graph_reserved_high[gidx])
+                graph_reserved_high[gidx] = graph_reserved[gidx];
+        }
+    }
+    if (!r && bytes > graph_used_high[gidx]) graph_used_high[gidx] = bytes;
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (c) sim_wait_idle(c, NULL); /* graph allocations are free once their launches end */
+    pthread_mutex_lock(&pool_lock);
+    sim_uncharge(g, graph_reserved[g]);
+    graph_reserved[g] = 0;
+    pthread_mutex_unlock(&pool_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&pool_lock);
+    switch (attr) {
+    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = 0; break;
+    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = graph_used_high[g]; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = graph_reserved[g]; break;
+    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = graph_reserved_high[g]; break;
+    default: r = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+/* ---- what the simulator does not model: sharing memory with other processes ---- */
+
+SIM_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *out, CUmemoryPool pool, void *data) {
+    (void)out;
+    (void)pool;
+    (void)data;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+SIM_EXPORT CUresult cuMemPoolExportPointer(void *data, CUdeviceptr ptr) {
+    (void)data;
+    (void)ptr;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "sim.h"
 
@@ -42,8 +43,19 @@ typedef struct {
 typedef struct {
     unsigned int pid;
     unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
     unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_t;
+} nvmlProcessInfo_t; /* v2 and v3 */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp; /* CPU time, microseconds since the epoch */
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
 
 typedef struct {
     unsigned int multiprocessorCount, sharedCopyEngineCount, sharedDecoderCount,
@@ -79,7 +91,7 @@ QGPU_EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
         } else {
             for (int i = 0; i < cfg.ngpus; i++) {
                 devices[i].index = i;
-                if (!devices[i].st) devices[i].st = sim_state_open(&cfg.gpus[i]);
+                if (!devices[i].st) devices[i].st = sim_state_open(&cfg.gpus[i], &cfg);
                 if (!devices[i].st) ret = NVML_ERROR_UNKNOWN;
             }
         }
@@ -126,6 +138,17 @@ QGPU_EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *buf, unsigned int len)
     if (strlen(cfg.driver_version) + 1 > len) return NVML_ERROR_INSUFFICIENT_SIZE;
     snprintf(buf, len, "%s", cfg.driver_version);
     return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) {
+    if (refcount <= 0) return NVML_ERROR_UNINITIALIZED;
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    *version = cfg.cuda_version;
+    return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
+    return nvmlSystemGetCudaDriverVersion_v2(version);
 }
 
 QGPU_EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
@@ -176,6 +199,15 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t d, char *buf, unsigned i
     return r ? r : copy_str(buf, len, cfg.gpus[d->index].name);
 }
 
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t d, int *major, int *minor) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!major || !minor) return NVML_ERROR_INVALID_ARGUMENT;
+    *major = cfg.gpus[d->index].cc_major;
+    *minor = cfg.gpus[d->index].cc_minor;
+    return NVML_SUCCESS;
+}
+
 QGPU_EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t d, unsigned int *index) {
     nvmlReturn_t r = check(d);
     if (r) return r;
@@ -223,9 +255,10 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtili
     return NVML_SUCCESS;
 }
 
-QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d,
-                                                                 unsigned int *count,
-                                                                 nvmlProcessInfo_t *infos) {
+/* The processes holding memory on the device (a process with a context holds its context's
+ * memory). `size` is the caller's struct size: v1 is {pid, usedGpuMemory}, v2/v3 add the
+ * MIG instance ids. */
+static nvmlReturn_t running(nvmlDevice_t d, unsigned int *count, void *infos, size_t size) {
     nvmlReturn_t r = check(d);
     if (r) return r;
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
@@ -235,7 +268,7 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d,
     sim_state_reclaim_dead(d->st);
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         sim_proc_t *p = &d->st->procs[i];
-        if (!p->pid) continue;
+        if (!p->pid || (!p->mem_used && !p->contexts)) continue;
         found[n].pid = (unsigned)p->pid;
         found[n].usedGpuMemory = p->mem_used;
         found[n].gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
@@ -247,15 +280,108 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d,
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
     }
-    memcpy(infos, found, n * sizeof *infos);
+    for (unsigned i = 0; i < n; i++) {
+        if (size == sizeof(nvmlProcessInfo_v1_t)) {
+            nvmlProcessInfo_v1_t v1 = {found[i].pid, found[i].usedGpuMemory};
+            memcpy((char *)infos + i * size, &v1, size);
+        } else {
+            memcpy((char *)infos + i * size, &found[i], size);
+        }
+    }
     *count = n;
     return NVML_SUCCESS;
 }
 
-QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d,
-                                                                 unsigned int *count,
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
                                                                  nvmlProcessInfo_t *infos) {
-    return nvmlDeviceGetComputeRunningProcesses_v3(d, count, infos);
+    return running(d, count, infos, sizeof *infos);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d, unsigned int *count,
+                                                                 nvmlProcessInfo_t *infos) {
+    return running(d, count, infos, sizeof *infos);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *count,
+                                                              nvmlProcessInfo_v1_t *infos) {
+    return running(d, count, infos, sizeof *infos);
+}
+
+/* No graphics work and no MPS server on simulated GPUs: empty lists. */
+static nvmlReturn_t none(nvmlDevice_t d, unsigned int *count) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    *count = 0;
+    return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
+                                                                  nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t d, unsigned int *count,
+                                                                  nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t d, unsigned int *count,
+                                                               nvmlProcessInfo_v1_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d,
+                                                                    unsigned int *count,
+                                                                    nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+/* Per-process SM utilisation, as NVML reports it: one sample per process newer than
+ * `lastSeen` (CPU microseconds since the epoch), the percentage of the last sampling
+ * period (~100 ms) the device spent on the process's work. NOT_FOUND when none is newer. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
+                                                         nvmlProcessUtilizationSample_t *out,
+                                                         unsigned int *count,
+                                                         unsigned long long lastSeen) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    int64_t mono = qgpu_now_ns();
+    int64_t real_us = (int64_t)rt.tv_sec * 1000000 + rt.tv_nsec / 1000;
+    nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
+    unsigned n = 0;
+    sim_state_lock(d->st);
+    sim_state_reclaim_dead(d->st);
+    sim_state_advance(d->st, mono);
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        sim_proc_t *p = &d->st->procs[i];
+        if (!p->pid) continue;
+        uint32_t h = p->usnap_head % SIM_USNAPS, prev = (h + SIM_USNAPS - 1) % SIM_USNAPS;
+        int64_t t1 = p->usnap_t[prev], t2 = p->usnap_t[h];
+        if (!t1 || !t2 || t2 <= t1) continue;
+        unsigned long long ts = (unsigned long long)(real_us - (mono - t2) / 1000);
+        if (ts <= lastSeen) continue;
+        uint64_t busy = p->usnap_done[h] - p->usnap_done[prev];
+        unsigned pct = (unsigned)((busy * 100 + (uint64_t)(t2 - t1) / 2) / (uint64_t)(t2 - t1));
+        found[n] = (nvmlProcessUtilizationSample_t){(unsigned)p->pid, ts, pct > 100 ? 100 : pct, 0, 0, 0};
+        n++;
+    }
+    sim_state_unlock(d->st);
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (!out || *count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(out, found, n * sizeof *out);
+    *count = n;
+    return NVML_SUCCESS;
 }
 
 QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t d, nvmlDeviceAttributes_t *a) {

@@ -1,30 +1,58 @@
-/* cuGetProcAddress for the simulated driver: base names ("cuMemAlloc") resolve to the newest
- * exported version ("cuMemAlloc_v2"); "cuGetProcAddress" itself resolves to the _v2 entry
- * for cudaVersion >= 12000. Exact exported names are accepted too. */
+/* cuGetProcAddress of the simulated driver, by NVIDIA's rules: the (name, cudaVersion,
+ * flags) -> exported symbol table generated from the toolkit's headers
+ * (common/procaddr.c), limited to the configured driver version. Like a real driver, it
+ * hands out internal entry points, not the exported symbols: each is a small jump stub in an
+ * executable page, so its address differs from what dlsym returns (config `procaddr =
+ * exported` turns that off). A known entry point the simulator does not implement returns
+ * CUDA_ERROR_NOT_SUPPORTED when called. */
+#define _GNU_SOURCE
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "driver.h"
 
-#define SIM_FUNCS(X)                                                                         \
-    X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName)    \
-    X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute) \
-    X(cuDeviceGetPCIBusId) X(cuCtxCreate_v2) X(cuCtxDestroy_v2) X(cuCtxSetCurrent)          \
-    X(cuCtxGetCurrent) X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuCtxGetDevice)        \
-    X(cuCtxSynchronize) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2)          \
-    X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuGetErrorString)         \
-    X(cuGetErrorName) X(cuMemAlloc_v2) X(cuMemAllocPitch_v2) X(cuMemAllocManaged)            \
-    X(cuMemFree_v2) X(cuMemGetInfo_v2) X(cuMemCreate) X(cuMemRelease)                        \
-    X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemMap)  \
-    X(cuMemUnmap) X(cuMemSetAccess) X(cuMemPoolCreate) X(cuMemPoolDestroy)                   \
-    X(cuMemAllocAsync) X(cuMemAllocFromPoolAsync) X(cuMemFreeAsync) X(cuArrayCreate_v2)      \
-    X(cuArray3DCreate_v2) X(cuArrayDestroy) X(cuLaunchKernel) X(cuLaunchCooperativeKernel)   \
-    X(cuLaunchKernelEx) X(cuStreamCreate) X(cuStreamDestroy_v2) X(cuStreamSynchronize)       \
-    X(cuStreamQuery) X(cuStreamIsCapturing) X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventQuery)  \
-    X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) X(cuGraphCreate)    \
-    X(cuGraphDestroy) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)                     \
-    X(cuGraphInstantiateWithFlags) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)            \
-    X(cuGraphLaunch)
+#define SIM_FUNCS(X) \
+    X(cuArray3DCreate) X(cuArray3DCreate_v2) X(cuArrayCreate) X(cuArrayCreate_v2) \
+    X(cuArrayDestroy) X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
+    X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxFromGreenCtx) X(cuCtxGetApiVersion) \
+    X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxGetFlags) X(cuCtxGetLimit) X(cuCtxPopCurrent) \
+    X(cuCtxPopCurrent_v2) X(cuCtxPushCurrent) X(cuCtxPushCurrent_v2) X(cuCtxSetCurrent) \
+    X(cuCtxSetLimit) X(cuCtxSynchronize) X(cuDevResourceGenerateDesc) X(cuDeviceGet) \
+    X(cuDeviceGetAttribute) X(cuDeviceGetCount) X(cuDeviceGetDefaultMemPool) \
+    X(cuDeviceGetDevResource) X(cuDeviceGetGraphMemAttribute) X(cuDeviceGetMemPool) \
+    X(cuDeviceGetName) X(cuDeviceGetPCIBusId) X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) \
+    X(cuDeviceGraphMemTrim) X(cuDevicePrimaryCtxGetState) X(cuDevicePrimaryCtxRelease) \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
+    X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxSetFlags) X(cuDevicePrimaryCtxSetFlags_v2) \
+    X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
+    X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
+    X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
+    X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
+    X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
+    X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
+    X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \
+    X(cuGraphUpload_ptsz) X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuInit) X(cuLaunch) \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernelMultiDevice) \
+    X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchKernel) \
+    X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
+    X(cuMemAddressReserve) X(cuMemAlloc) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
+    X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
+    X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
+    X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
+    X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
+    X(cuMemSetAccess) X(cuMemUnmap) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
+    X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
+    X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
+    X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
+    X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2) \
+    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamIsCapturing) \
+    X(cuStreamIsCapturing_ptsz) X(cuStreamQuery) X(cuStreamQuery_ptsz) X(cuStreamSynchronize) \
+    X(cuStreamSynchronize_ptsz)
 
 #define DECLARE(name) extern void name(void);
 SIM_FUNCS(DECLARE)
@@ -44,33 +72,85 @@ static const struct {
     {"cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };
+#define NFUNCS (sizeof table / sizeof table[0])
 
-static void *lookup_exact(const char *name) {
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
-        if (strcmp(table[i].name, name) == 0) return table[i].fn;
-    return NULL;
+static CUresult not_supported(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+
+/* ---- internal entry points: one jump stub per function ---- */
+
+#define STUB_SIZE 16
+static unsigned char *stubs;
+static pthread_once_t stubs_once = PTHREAD_ONCE_INIT;
+
+static int write_stub(unsigned char *s, void *target) {
+    uint64_t a = (uint64_t)(uintptr_t)target;
+#if defined(__x86_64__)
+    s[0] = 0x49; /* movabs r11, imm64 */
+    s[1] = 0xbb;
+    memcpy(s + 2, &a, 8);
+    s[10] = 0x41; /* jmp r11 */
+    s[11] = 0xff;
+    s[12] = 0xe3;
+    s[13] = s[14] = s[15] = 0xcc;
+    return 0;
+#elif defined(__aarch64__)
+    uint32_t ldr = 0x58000050u; /* ldr x16, #8 */
+    uint32_t br = 0xd61f0200u;  /* br x16 */
+    memcpy(s, &ldr, 4);
+    memcpy(s + 4, &br, 4);
+    memcpy(s + 8, &a, 8);
+    return 0;
+#else
+    (void)s;
+    (void)a;
+    return -1;
+#endif
 }
 
-static void *lookup(const char *symbol, int version) {
-    char buf[256];
-    if (strcmp(symbol, "cuGetProcAddress") == 0)
-        return lookup_exact(version >= 12000 ? "cuGetProcAddress_v2" : "cuGetProcAddress");
-    static const char *suffixes[] = {"_v3", "_v2", ""};
-    for (size_t i = 0; i < 3; i++) {
-        snprintf(buf, sizeof buf, "%s%s", symbol, suffixes[i]);
-        void *fn = lookup_exact(buf);
-        if (fn) return fn;
+static void make_stubs(void) {
+    size_t len = (NFUNCS + 1) * STUB_SIZE;
+    unsigned char *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    for (size_t i = 0; i < NFUNCS; i++) {
+        if (write_stub(p + i * STUB_SIZE, table[i].fn) != 0) {
+            munmap(p, len);
+            return;
+        }
     }
-    return NULL;
+    write_stub(p + NFUNCS * STUB_SIZE, (void *)not_supported);
+    if (mprotect(p, len, PROT_READ | PROT_EXEC) != 0) {
+        munmap(p, len);
+        return;
+    }
+    __builtin___clear_cache((char *)p, (char *)p + len);
+    stubs = p;
+}
+
+static void *entry_point(size_t i) {
+    int internal = !sim_config_loaded() || g_sim_cfg.procaddr == SIM_PROCADDR_INTERNAL;
+    if (internal) {
+        pthread_once(&stubs_once, make_stubs);
+        if (stubs) return stubs + i * STUB_SIZE;
+    }
+    return i < NFUNCS ? table[i].fn : (void *)not_supported;
+}
+
+static size_t lookup_exact(const char *name) {
+    for (size_t i = 0; i < NFUNCS; i++)
+        if (strcmp(table[i].name, name) == 0) return i;
+    return NFUNCS; /* the not-supported stub */
 }
 
 SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
                                         cuuint64_t flags, CUdriverProcAddressQueryResult *status) {
-    (void)flags; /* the simulator has no per-thread-default-stream variants */
-    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
-    *pfn = lookup(symbol, version);
-    if (status) *status = *pfn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-    return *pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+    if (!symbol || !pfn || (flags & ~(cuuint64_t)3)) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    int driver = sim_config_loaded() ? g_sim_cfg.cuda_version : 13000, st = 0;
+    const char *name = qgpu_procaddr_symbol(symbol, version, flags, driver, &st);
+    if (status) *status = (CUdriverProcAddressQueryResult)st;
+    if (!name) return CUDA_ERROR_NOT_FOUND;
+    *pfn = entry_point(lookup_exact(name));
+    return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version,

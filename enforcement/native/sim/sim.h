@@ -3,7 +3,18 @@
  * The simulated GPUs come from the file named by QGPU_SIM_CONFIG (written by
  * enforcement/sim.py). Each GPU has a state file (sim_gpu_state_t, mmap'd, shared by every
  * process using that GPU) holding its memory accounting, its device timeline and a slot
- * per process. The layout is read by enforcement/sim.py: keep the offsets in sync. */
+ * per process. The layout is read by enforcement/sim.py: keep the offsets in sync.
+ *
+ * Two device models (config key `scheduler`):
+ *  - fifo: one hardware queue; every op is placed at max(now, tail) in submission order
+ *    across processes.
+ *  - timesliced (the default, what a real GPU does between processes): each process has its
+ *    own queue, run in stream order; the device runs one process at a time for a time slice
+ *    (`timeslice_us`) and then switches round-robin to the next process with work; a process
+ *    whose queue empties yields at once. A kernel longer than the slice is preempted and
+ *    resumed in the process's next slice. An event recorded by a process completes when that
+ *    process's queue reaches it while it holds the device, so a pair of events around a
+ *    preempted kernel spans the other processes' slices, as on real hardware. */
 #ifndef QGPU_SIM_H
 #define QGPU_SIM_H
 
@@ -16,14 +27,24 @@
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
-#define SIM_STATE_MAGIC 0x324d495355504751ULL /* "QGPUSIM2" little endian */
-#define SIM_STATE_VERSION 2
+#define SIM_STATE_MAGIC 0x334d495355504751ULL /* "QGPUSIM3" little endian */
+#define SIM_STATE_VERSION 3
+#define SIM_PROC_RING 32
+#define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
+#define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
+#define SIM_USNAP_NS 100000000LL
+
+enum { SIM_SCHED_FIFO = 0, SIM_SCHED_TIMESLICED = 1 };
+enum { SIM_PROCADDR_INTERNAL = 0, SIM_PROCADDR_EXPORTED = 1 };
 
 typedef struct {
     char uuid[48];
     char name[96];
     uint64_t memory;
+    uint64_t context_memory; /* device memory a context costs */
+    int context_memory_set;
     int sms;
+    int threads_per_sm;
     int cc_major, cc_minor;
     int pci_bus;
     char state_path[4096];
@@ -34,25 +55,38 @@ typedef struct {
     char node[128];
     char driver_version[64];
     int cuda_version;
+    int scheduler;   /* SIM_SCHED_* */
+    int64_t timeslice_ns;
+    int procaddr;    /* SIM_PROCADDR_* */
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 
-#define SIM_PROC_RING 32
-
 typedef struct {
-    int32_t pid;        /* 0 = free */
-    uint32_t ring_head;  /* next ring slot */
-    uint64_t start_time; /* /proc/<pid>/stat field 22 */
-    uint64_t mem_used;   /* bytes */
-    uint64_t busy_ns;    /* device time of this process's work (scheduled) */
-    int64_t last_end_ns; /* end of its last op on the timeline */
-    uint64_t launches;
-    uint64_t reserved[2];
-    /* its last SIM_PROC_RING ops on the timeline: work not finished at time t is
-     * sum(max(0, end - max(start, t))), so "busy up to t" is exact */
+    int32_t pid;         /* 0: 0 = free */
+    uint32_t ring_head;  /* 4: next ring slot (fifo) */
+    uint64_t start_time; /* 8: /proc/<pid>/stat field 22 */
+    uint64_t mem_used;   /* 16: bytes */
+    uint64_t busy_ns;    /* 24: device time of the work this process submitted */
+    int64_t last_end_ns; /* 32: end of its last op on the timeline (fifo) */
+    uint64_t launches;   /* 40 */
+    uint64_t done_ns;    /* 48: device time of its work the device has run so far */
+    uint64_t contexts;   /* 56: live contexts (each costs context_memory) */
+    /* 64: fifo: its last SIM_PROC_RING ops on the timeline */
     int64_t ring_start[SIM_PROC_RING];
     int64_t ring_end[SIM_PROC_RING];
-} sim_proc_t; /* 576 bytes */
+    /* 576: timesliced: markers (events, stream-ordered frees) at a position of its queue */
+    uint64_t mk_next; /* next sequence number */
+    uint64_t mk_done; /* markers below this have completed */
+    /* 592: utilisation samples: (time, done_ns) every SIM_USNAP_NS */
+    int64_t usnap_t[SIM_USNAPS];
+    uint64_t usnap_done[SIM_USNAPS];
+    uint32_t usnap_head;
+    uint32_t pad0;
+    uint64_t mk_pos[SIM_MARKERS];
+    int64_t mk_ts[SIM_MARKERS];
+} sim_proc_t;
+
+#define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS)
 
 typedef struct {
     uint64_t magic;          /* 0 */
@@ -60,7 +94,7 @@ typedef struct {
     uint32_t max_procs;      /* 12 */
     uint64_t mem_total;      /* 16 */
     uint64_t mem_used;       /* 24 */
-    int64_t tail_ns;         /* 32: end of the last op queued on the device */
+    int64_t tail_ns;         /* 32: fifo: end of the last op queued on the device */
     uint64_t busy_total_ns;  /* 40: device time of all ops ever queued */
     uint64_t launches;       /* 48 */
     int64_t created_ns;      /* 56 */
@@ -68,13 +102,23 @@ typedef struct {
     int64_t snap_t[SIM_SNAPSHOTS];     /* 128: (time, busy completed) samples for NVML */
     uint64_t snap_busy[SIM_SNAPSHOTS]; /* 256 */
     uint32_t snap_head;      /* 384 */
-    uint32_t pad0;
-    char pad[120];           /* 392 .. 512 */
+    uint32_t scheduler;      /* 388: SIM_SCHED_* */
+    int64_t slice_ns;        /* 392: timesliced: slice length */
+    int64_t ts_time;         /* 400: timesliced: the device is simulated up to here */
+    int64_t ts_slice_start;  /* 408: when the running process's slice began */
+    int32_t ts_cur;          /* 416: the running process's slot, -1 = idle */
+    uint32_t pad0;           /* 420 */
+    uint64_t done_total_ns;  /* 424: device time run so far, all processes (both models) */
+    char pad[80];            /* 432 .. 512 */
     sim_proc_t procs[SIM_MAX_PROCS]; /* 512 */
 } sim_gpu_state_t;
 
-_Static_assert(sizeof(sim_proc_t) == 576, "sim_proc_t layout");
+_Static_assert(sizeof(sim_proc_t) == SIM_PROC_SIZE, "sim_proc_t layout");
+_Static_assert(__builtin_offsetof(sim_proc_t, mk_next) == 576, "sim_proc_t layout");
+_Static_assert(__builtin_offsetof(sim_proc_t, usnap_t) == 592, "sim_proc_t layout");
+_Static_assert(__builtin_offsetof(sim_proc_t, mk_pos) == 728, "sim_proc_t layout");
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "mutex fits");
+_Static_assert(__builtin_offsetof(sim_gpu_state_t, done_total_ns) == 424, "header layout");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, procs) == 512, "procs offset");
 
 #define SIM_LOCK(st) ((pthread_mutex_t *)(st)->lock_area)
@@ -83,13 +127,17 @@ _Static_assert(__builtin_offsetof(sim_gpu_state_t, procs) == 512, "procs offset"
 QGPU_HIDDEN int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errlen);
 
 /* state.c */
-QGPU_HIDDEN sim_gpu_state_t *sim_state_open(const sim_gpu_config_t *gpu);
+QGPU_HIDDEN sim_gpu_state_t *sim_state_open(const sim_gpu_config_t *gpu, const sim_config_t *cfg);
 QGPU_HIDDEN void sim_state_lock(sim_gpu_state_t *st);
 QGPU_HIDDEN void sim_state_unlock(sim_gpu_state_t *st);
 QGPU_HIDDEN int sim_state_reclaim_dead(sim_gpu_state_t *st); /* locked; returns slots freed */
 QGPU_HIDDEN sim_proc_t *sim_state_proc_slot(sim_gpu_state_t *st, int create); /* locked */
-QGPU_HIDDEN uint64_t sim_state_busy_completed(const sim_gpu_state_t *st, int64_t now);
-QGPU_HIDDEN void sim_state_snapshot(sim_gpu_state_t *st, int64_t now);               /* locked */
-QGPU_HIDDEN unsigned sim_state_utilization(sim_gpu_state_t *st, int64_t now);         /* locked */
+/* Locked. Brings the device model up to `now`: runs queued work (timesliced), completes
+ * markers, updates done_ns and the utilisation samples. */
+QGPU_HIDDEN void sim_state_advance(sim_gpu_state_t *st, int64_t now);
+QGPU_HIDDEN unsigned sim_state_utilization(sim_gpu_state_t *st, int64_t now); /* locked */
+/* Locked. Charge/uncharge device memory to this process; overflow-safe. */
+QGPU_HIDDEN CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes);
+QGPU_HIDDEN void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes);
 
 #endif

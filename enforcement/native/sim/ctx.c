@@ -1,0 +1,408 @@
+/* Simulated contexts: regular (cuCtxCreate v1..v4), primary (retain/release/reset) and green
+ * contexts. Like a real driver, every context costs device memory (the GPU's
+ * `context_memory`), charged when it is created and given back when it is destroyed, and a
+ * context's limits (stack, printf FIFO, malloc heap) reserve device memory too. Destroying a
+ * context frees the memory allocated in it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "driver.h"
+
+#define STACK_DEFAULT 1024ULL
+#define PRINTF_FIFO_DEFAULT (1ULL << 20)
+#define MALLOC_HEAP_DEFAULT (8ULL << 20)
+#define CTX_STACK_DEPTH 32
+
+static __thread struct CUctx_st *tl_stack[CTX_STACK_DEPTH];
+static __thread int tl_depth; /* tl_stack[tl_depth - 1] is current; 0 = none */
+static struct CUctx_st primary[SIM_MAX_GPUS];
+static int primary_refs[SIM_MAX_GPUS];
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+
+struct CUctx_st *sim_current_ctx(void) { return tl_depth > 0 ? tl_stack[tl_depth - 1] : NULL; }
+
+void sim_set_current_ctx(struct CUctx_st *ctx) {
+    if (tl_depth == 0) {
+        if (!ctx) return;
+        tl_depth = 1;
+    }
+    tl_stack[tl_depth - 1] = ctx;
+    if (!ctx) tl_depth--;
+}
+
+static void forget_everywhere(struct CUctx_st *ctx) {
+    for (int i = 0; i < tl_depth; i++)
+        if (tl_stack[i] == ctx) tl_stack[i] = NULL;
+    while (tl_depth > 0 && !tl_stack[tl_depth - 1]) tl_depth--;
+}
+
+static uint64_t limit_cost(const struct CUctx_st *c, int which, uint64_t value) {
+    const sim_gpu_config_t *g = &g_sim_cfg.gpus[c->gidx];
+    uint64_t base = which == CU_LIMIT_STACK_SIZE       ? STACK_DEFAULT
+                    : which == CU_LIMIT_PRINTF_FIFO_SIZE ? PRINTF_FIFO_DEFAULT
+                                                         : MALLOC_HEAP_DEFAULT;
+    if (value <= base) return 0;
+    uint64_t extra = value - base, per = 1;
+    /* the stack is reserved for every thread the device can hold at once */
+    if (which == CU_LIMIT_STACK_SIZE) per = (uint64_t)g->sms * (uint64_t)g->threads_per_sm;
+    if (extra > UINT64_MAX / per) return UINT64_MAX;
+    return extra * per;
+}
+
+static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags) {
+    memset(c, 0, sizeof *c);
+    c->magic = CTX_MAGIC;
+    c->dev = dev;
+    c->gidx = gidx;
+    c->flags = flags;
+    c->limits[CU_LIMIT_STACK_SIZE] = STACK_DEFAULT;
+    c->limits[CU_LIMIT_PRINTF_FIFO_SIZE] = PRINTF_FIFO_DEFAULT;
+    c->limits[CU_LIMIT_MALLOC_HEAP_SIZE] = MALLOC_HEAP_DEFAULT;
+    uint64_t cost = g_sim_cfg.gpus[gidx].context_memory;
+    CUresult r = sim_charge(gidx, cost);
+    if (r) return r;
+    c->charged = cost;
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    sim_state_lock(st);
+    sim_proc_t *p = sim_state_proc_slot(st, 1);
+    if (p) p->contexts++;
+    sim_state_unlock(st);
+    return CUDA_SUCCESS;
+}
+
+/* Frees what the context holds: its allocations (mem.c tags them with the context), its
+ * limits' reservations and the context itself. */
+QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx);
+
+static void ctx_release(struct CUctx_st *c) {
+    sim_free_ctx_allocations(c);
+    sim_uncharge(c->gidx, c->charged);
+    c->charged = 0;
+    sim_gpu_state_t *st = g_sim_state[c->gidx];
+    sim_state_lock(st);
+    sim_proc_t *p = sim_state_proc_slot(st, 0);
+    if (p && p->contexts) p->contexts--;
+    sim_state_unlock(st);
+    c->magic = 0;
+}
+
+static CUresult create(CUcontext *pctx, unsigned flags, CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    struct CUctx_st *c = malloc(sizeof *c);
+    if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
+    r = ctx_init(c, dev, g, flags);
+    if (r) {
+        free(c);
+        return r;
+    }
+    if (tl_depth < CTX_STACK_DEPTH) tl_stack[tl_depth++] = c; /* created contexts are pushed */
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    return create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    return create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int nparams, unsigned int flags,
+                                   CUdevice dev) {
+    if (nparams < 0 || (nparams > 0 && !params)) return CUDA_ERROR_INVALID_VALUE;
+    return create(pctx, flags, dev);
+}
+
+SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
+                                   CUdevice dev) {
+    if (params && params->numExecAffinityParams < 0) return CUDA_ERROR_INVALID_VALUE;
+    return create(pctx, flags, dev);
+}
+
+static int valid(CUcontext ctx) { return ctx && ctx->magic == CTX_MAGIC; }
+
+SIM_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!valid(ctx) || ctx->primary || ctx->green) return CUDA_ERROR_INVALID_CONTEXT;
+    sim_wait_idle(ctx, NULL);
+    forget_everywhere(ctx);
+    ctx_release(ctx);
+    free(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
+
+SIM_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (ctx && !valid(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    sim_set_current_ctx(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = sim_current_ctx();
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!valid(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    if (tl_depth >= CTX_STACK_DEPTH) return CUDA_ERROR_INVALID_VALUE;
+    tl_stack[tl_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (tl_depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (pctx) *pctx = tl_stack[tl_depth - 1];
+    tl_depth--;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+SIM_EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
+
+SIM_EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!dev) return CUDA_ERROR_INVALID_VALUE;
+    *dev = c->dev;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetFlags(unsigned int *flags) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    *flags = c->flags;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!version) return CUDA_ERROR_INVALID_VALUE;
+    if (ctx && !valid(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
+    *version = 3020;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSynchronize(void) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    sim_wait_idle(c, NULL);
+    sim_pools_on_sync(c);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE) {
+        return limit >= 0 && limit <= 6 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    }
+    uint64_t before = limit_cost(c, limit, c->limits[limit]);
+    uint64_t after = limit_cost(c, limit, value);
+    if (after == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (after > before) {
+        r = sim_charge(c->gidx, after - before);
+        if (r) return r;
+        c->charged += after - before;
+    } else if (before > after) {
+        sim_uncharge(c->gidx, before - after);
+        c->charged -= before - after;
+    }
+    c->limits[limit] = value;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxGetLimit(size_t *value, int limit) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (!value || limit < 0) return CUDA_ERROR_INVALID_VALUE;
+    *value = limit <= CU_LIMIT_MALLOC_HEAP_SIZE ? c->limits[limit] : 0;
+    return CUDA_SUCCESS;
+}
+
+/* ---- primary contexts: one per device, alive while retained ---- */
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&ctx_lock);
+    struct CUctx_st *c = &primary[dev];
+    if (c->magic != CTX_MAGIC) {
+        unsigned flags = c->flags;
+        r = ctx_init(c, dev, g, flags);
+        if (r) {
+            pthread_mutex_unlock(&ctx_lock);
+            return r;
+        }
+        c->primary = 1;
+    }
+    primary_refs[dev]++;
+    pthread_mutex_unlock(&ctx_lock);
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+static void primary_destroy_locked(CUdevice dev) {
+    struct CUctx_st *c = &primary[dev];
+    if (c->magic != CTX_MAGIC) return;
+    sim_wait_idle(c, NULL);
+    forget_everywhere(c);
+    unsigned flags = c->flags;
+    ctx_release(c);
+    c->flags = flags; /* flags survive a reset */
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    pthread_mutex_lock(&ctx_lock);
+    if (primary_refs[dev] <= 0) {
+        pthread_mutex_unlock(&ctx_lock);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (--primary_refs[dev] == 0) primary_destroy_locked(dev);
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    pthread_mutex_lock(&ctx_lock);
+    primary_destroy_locked(dev); /* retains stay counted: the next use re-creates it */
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!flags || !active) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&ctx_lock);
+    *flags = primary[dev].flags;
+    *active = primary[dev].magic == CTX_MAGIC;
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    pthread_mutex_lock(&ctx_lock);
+    primary[dev].flags = flags;
+    pthread_mutex_unlock(&ctx_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) {
+    return cuDevicePrimaryCtxSetFlags_v2(dev, flags);
+}
+
+/* ---- green contexts (CUDA 12.4): a context over a set of SMs; it costs memory too ---- */
+
+SIM_EXPORT CUresult cuDeviceGetDevResource(CUdevice dev, CUdevResource *res, int type) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!res || type != CU_DEV_RESOURCE_TYPE_SM) return CUDA_ERROR_INVALID_VALUE;
+    memset(res, 0, sizeof *res);
+    res->type = CU_DEV_RESOURCE_TYPE_SM;
+    res->sm.smCount = (unsigned)g_sim_cfg.gpus[g].sms;
+    res->sm.minSmPartitionSize = 2;
+    res->sm.smCoscheduledAlignment = 2;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuDevResourceGenerateDesc(CUdevResourceDesc *desc, CUdevResource *res,
+                                              unsigned int n) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!desc || !res || n == 0) return CUDA_ERROR_INVALID_VALUE;
+    unsigned sms = 0;
+    for (unsigned i = 0; i < n; i++) {
+        if (res[i].type != CU_DEV_RESOURCE_TYPE_SM) return CUDA_ERROR_INVALID_VALUE;
+        sms += res[i].sm.smCount;
+    }
+    struct CUdevResourceDesc_st *d = calloc(1, sizeof *d);
+    if (!d) return CUDA_ERROR_OUT_OF_MEMORY;
+    d->magic = DESC_MAGIC;
+    d->sms = sms;
+    *desc = d;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, CUdevice dev,
+                                     unsigned int flags) {
+    int g;
+    CUresult r = sim_device_gidx(dev, &g);
+    if (r) return r;
+    if (!out || !desc || desc->magic != DESC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    struct CUgreenCtx_st *gc = malloc(sizeof *gc);
+    if (!gc) return CUDA_ERROR_OUT_OF_MEMORY;
+    r = ctx_init(&gc->ctx, dev, g, flags);
+    if (r) {
+        free(gc);
+        return r;
+    }
+    gc->ctx.green = 1;
+    gc->magic = GREEN_MAGIC;
+    *out = gc;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx gc) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!gc || gc->magic != GREEN_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    sim_wait_idle(&gc->ctx, NULL);
+    forget_everywhere(&gc->ctx);
+    ctx_release(&gc->ctx);
+    gc->magic = 0;
+    free(gc);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuCtxFromGreenCtx(CUcontext *pctx, CUgreenCtx gc) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!pctx || !gc || gc->magic != GREEN_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    *pctx = &gc->ctx;
+    return CUDA_SUCCESS;
+}
