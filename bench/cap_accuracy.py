@@ -122,7 +122,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=float, default=2.0, help="seconds measured per scenario")
     ap.add_argument(
-        "--models", default=",".join(MODELS), help="device models, comma-separated (timesliced,fifo)"
+        "--models",
+        default=",".join(MODELS),
+        help="device models, comma-separated (timesliced,fifo)",
     )
     args = ap.parse_args()
     models = [m.strip() for m in args.models.split(",") if m.strip()]

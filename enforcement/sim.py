@@ -345,7 +345,8 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
     _advance(path)
     now = _monotonic_ns()
     data = path.read_bytes()
-    magic, _ver, _nprocs, total, used, _tail, busy, launches, _created = _HEADER.unpack_from(data, 0)
+    header = _HEADER.unpack_from(data, 0)
+    magic, _ver, _nprocs, total, used, _tail, busy, launches, _created = header
     if magic != _MAGIC:
         raise ValueError(f"{path} is not a simulated GPU state file")
     (sched,) = _SCHED.unpack_from(data, 388)

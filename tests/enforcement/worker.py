@@ -6,7 +6,8 @@
 
 ``worker.py serve`` reads commands on stdin and answers one line each on stdout:
 ``init`` -> ``ok <CUresult of cuInit>``; ``ctx``; ``alloc API BYTES`` -> ``ok ID`` or
-``err CODE``; ``free ID``; ``sync`` (cuCtxSynchronize); ``meminfo`` -> ``ok FREE TOTAL``; ``totalmem``; ``quit``.
+``err CODE``; ``free ID``; ``sync`` (cuCtxSynchronize); ``meminfo`` -> ``ok FREE TOTAL``;
+``totalmem``; ``quit``.
 The process survives every driver error (it reports the code), so tests can check that the
 host program keeps running.
 """
