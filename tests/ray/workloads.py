@@ -23,6 +23,13 @@ class SliceProbe:
         )
         return {k: os.environ.get(k, "") for k in keys}
 
+    def gpu_ids(self) -> dict[str, list[str]]:
+        """What Ray says the worker's GPUs are (both public APIs)."""
+        return {
+            "get_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "accelerator_ids": ray.get_runtime_context().get_accelerator_ids()["GPU"],
+        }
+
     def preloaded(self) -> bool:
         with open("/proc/self/maps") as f:
             return "libqgpu_hook.so" in f.read()
@@ -46,6 +53,7 @@ class SliceProbe:
         _free, total = drv.mem_get_info()
         out["total"] = total
         out["env"] = self.env()
+        out["ids"] = self.gpu_ids()
         code, alloc = drv.try_mem_alloc(total + over_by_gib * (1 << 30))
         out["over_cap"] = code
         code, alloc = drv.try_mem_alloc(total // 2)
