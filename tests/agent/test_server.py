@@ -224,8 +224,10 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
             second = workload(capped.env, 1, 1)
             assert second.stdout is not None
             assert second.stdout.readline().split() == ["ok", "oom"]
-            second.kill()
+            # read while both hold their memory: a killed process's share is reaped
             usage = next(s for s in client.slices().slices if s.slice_id == capped.slice_id).usage
+            second.kill()
+            second.wait()
             assert usage.source == "interposer"
             assert usage.memory_used_bytes is not None and usage.memory_used_bytes >= 3 * GIB
             assert running.pid in usage.pids
