@@ -1,9 +1,13 @@
 """Time to place and start N fractional actors: qgpu vs Ray's fractional ``num_gpus``.
 
-Side by side on the same local cluster (simulated GPUs, also advertised to Ray as plain
-GPUs so both paths have the same capacity), in one run, alternating rounds:
+Side by side on one local Ray cluster, in one run, alternating rounds. The cluster has a
+qgpu node (simulated GPUs) and a plain Ray node with as many GPUs (``ray.cluster_utils``
+``num_gpus``, no qgpu environment): the baseline runs there.
 
-- ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` — Ray places fractions, isolates nothing;
+- ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` on the plain node — Ray places
+  fractions, isolates nothing;
+- ``qgpu num_gpus``: the same unchanged call on the qgpu node — the worker binds to a capped
+  slice of the GPU Ray chose (holder group + caps);
 - ``qgpu sdk``: ``Actor.options(**qgpu_ray.options(core=30, memory=8))`` — placement by the
   core engine, per-GPU accounting, interposer and caps in the worker's environment;
 - ``qgpu sdk/resources``: the same with ``via="resources"`` (no runtime_env; the worker
@@ -30,6 +34,11 @@ import time
 import ray
 
 import qgpu_ray
+from enforcement.sim import sim_environment
+from qgpu_ray.resources import LABEL_NODE
+
+PLAIN = {"bench.qgpu.io/node": "plain"}  # the plain Ray node of the baseline
+QGPU = {LABEL_NODE: "qgpu-node-0"}
 
 
 @ray.remote
@@ -60,8 +69,9 @@ def _wait_free(total_core: float) -> None:
 
 def run_round(path: str, n: int, total_core: float) -> float:
     t0 = time.perf_counter()
-    if path == "ray num_gpus":
-        actors = [Replica.options(num_gpus=0.3, num_cpus=0).remote() for _ in range(n)]
+    if path.endswith("num_gpus"):
+        where = {"label_selector": PLAIN if path.startswith("ray") else QGPU}
+        actors = [Replica.options(num_gpus=0.3, num_cpus=0, **where).remote() for _ in range(n)]
         ray.get([a.ready.remote(True) for a in actors], timeout=600)
     elif path.startswith("qgpu sdk"):
         via = "resources" if path.endswith("resources") else "runtime_env"
@@ -92,10 +102,12 @@ def main() -> None:
     if "RAY_TMPDIR" not in os.environ:
         own_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp")
     spec = f"{args.gpus}xH100-80GB"
-    cluster = qgpu_ray.LocalCluster(
-        [spec], cpus_per_node=2, extra_node_args={"num_gpus": args.gpus}
-    )
-    paths = ["ray num_gpus", "qgpu sdk", "qgpu sdk/resources", "qgpu plain"]
+    cluster = qgpu_ray.LocalCluster([spec], cpus_per_node=2)
+    # the same simulated driver, without interposer or worker hook: nothing to enforce
+    sim = sim_environment(cluster.nodes[0].sim_config)
+    cluster.cluster.add_node(num_cpus=2, num_gpus=args.gpus, labels=PLAIN, env_vars=sim)
+    cluster.cluster.wait_for_nodes()
+    paths = ["ray num_gpus", "qgpu num_gpus", "qgpu sdk", "qgpu sdk/resources", "qgpu plain"]
     times: dict[str, list[float]] = {p: [] for p in paths}
     try:
         total_core = 100.0 * args.gpus

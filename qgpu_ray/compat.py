@@ -18,7 +18,8 @@ qgpu puts its slices into Ray workers through hooks that Ray honours but does no
 `check` verifies what can be verified without a cluster and raises `RayInternalsChanged`
 naming the variable when one is gone; `qgpu-ray start` and `LocalCluster` call it, so a Ray
 upgrade that drops a hook fails loudly at start instead of silently running slices
-uncapped. tests/ray/test_ray_hooks.py checks the behaviour of each one on a real cluster.
+uncapped. tests/ray/test_compat.py checks `check`; tests/ray/test_numgpus.py
+(``test_ray_still_honours_the_hooks``) checks the behaviour of each hook on a real cluster.
 """
 
 from __future__ import annotations

@@ -63,9 +63,7 @@ def test_fraction_runs_in_a_capped_slice_of_the_gpu_ray_chose(cluster, _clean):
 
         return os.environ["QGPU_MEMORY_LIMIT"], [str(i) for i in ray.get_gpu_ids()]
 
-    limit, ids = ray.get(
-        task.options(label_selector={LABEL_NODE: node.name}).remote(), timeout=60
-    )
+    limit, ids = ray.get(task.options(label_selector={LABEL_NODE: node.name}).remote(), timeout=60)
     assert limit == str(20 * GIB) and len(ids) == 1
     # a GPU task's worker exits after it (max_calls=1): its slice goes with it
     wait_until(lambda: len(holders()) == 1, timeout=30)
@@ -156,9 +154,7 @@ def test_whole_num_gpus_is_a_whole_uncapped_card(cluster, _clean):
 
 def test_isolation_from_the_runtime_env_and_fractions_too_small(cluster, _clean):
     node = cluster.nodes[1]
-    fs = probe(
-        _clean, num_gpus=0.2, runtime_env={"env_vars": {"QGPU_ISOLATION": "fs"}}, **on(node)
-    )
+    fs = probe(_clean, num_gpus=0.2, runtime_env={"env_vars": {"QGPU_ISOLATION": "fs"}}, **on(node))
     out = ray.get(fs.cuda.remote(), timeout=60)
     check_slice(out, out["uuid"], 20, 8)
     assert out["env"]["QGPU_ISOLATION"] == "fixed-share"
@@ -182,3 +178,22 @@ def test_gpu_ids_name_the_slice_on_every_path(cluster, _clean):
         device = env["CUDA_VISIBLE_DEVICES"]
         assert device.startswith("GPU-") and "," not in device, path
         assert ids == {"get_gpu_ids": [device], "accelerator_ids": [device]}, path
+
+
+def test_ray_still_honours_the_hooks(cluster, _clean):
+    """Each Ray internal of qgpu_ray.compat, seen from a worker of a qgpu node: a Ray
+    upgrade that stops honouring one fails here, naming it."""
+    from qgpu_ray import compat
+
+    node = cluster.nodes[1]
+    seen = ray.get(probe(_clean, **on(node)).hooks.remote(), timeout=60)
+    assert seen["setup_hook_ran"], f"{compat.RAY_SETUP_HOOK_ENV} no longer runs qgpu's hook"
+    assert seen["ld_preload"], f"{compat.RAY_LD_PRELOAD_ENV}: the raylet stripped LD_PRELOAD"
+    assert "jemalloc" not in seen["ld_preload_env"], (
+        f"{compat.RAY_JEMALLOC_ENV}: Ray replaced the node's LD_PRELOAD with jemalloc"
+    )
+    assert seen["lookup_patched"], f"{compat.ACCELERATOR_LOOKUP} is no longer Ray's GPU-id lookup"
+    uuids = sorted(g.uuid for g in node.inventory.gpus)
+    assert sorted(seen["original_ids"]) == uuids, (
+        f"{compat.ORIGINAL_IDS}: Ray no longer takes GPU ids from the raylet's CUDA_VISIBLE_DEVICES"
+    )

@@ -30,6 +30,20 @@ class SliceProbe:
             "accelerator_ids": ray.get_runtime_context().get_accelerator_ids()["GPU"],
         }
 
+    def hooks(self) -> dict[str, object]:
+        """What this worker shows of each Ray internal qgpu relies on (qgpu_ray.compat)."""
+        from qgpu_ray import hook
+
+        worker = ray._private.worker.global_worker
+        lookup = worker.get_accelerator_ids_for_accelerator_resource
+        return {
+            "setup_hook_ran": hook.installed(),
+            "ld_preload": self.preloaded(),
+            "ld_preload_env": os.environ.get("LD_PRELOAD", ""),
+            "lookup_patched": bool(getattr(lookup, "__qgpu__", False)),
+            "original_ids": list(worker.original_visible_accelerator_ids.get("GPU") or []),
+        }
+
     def preloaded(self) -> bool:
         with open("/proc/self/maps") as f:
             return "libqgpu_hook.so" in f.read()
