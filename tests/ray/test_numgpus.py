@@ -197,3 +197,69 @@ def test_ray_still_honours_the_hooks(cluster, _clean):
     assert sorted(seen["original_ids"]) == uuids, (
         f"{compat.ORIGINAL_IDS}: Ray no longer takes GPU ids from the raylet's CUDA_VISIBLE_DEVICES"
     )
+
+
+@pytest.mark.slow
+def test_unchanged_serve_deployment_gets_capped_slices(cluster, _clean):
+    """A Serve deployment written for Ray's fractional GPUs, unchanged."""
+    from ray import serve
+
+    @serve.deployment(num_replicas=2, ray_actor_options={"num_gpus": 0.25})
+    class Model:
+        def __init__(self) -> None:
+            from tests.ray.workloads import cuda_report
+
+            self.report = cuda_report()  # loading weights: the first CUDA call
+
+        def __call__(self) -> dict:
+            return self.report
+
+    handle = serve.run(Model.bind(), name="numgpus", route_prefix=None)
+    try:
+        seen: dict[str, dict] = {}
+        for _ in range(40):
+            out = handle.remote().result(timeout_s=60)
+            seen[out["env"]["QGPU_SLICE_ID"]] = out
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2
+        for out in seen.values():
+            check_slice(out, out["uuid"], core=25, gib=10)
+        assert len(holders()) == 2
+    finally:
+        serve.delete("numgpus")
+        serve.shutdown()
+
+
+@pytest.mark.slow
+def test_unchanged_tune_trials_get_capped_slices(cluster, _clean, tmp_path):
+    """Ray Tune's documented way to give trials half a GPU, unchanged."""
+    from ray import tune
+
+    def trainable(config: dict) -> None:
+        from tests.ray.workloads import cuda_report
+
+        out = cuda_report()
+        env = out.get("env", {})
+        tune.report(
+            {
+                "init": out["init"],
+                "total_gib": out.get("total", 0) / GIB,
+                "over_cap": out.get("over_cap", -1),
+                "core": int(env.get("QGPU_CORE_LIMIT") or 0),
+                "uuid": out.get("uuid", ""),
+                "ids_ok": int(out.get("ids", {}).get("get_gpu_ids") == [out.get("uuid")]),
+            }
+        )
+
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {"cpu": 1, "gpu": 0.5}),
+        param_space={"lr": tune.grid_search([0.1, 0.01])},
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+    )
+    results = tuner.fit()
+    assert not results.errors
+    for result in results:
+        m = result.metrics
+        assert m["init"] == 0 and m["ids_ok"] == 1, m
+        assert (m["core"], m["total_gib"], m["over_cap"]) == (50, 20, 2), m
