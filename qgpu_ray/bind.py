@@ -215,10 +215,11 @@ def _new_holder(prefix: str, node_id: str) -> tuple[str, str]:
     return slice_id, holder_name(slice_id, node_id, pid, process_start_time(pid))
 
 
-def _apply(alloc: Allocation, req: SliceRequest, path: str, holder: str = "") -> Binding:
+def _apply(alloc: Allocation, path: str, holder: str = "") -> Binding:
     """Record the slice with the node agent and put device and caps into the environment."""
     global _binding
-    agent_link.record(alloc, req, _ray_meta(path))
+    # the request the allocation satisfies, isolation included (not the Ray amounts)
+    agent_link.record(alloc, agent_link.request_of(alloc), _ray_meta(path))
     env = slice_env(alloc)
     env.pop("LD_PRELOAD", None)  # already loaded in this process
     os.environ.update(env)
@@ -269,7 +270,7 @@ def bind(ray_ids: list | None = None) -> Binding | None:
                 memory_gib=req.memory_gib or 1,
                 isolation=isolation,
             )
-            return _apply(alloc, req, "sdk-resources")
+            return _apply(alloc, "sdk-resources")
         return _bind_plain(req, node, isolation)
 
 
@@ -298,7 +299,7 @@ def _bind_plain(req: SliceRequest, node: RayNode, isolation: IsolationPolicy) ->
             isolation=isolation,
         )
         try:
-            return _apply(alloc, req, "plain", name)
+            return _apply(alloc, "plain", name)
         except agent_link.AgentRefused as exc:
             _release_and_raise(holder, exc)
     raise FragmentedError(
@@ -313,7 +314,6 @@ class _Choice:
     booked_core: float
     memory: list[int]
     alloc_core: int
-    request: SliceRequest
 
 
 def _choose_num_gpus(
@@ -321,7 +321,6 @@ def _choose_num_gpus(
     ray_ids: list[str],
     node: RayNode,
     rule: FractionRule,
-    isolation: IsolationPolicy,
 ) -> _Choice | None:
     """Ray's GPU(s) when their qgpu ledger has room, else the node's policy over the GPUs
     that have room; None when no GPU of the node can take it now."""
@@ -351,7 +350,7 @@ def _choose_num_gpus(
             except NoFit:
                 return None
         mem = [gpus[u].memory_gib for u in picked]
-        return _Choice(picked, 100.0, mem, 100, SliceRequest(core=100 * whole))
+        return _Choice(picked, 100.0, mem, 100)
 
     def size(u: str) -> FractionSlice | None:
         try:
@@ -390,8 +389,7 @@ def _choose_num_gpus(
         except NoFit:
             chosen = candidates[0]
     s = fraction_slice(amount, gpus[chosen].memory_gib, rule)
-    req = SliceRequest(core=s.core, memory=s.memory_gib, isolation=isolation)
-    return _Choice([chosen], s.booked_core, [s.memory_gib], s.core, req)
+    return _Choice([chosen], s.booked_core, [s.memory_gib], s.core)
 
 
 def _policy() -> PlacementPolicy:
@@ -439,7 +437,7 @@ def _bind_num_gpus(
     start = time.monotonic()
     said = False
     while True:
-        choice = _choose_num_gpus(amount, ray_ids, node, rule, isolation)
+        choice = _choose_num_gpus(amount, ray_ids, node, rule)
         if choice is not None:
             slice_id, name = _new_holder("n", node.node_id)
             bundle = _gpu_bundle(choice.uuids, choice.booked_core, choice.memory)
@@ -456,7 +454,7 @@ def _bind_num_gpus(
                     isolation=isolation,
                 )
                 try:
-                    return _apply(alloc, choice.request, "num_gpus", name)
+                    return _apply(alloc, "num_gpus", name)
                 except agent_link.AgentRefused as exc:
                     _release_and_raise(holder, exc)
             # else another worker took that room first: look again (within the wait)
