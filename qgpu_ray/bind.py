@@ -227,11 +227,15 @@ def _apply(alloc: Allocation, path: str, holder: str = "") -> Binding:
     return _binding
 
 
-def _release_and_raise(holder: object, exc: BaseException) -> None:
+def _apply_held(alloc: Allocation, path: str, holder_name_: str, holder: object) -> Binding:
+    """`_apply` for a slice reserved by a holder group; the group goes if the agent refuses."""
     from ray.util.placement_group import remove_placement_group
 
-    remove_placement_group(holder)
-    raise exc
+    try:
+        return _apply(alloc, path, holder_name_)
+    except agent_link.AgentRefused:
+        remove_placement_group(holder)
+        raise
 
 
 def bind(ray_ids: list | None = None) -> Binding | None:
@@ -298,10 +302,7 @@ def _bind_plain(req: SliceRequest, node: RayNode, isolation: IsolationPolicy) ->
             memory_gib=min(decision.memory_gib_per_gpu),
             isolation=isolation,
         )
-        try:
-            return _apply(alloc, "plain", name)
-        except agent_link.AgentRefused as exc:
-            _release_and_raise(holder, exc)
+        return _apply_held(alloc, "plain", name, holder)
     raise FragmentedError(
         f"qgpu: could not reserve a GPU for qgpu-core={req.core} "
         f"qgpu-memory={req.memory_gib} on node {node.name} after {ATTEMPTS} attempts"
@@ -453,10 +454,7 @@ def _bind_num_gpus(
                     memory_gib=min(choice.memory),
                     isolation=isolation,
                 )
-                try:
-                    return _apply(alloc, "num_gpus", name)
-                except agent_link.AgentRefused as exc:
-                    _release_and_raise(holder, exc)
+                return _apply_held(alloc, "num_gpus", name, holder)
             # else another worker took that room first: look again (within the wait)
         waited = time.monotonic() - start
         if waited >= wait:
