@@ -64,7 +64,12 @@ class FractionRule(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
-            raise violations_from_pydantic(exc)[0] from exc
+            first = violations_from_pydantic(exc)[0]
+            flag = {"core_per_tenth": "fraction-core", "memory_gib_per_tenth": "fraction-memory"}
+            given = {"core_per_tenth": core, "memory_gib_per_tenth": memory}
+            raise RuleViolation(
+                flag.get(first.field, first.field), given.get(first.field, first.value), first.rule
+            ) from exc
 
     def check_cards(self, card_gib: list[int]) -> None:
         """A rule whose whole GPU (10 tenths) is more memory than a card has is refused:
