@@ -9,11 +9,15 @@ qgpu node (simulated GPUs) and a plain Ray node with as many GPUs (``ray.cluster
 - ``qgpu num_gpus``: the same unchanged call on the qgpu node — the worker binds to a capped
   slice of the GPU Ray chose (holder group + caps);
 - ``qgpu sdk``: ``Actor.options(**qgpu_ray.options(core=30, memory=8))`` — placement by the
-  core engine, per-GPU accounting, interposer and caps in the worker's environment;
-- ``qgpu sdk/resources``: the same with ``via="resources"`` (no runtime_env; the worker
-  binds at its first CUDA call to the GPU named by its per-GPU resources);
-- ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})`` and the
-  actor's first ``cuInit`` binds it to a GPU (placement + holder group + caps).
+  core engine, per-GPU accounting; the default ``via="auto"`` is the resource form on qgpu
+  nodes (no runtime_env; the worker binds when Ray starts it, to the GPU named by its
+  per-GPU resources);
+- ``qgpu sdk/runtime_env``: the same with ``via="runtime_env"`` (interposer and caps in the
+  worker's environment: a dedicated worker process per slice);
+- ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})``; the
+  worker binds to a GPU when Ray starts it (placement + holder group + caps).
+
+One untimed warm-up round per path comes first (Ray's worker pool, imports).
 
 Each round creates N actors, waits until every one answered a call that starts CUDA (on
 the qgpu paths that binds and caps the slice; on Ray's path it is the same driver call with
@@ -74,7 +78,7 @@ def run_round(path: str, n: int, total_core: float) -> float:
         actors = [Replica.options(num_gpus=0.3, num_cpus=0, **where).remote() for _ in range(n)]
         ray.get([a.ready.remote(True) for a in actors], timeout=600)
     elif path.startswith("qgpu sdk"):
-        via = "resources" if path.endswith("resources") else "runtime_env"
+        via = "runtime_env" if path.endswith("runtime_env") else "auto"
         actors = [
             Replica.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0, via=via)).remote()
             for _ in range(n)
@@ -107,24 +111,26 @@ def main() -> None:
     sim = sim_environment(cluster.nodes[0].sim_config)
     cluster.cluster.add_node(num_cpus=2, num_gpus=args.gpus, labels=PLAIN, env_vars=sim)
     cluster.cluster.wait_for_nodes()
-    paths = ["ray num_gpus", "qgpu num_gpus", "qgpu sdk", "qgpu sdk/resources", "qgpu plain"]
+    paths = ["ray num_gpus", "qgpu num_gpus", "qgpu sdk", "qgpu sdk/runtime_env", "qgpu plain"]
     times: dict[str, list[float]] = {p: [] for p in paths}
     try:
         total_core = 100.0 * args.gpus
+        for path in paths:
+            run_round(path, args.actors, total_core)  # warm-up, not counted
         for r in range(args.rounds):
             for path in paths:
                 t = run_round(path, args.actors, total_core)
                 times[path].append(t)
-                print(f"round {r + 1} {path:<19} {args.actors} actors in {t:6.2f} s", flush=True)
+                print(f"round {r + 1} {path:<20} {args.actors} actors in {t:6.2f} s", flush=True)
     finally:
         cluster.shutdown()
         if own_tmp:
             shutil.rmtree(own_tmp, ignore_errors=True)
     base = statistics.median(times["ray num_gpus"])
-    print(f"\n{'path':<20}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
+    print(f"\n{'path':<21}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
     for path in paths:
         med = statistics.median(times[path])
-        print(f"{path:<20}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
+        print(f"{path:<21}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
 
 
 if __name__ == "__main__":
