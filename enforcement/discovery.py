@@ -410,10 +410,20 @@ def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, st
     return {k: str(v) for k, v in env.items()}
 
 
-def node_slice_policy(value: str | None, override_file: str | Path | None) -> SlicesPerGpu:
+def node_slice_policy(
+    value: str | None,
+    override_file: str | Path | None,
+    floor_cap: int = DEFAULT_MAX_SLICES_PER_GPU,
+) -> SlicesPerGpu:
     """The node's slices-per-GPU policy: the override file's text when the file exists
     (Kubernetes: written by the chart's label-node step from the node label
-    ``<prefix>/qgpu-slices-per-gpu``), else `value` (a flag: ``floor-gib`` or 1..16)."""
+    ``<prefix>/qgpu-slices-per-gpu``), else `value` (a flag: ``floor-gib`` or 1..16).
+    ``floor-gib`` is capped at `floor_cap` (``--max-slices-per-gpu``)."""
+    policy = _slice_policy_text(value, override_file)
+    return policy if policy.fixed else SlicesPerGpu(limit=floor_cap)
+
+
+def _slice_policy_text(value: str | None, override_file: str | Path | None) -> SlicesPerGpu:
     if override_file is not None:
         path = Path(override_file)
         try:

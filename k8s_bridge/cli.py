@@ -74,7 +74,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
     if args.slices_per_gpu is None and args.slices_per_gpu_file is None:
         slices = SlicesPerGpu(limit=args.max_slices)  # floor-gib, capped at --max-slices
     else:
-        slices = node_slice_policy(args.slices_per_gpu, args.slices_per_gpu_file)
+        slices = node_slice_policy(args.slices_per_gpu, args.slices_per_gpu_file, args.max_slices)
 
     def discovered() -> Any:
         return discover(

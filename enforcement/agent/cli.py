@@ -87,7 +87,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         if value is not None:
             raw[key] = value
     if args.slices_per_gpu is not None or args.slices_per_gpu_file is not None:
-        raw["slices_per_gpu"] = node_slice_policy(args.slices_per_gpu, args.slices_per_gpu_file)
+        raw["slices_per_gpu"] = node_slice_policy(
+            args.slices_per_gpu, args.slices_per_gpu_file, args.max_slices_per_gpu
+        )
     if args.token_file:
         raw["token"] = read_token_file(args.token_file)
     elif args.tcp_port is not None:
