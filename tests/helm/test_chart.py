@@ -85,6 +85,7 @@ def test_default_objects_are_named_as_tke_names_them(default: Rendered) -> None:
             ("RoleBinding", "qgpu-scheduler-auth-reader"),
             ("RoleBinding", "qgpu-scheduler-leader-election"),
             ("Secret", "qgpu-scheduler-webhook-tls"),
+            ("Service", "qgpu-manager-metrics"),
             ("Service", "qgpu-scheduler"),
             ("ServiceAccount", "qgpu-manager"),
             ("ServiceAccount", "qgpu-scheduler"),
