@@ -53,11 +53,15 @@ class Rendered:
 
     @property
     def manager(self) -> Obj:
-        return self.get("DaemonSet", "qgpu-manager")
+        """The qgpu-manager DaemonSet (named after the release and overrides)."""
+        (ds,) = self.of_kind("DaemonSet")
+        return ds
 
     @property
     def scheduler(self) -> Obj:
-        return self.get("Deployment", "qgpu-scheduler")
+        """The qgpu-scheduler Deployment (named after the release and overrides)."""
+        (dep,) = self.of_kind("Deployment")
+        return dep
 
     def scheduler_config(self) -> Obj:
         cm = self.get("ConfigMap", "qgpu-scheduler-config")

@@ -216,8 +216,14 @@ def test_helm_object_names_follow_the_release_and_overrides(
 
 def test_helm_namespace_override_wins() -> None:
     r = render({"namespaceOverride": "gpu-system"}, namespace="default")
-    spaced = [o for o in r.objects if "namespace" in o["metadata"]]
-    assert {o["metadata"]["namespace"] for o in spaced} == {"gpu-system"}
+    spaced = {
+        o["metadata"]["name"]: o["metadata"]["namespace"]
+        for o in r.objects
+        if "namespace" in o["metadata"]
+    }
+    # reading kube-system's extension-apiserver-authentication can only be granted there
+    assert spaced.pop("qgpu-scheduler-auth-reader") == "kube-system"
+    assert set(spaced.values()) == {"gpu-system"}
     assert render({"namespace": ""}, namespace="rel").manager["metadata"]["namespace"] == "rel"
 
 
