@@ -36,7 +36,9 @@ def _pod(limits: dict[str, Any], annotations: dict[str, str] | None = None, **ex
 
 @pytest.fixture(scope="module")
 def hooks() -> Iterator[dict[bool, httpx.Client]]:
-    served = {mode: ServedApp(create_app(NAMES, compat_mode=mode)).start() for mode in (True, False)}
+    served = {
+        mode: ServedApp(create_app(NAMES, compat_mode=mode)).start() for mode in (True, False)
+    }
     clients = {mode: httpx.Client(base_url=s.url, timeout=10) for mode, s in served.items()}
     yield clients
     for mode in clients:
@@ -150,7 +152,11 @@ def test_foreign_names_are_translated_exactly_with_a_warning(
             "split over 2 GPUs",
         ),
         (
-            {"nvidia.com/gpumem": 100, "nvidia.com/gpumem-percentage": 10, "nvidia.com/gpucores": 5},
+            {
+                "nvidia.com/gpumem": 100,
+                "nvidia.com/gpumem-percentage": 10,
+                "nvidia.com/gpucores": 5,
+            },
             {},
             "gpumem-percentage",
             "one memory cap",

@@ -100,7 +100,7 @@ def test_slices_per_gpu_policy(text: object, limit: int, fixed: bool, on_16_gib:
 
 @pytest.mark.parametrize("bad", ["0", "17", "bogus", "", True, -1, "4.5"])
 def test_slices_per_gpu_policy_refuses_other_values(bad: object) -> None:
-    with pytest.raises(RuleViolation, match="floor-gib .* or a fixed count 1..16"):
+    with pytest.raises(RuleViolation, match=r"floor-gib .* or a fixed count 1\.\.16"):
         SlicesPerGpu.parse(bad, "label")
 
 
