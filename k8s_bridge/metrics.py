@@ -82,11 +82,28 @@ def rule_key(v: RuleViolation) -> str:
     return last or "request"
 
 
-class ExtenderMetrics:
-    """The extender's metrics; `state` (set by the extender) feeds the scrape-time gauges."""
+class _ComponentMetrics:
+    """A component's own registry and its per-verb request latency histogram."""
+
+    duration: Histogram
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+
+    @contextmanager
+    def timed(self, verb: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.duration.labels(verb).observe(time.perf_counter() - start)
+
+
+class ExtenderMetrics(_ComponentMetrics):
+    """The extender's metrics; `state` (set by the extender) feeds the scrape-time gauges."""
+
+    def __init__(self) -> None:
+        super().__init__()
         r = self.registry
         self.duration = Histogram(
             "qgpu_extender_request_duration_seconds",
@@ -113,9 +130,7 @@ class ExtenderMetrics:
             ["rule"],
             registry=r,
         )
-        self.binds = Counter(
-            "qgpu_extender_binds", "Binds by result", ["result"], registry=r
-        )
+        self.binds = Counter("qgpu_extender_binds", "Binds by result", ["result"], registry=r)
         self.lock_wait = Histogram(
             "qgpu_extender_lock_wait_seconds",
             "Time a bind waited to take a node's lock (the apiserver round trips included)",
@@ -135,14 +150,6 @@ class ExtenderMetrics:
         )
         self.state: ExtenderState | None = None
         r.register(_StateCollector(self))
-
-    @contextmanager
-    def timed(self, verb: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.duration.labels(verb).observe(time.perf_counter() - start)
 
 
 class _StateCollector(Collector):
@@ -192,11 +199,11 @@ class _StateCollector(Collector):
         yield from (nodes, pods, assumed, gpus, core, memory)
 
 
-class WebhookMetrics:
+class WebhookMetrics(_ComponentMetrics):
     """The admission webhook's metrics."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        super().__init__()
         r = self.registry
         self.duration = Histogram(
             "qgpu_webhook_request_duration_seconds",
@@ -223,14 +230,6 @@ class WebhookMetrics:
             ["source"],
             registry=r,
         )
-
-    @contextmanager
-    def timed(self, verb: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.duration.labels(verb).observe(time.perf_counter() - start)
 
 
 __all__ = ["ExtenderMetrics", "WebhookMetrics", "exposition", "rule_key"]
