@@ -44,7 +44,7 @@ def request_from_args(args: argparse.Namespace) -> SliceRequest:
         value = getattr(args, key, None)
         if value is not None:
             raw[key] = value
-    return SliceRequest.parse(raw)
+    return SliceRequest.parse(raw, "the qgpu CLI")
 
 
 def add_request_options(parser: argparse.ArgumentParser, memory_required: bool = False) -> None:
