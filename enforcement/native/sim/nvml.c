@@ -341,6 +341,20 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t
     return none(d, count);
 }
 
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t d,
+                                                                    unsigned int *count,
+                                                                    nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t d,
+                                                                 unsigned int *count,
+                                                                 nvmlProcessInfo_v1_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
 /* Per-process SM utilisation, as NVML reports it: one sample per process newer than
  * `lastSeen` (CPU microseconds since the epoch), the percentage of the last sampling
  * period (~100 ms) the device spent on the process's work. NOT_FOUND when none is newer. */
