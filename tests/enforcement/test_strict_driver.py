@@ -9,12 +9,15 @@ commit 4b11bae (see docs/enforcement.md, "Device models")."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import enforcement.native
 from enforcement.native import sim_library_dir
 from enforcement.sim import write_sim_config
 
@@ -499,3 +502,16 @@ def test_strict_a_statically_linked_program_can_load_the_driver(
         assert lines[key] == "0", (key, run.stdout)
     assert lines["meminfo"] == f"0 {80 * GIB - CTX - GIB} {80 * GIB}"
     assert lines["count"] == "0 5"
+
+
+def test_strict_procaddr_table_is_what_the_toolkit_headers_say() -> None:
+    """The committed (name, version, flags) -> symbol table is NVIDIA's statement in the
+    installed toolkit's headers (where one is installed; the build never needs it)."""
+    cuda = Path(os.environ.get("CUDA_HOME") or "/usr/local/cuda")
+    if not (cuda / "include" / "cudaTypedefs.h").is_file():
+        pytest.skip("no CUDA toolkit headers")
+    tool = Path(enforcement.native.__file__).parent / "tools" / "gen_procaddr.py"
+    check = subprocess.run(
+        [sys.executable, str(tool), "--cuda", str(cuda), "--check"], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stderr
