@@ -20,10 +20,12 @@
  * while the process has timed work queued; every gated process publishes until when it
  * expects work queued, region.c). QGPU_TIMESLICE_US is the slice length (2000 by default);
  * QGPU_DEVICE_SHARING=serial (one queue for all processes, the simulator's fifo model) turns
- * the correction off. What remains of the estimate's error (other processes ending their
- * turns early) is calibrated away by the node agent, which compares the slice's debits with
- * the driver's per-process accounting and publishes a scale in the slice ledger
- * (ledger_debit). */
+ * the correction off. The estimate assumes every other process with work queued uses its
+ * whole slice; one that ends its turn early (its queue drained) makes the pair span less of
+ * the others' time than assumed, so the debit is too small and a gated slice gets more than
+ * its share under contention (measured up to +2.3 points, bench/cap_accuracy.py; the table
+ * is in docs/enforcement.md). Nothing calibrates that error away yet: a correction against
+ * the driver's per-process accounting (NVML process utilisation) was tried and not kept. */
 #include <stdlib.h>
 
 #include "hook.h"
