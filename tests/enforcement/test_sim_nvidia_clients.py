@@ -2,7 +2,7 @@
 build" 4): NVIDIA's ``cuda-bindings`` (PyPI), which resolves every driver function through
 cuGetProcAddress and creates contexts with the CUDA 13 ``cuCtxCreate_v4``; and NVIDIA's
 runtime ``libcudart``, which stops at the driver's private export tables (what it asks for
-and why we stop there: docs/enforcement.md, "NVIDIA's runtime over the simulator")."""
+and why we stop there: docs/enforcement.md, "NVIDIA's clients over the simulator")."""
 
 from __future__ import annotations
 

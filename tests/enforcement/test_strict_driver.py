@@ -4,7 +4,7 @@ cudaTypedefs.h states and hands out internal entry points, the unversioned v1 ex
 cuDriverGetVersion answers the configured 12.x/13.x version before cuInit, cuCtxCreate_v4,
 green contexts, device attributes NVML-driven limiters need, cuGetExportTable, and a
 statically linked program can load it. Each test here failed on the simulator before
-commit 4b11bae (see docs/enforcement.md, "Device models")."""
+commit 4b11bae (see docs/enforcement.md, "The simulated driver")."""
 
 from __future__ import annotations
 
