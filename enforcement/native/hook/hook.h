@@ -57,7 +57,8 @@
     X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2) X(cuDeviceGetCount) \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute) X(cuDeviceGetMemPool)          \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
-    X(nvmlDeviceGetUUID)
+    X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
+    X(nvmlDeviceGetHandleByIndex_v2)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
