@@ -4,6 +4,7 @@ interposer requires (it must load on glibc 2.17 and later)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -12,7 +13,7 @@ from enforcement.native import hook_library_path
 from enforcement.sim import write_sim_config
 
 from ..conftest import GIB, Sim, Worker
-from .conftest import CTX, HOSTILE_CAP, Arena, Programs
+from .conftest import CTX, HOOK_OVERRIDE, HOSTILE_CAP, Arena, Programs
 
 
 def test_nvml_shows_a_tenant_only_its_own_slice(arena: Arena, programs: Programs) -> None:
@@ -64,6 +65,6 @@ def required_glibc(library: Path) -> list[tuple[int, ...]]:
 
 
 def test_the_hook_loads_on_glibc_2_17() -> None:
-    versions = required_glibc(hook_library_path())
+    versions = required_glibc(Path(os.environ.get(HOOK_OVERRIDE) or hook_library_path()))
     assert versions, "the hook must link against libc"
     assert max(versions) <= (2, 17), f"the hook needs GLIBC_{'.'.join(map(str, max(versions)))}"

@@ -1,9 +1,10 @@
 /* Unversioned v1 names and cuGetProcAddress below 3020 (issue 17). Real drivers still
  * export the CUDA 2.x entry points (32-bit sizes and pointers) and cuGetProcAddress returns
  * them to a caller built for cudaVersion < 3020. argv[1]:
- *   alloc   cuMemAlloc v1: twice by name (dlsym), twice through cuGetProcAddress at 2000
- *   pitch   cuMemAllocPitch v1 (1 GiB each), by name and at 2000
+ *   alloc   cuMemAlloc v1, 1 GiB: by name (dlsym), through cuGetProcAddress and _v2 at 2000
+ *   pitch   cuMemAllocPitch v1 (1 GiB each), the same three ways
  *   array   cuArrayCreate v1 / cuArray3DCreate v1 (1 GiB each)
+ *   then 1 GiB with cuMemAlloc_v2, which must be refused (the v1 memory was charged)
  *   info    the slice's view: cuMemGetInfo v1, cuDeviceTotalMem v1
  *   resolve which library serves each (name, version, flags): "hook 1" when the hook's
  * Everything is on top of a 512 MiB context under a 4 GiB cap. */
@@ -56,17 +57,17 @@ int main(int argc, char **argv) {
     gpa1 = (gpa1_t)dlsym(lib, "cuGetProcAddress");
     gpa2 = (gpa2_t)dlsym(lib, "cuGetProcAddress_v2");
     const char *mode = argv[1];
+    int take_more = 1;
     if (!strcmp(mode, "alloc")) {
-        void *f[] = {dlsym(lib, "cuMemAlloc"), dlsym(lib, "cuMemAlloc"), at2000("cuMemAlloc", 1),
-                     at2000("cuMemAlloc", 0)};
-        for (int i = 0; i < 4; i++) {
+        void *f[] = {dlsym(lib, "cuMemAlloc"), at2000("cuMemAlloc", 1), at2000("cuMemAlloc", 0)};
+        for (int i = 0; i < 3; i++) {
             dptr32 p;
             say("v1", f[i] ? ((alloc32_t)f[i])(&p, (unsigned)GIB) : -1);
         }
     } else if (!strcmp(mode, "pitch")) {
-        void *f[] = {dlsym(lib, "cuMemAllocPitch"), dlsym(lib, "cuMemAllocPitch"),
-                     at2000("cuMemAllocPitch", 0), at2000("cuMemAllocPitch", 1)};
-        for (int i = 0; i < 4; i++) {
+        void *f[] = {dlsym(lib, "cuMemAllocPitch"), at2000("cuMemAllocPitch", 0),
+                     at2000("cuMemAllocPitch", 1)};
+        for (int i = 0; i < 3; i++) {
             dptr32 p;
             unsigned pitch;
             say("v1", f[i] ? ((pitch32_t)f[i])(&p, &pitch, 1 << 15, 1 << 15, 4) : -1);
@@ -75,14 +76,15 @@ int main(int argc, char **argv) {
         desc_v1 d = {16384, 16384, CU_AD_FORMAT_FLOAT, 1}; /* 1 GiB */
         desc3d_v1 d3 = {4096, 4096, 16, CU_AD_FORMAT_FLOAT, 1, 0}; /* 1 GiB */
         void *f[] = {dlsym(lib, "cuArrayCreate"), at2000("cuArrayCreate", 0),
-                     dlsym(lib, "cuArray3DCreate"), at2000("cuArray3DCreate", 1)};
-        for (int i = 0; i < 4; i++) {
+                     at2000("cuArray3DCreate", 1)};
+        for (int i = 0; i < 3; i++) {
             CUarray a;
             if (!f[i]) say("v1", -1);
             else if (i < 2) say("v1", ((arr_t)f[i])(&a, &d));
             else say("v1", ((arr3_t)f[i])(&a, &d3));
         }
     } else if (!strcmp(mode, "info")) {
+        take_more = 0;
         unsigned free32 = 0, total32 = 0, dev32 = 0;
         ((info32_t)at2000("cuMemGetInfo", 0))(&free32, &total32);
         say("free", free32);
@@ -90,6 +92,7 @@ int main(int argc, char **argv) {
         ((total32_t)dlsym(lib, "cuDeviceTotalMem"))(&dev32, 0);
         say("devtotal", dev32);
     } else if (!strcmp(mode, "resolve")) {
+        take_more = 0;
         struct { const char *name; int version; cuuint64_t flags; } q[] = {
             {"cuMemAlloc", 2000, 0}, {"cuMemAlloc", 3020, 0}, {"cuMemAlloc", 13000, 0},
             {"cuMemGetInfo", 2000, 0}, {"cuCtxCreate", 3020, 0}, {"cuCtxCreate", 11040, 0},
@@ -106,6 +109,7 @@ int main(int argc, char **argv) {
             say("hook", p && strstr(owner(p), "qgpu_hook") != NULL);
         }
     }
+    if (take_more) grab(GIB, 1); /* 3 GiB through v1 + the context: no room for 1 GiB more */
     hold();
     return 0;
 }
