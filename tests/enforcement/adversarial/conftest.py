@@ -79,6 +79,27 @@ class Programs:
             self._built[key] = exe
         return self._built[key]
 
+    def static(self, name: str) -> Path:
+        """A statically linked program with the simulated driver linked into it: the dynamic
+        loader never runs, so LD_PRELOAD and /etc/ld.so.preload never load the hook."""
+        key = (name, ("-static",))
+        if key not in self._built:
+            exe = self.out / f"{name}-static"
+            native = sim_library_dir().parent
+            driver = [
+                str(c) for c in sorted((native / "sim").glob("*.c")) if c.name != "nvml.c"
+            ]  # the simulated libcuda's sources, as setup.py builds them, minus NVML
+            cmd = [
+                "cc", "-std=gnu11", "-O1", "-static", "-o", str(exe), str(PROGRAMS / f"{name}.c"),
+                *driver, *map(str, sorted((native / "common").glob("*.c"))),
+                f"-I{cuda_include()}", f"-I{PROGRAMS}", f"-I{native / 'include'}",
+                f"-I{native / 'common'}", f"-I{native / 'sim'}", "-lpthread", "-ldl", "-lm",
+            ]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            self._built[key] = exe
+        return self._built[key]
+
     def shared(self, name: str, *extra: str) -> Path:
         """A plugin library (``lib<name>.so``) linked against libcuda."""
         key = (f"lib{name}.so", extra)
