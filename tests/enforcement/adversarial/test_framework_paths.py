@@ -73,3 +73,12 @@ def test_allocation_captured_in_a_graph_is_charged_when_it_runs(arena: Arena, ru
     assert h.all("captured") == [0]
     assert h.all("run") == [OOM]
     arena.contained(h)
+
+
+def test_zeroing_the_ledger_does_not_reset_a_process_s_own_count(arena: Arena) -> None:
+    """The process-local second check: what this process holds is counted by the hook in its
+    own memory, so after zeroing the shared ledger it still cannot take 3 GiB more."""
+    h = arena.python("ledger_zero.py", "one")
+    assert h.one("zeroed") == 1
+    assert h.all("grab") == [0, OOM]
+    arena.contained(h)
