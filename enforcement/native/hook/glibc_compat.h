@@ -2,7 +2,7 @@
  * (Ubuntu 20.04 has 2.31, RHEL 8 2.28, RHEL 7 2.17; glibc 2.34 moved dlsym/dlopen and the
  * pthread functions into libc under new versions, which a plain link would require).
  * Every libc symbol the hook references is pinned here to the oldest version that has it;
- * tests/enforcement/test_glibc_compat.py checks that the built .so asks for nothing newer
+ * tests/enforcement/adversarial/test_visibility.py checks that the built .so asks for nothing newer
  * than 2.17 (stat/fstat, libc functions only since 2.33, are system calls: qgpu_stat in
  * common/). dlsym, dlvsym, dlopen and dlmopen are not pinned: the hook exports its own, and
  * reaches libc's through its symbol table (libc_sym.c). setup.py includes this file first in every
