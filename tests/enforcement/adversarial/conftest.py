@@ -123,6 +123,20 @@ def programs() -> Iterator[Programs]:
     shutil.rmtree(out, ignore_errors=True)
 
 
+def spawn(
+    argv: list[str | Path], env: dict[str, str], stdin: int = subprocess.PIPE
+) -> subprocess.Popen[str]:
+    """A hostile program's process: text pipes for its reports, stdin to hold it."""
+    return subprocess.Popen(
+        [str(a) for a in argv],
+        env=env,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @dataclass
 class Hostile:
     """A running hostile program: what it reported, until it said ``ready``."""
@@ -185,28 +199,13 @@ class Arena:
 
     def start(self, argv: list[str | Path], env: dict[str, str] | None = None) -> Hostile:
         """Start a hostile program and wait until it has taken what it could."""
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            env=env if env is not None else self.hostile_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        h = Hostile(proc)
+        h = Hostile(spawn(argv, env if env is not None else self.hostile_env()))
         self.hostiles.append(h)
         return h.read_until_ready()
 
     def run_to_end(self, argv: list[str | Path], env: dict[str, str] | None = None) -> Hostile:
         """Run a hostile program that is expected to end on its own (refused or crashed)."""
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            env=env if env is not None else self.hostile_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = spawn(argv, env if env is not None else self.hostile_env(), stdin=subprocess.DEVNULL)
         h = Hostile(proc)
         self.hostiles.append(h)
         out, h.stderr = proc.communicate(timeout=60)

@@ -26,7 +26,7 @@ from enforcement.agent.client import AgentClient
 from tests.agent.conftest import start_agent, stop_agent
 
 from ..conftest import CTX, Worker
-from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs
+from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,7 @@ class Guarded:
     started: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def start(self, argv: list[str | Path]) -> Hostile:
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            env=self.hostile_env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = spawn(argv, self.hostile_env)
         self.started.append(proc)
         return Hostile(proc).read_until_ready()
 
