@@ -73,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "reconcile_interval_s": args.reconcile_interval,
         "watchdog_interval_s": args.watchdog_interval,
         "watchdog_kill": args.watchdog_kill,
+        "watchdog_grace_s": args.watchdog_grace,
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
@@ -161,7 +162,22 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--watchdog-interval", type=float, default=5.0, metavar="SECONDS")
-    p.add_argument("--watchdog-kill", action="store_true", help="kill processes over their cap")
+    p.add_argument(
+        "--watchdog-kill",
+        nargs="?",
+        const="all",
+        default="share",
+        choices=("off", "share", "all"),
+        help="kill processes of slices over their memory cap: off, share (fixed-share and "
+        "burst-share slices; the default) or all (best-effort too; the bare flag)",
+    )
+    p.add_argument(
+        "--watchdog-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a slice may stay over its cap before the watchdog kills",
+    )
     p.add_argument("--enforcement", choices=["interposer", "mps"], default="interposer")
     p.add_argument("--mps-control", default="nvidia-cuda-mps-control", help="MPS control binary")
     p.add_argument("--hook-path", help="the interposer library (default: the installed one)")

@@ -82,6 +82,8 @@ CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value);
 CUresult cuStreamGetCaptureInfo(CUstream hStream, int *status, cuuint64_t *id);
 CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
                                    const CUgraphNode **deps, size_t *ndeps);
+CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                   const CUgraphNode **deps, const void **edges, size_t *ndeps);
 
 /* contexts */
 CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev);

@@ -52,7 +52,9 @@
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
     X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
     X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2) \
-    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamIsCapturing) \
+    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamGetCaptureInfo) \
+    X(cuStreamGetCaptureInfo_ptsz) X(cuStreamGetCaptureInfo_v2) X(cuStreamGetCaptureInfo_v2_ptsz) \
+    X(cuStreamGetCaptureInfo_v3) X(cuStreamGetCaptureInfo_v3_ptsz) X(cuStreamIsCapturing) \
     X(cuStreamIsCapturing_ptsz) X(cuStreamQuery) X(cuStreamQuery_ptsz) X(cuStreamSynchronize) \
     X(cuStreamSynchronize_ptsz)
 
