@@ -185,7 +185,8 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
     placed = {}
     for host_weight in (0.0, None):
         nodes = [node("poor", 2, cpu_milli=16000), node("rich", 2, cpu_milli=64000)]
-        engine = Engine(ClusterState(nodes), FragPolicy(host_weight=host_weight))
+        policy = FragPolicy(host_weight=host_weight, prior=None, keep_empty=0)
+        engine = Engine(ClusterState(nodes), policy)
         engine.observe(whole(4000))
         first = engine.place("first", share(50, cpu=8000)).node
         later = [whole(4000), whole(4000), whole(4000), share(50, cpu=8000)]
@@ -232,7 +233,7 @@ def test_gap_values_keep_the_gap_a_larger_share_closes():
     for gap_weight in (0.0, None):
         state = ClusterState([node("n", 2)])
         state.apply("pre", [gpu_of(state, "n-g1")], 32, [1])
-        policy = FragPolicy(gap_weight=gap_weight)
+        policy = FragPolicy(gap_weight=gap_weight, prior=None, keep_empty=0)
         engine = Engine(state, policy)
         for core in (65, 32, 81):
             engine.observe(slice_of(core))
@@ -322,7 +323,8 @@ def test_a_mix_that_cannot_be_priced_places_without_gap_values(monkeypatch, capl
     assert policy.gap_values(state)[100] > 0
 
 
-def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
+def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack(monkeypatch):
+    monkeypatch.setenv("QGPU_MIX_PRIOR", "none")  # nothing observed, no prior either
     rng = random.Random(3)
     for _ in range(20):
         nodes = [node(f"n{i}", rng.choice([1, 2, 4])) for i in range(4)]
@@ -340,7 +342,7 @@ def test_a_fresh_engine_learns_the_mix_from_the_live_slices():
     state.apply("y-0", [gpu_of(state, "y-g0")], 30, [4])
     state.apply("y-1", [gpu_of(state, "y-g1")], 30, [4])
     assert Engine(state, "binpack").decide(share(30)).node == "x"
-    policy = FragPolicy()
+    policy = FragPolicy(prior=None)
     assert Engine(state, policy).decide(share(30)).node == "y"
     assert policy.mix() == {(100, 1, 0, 0): 1 / 3, (30, 1, 0, 0): 2 / 3}
 
@@ -437,7 +439,7 @@ def test_choice_maximises_expected_usable_capacity(seed):
         for i in range(5)
     ]
     state = ClusterState(nodes)
-    policy = FragPolicy()
+    policy = FragPolicy(keep_empty=0)  # its own rule, tested below
     engine = Engine(state, policy)
     pool = [share(c, cpu=rng.choice([0, 2000, 4000])) for c in (10, 25, 30, 45, 60, 80)]
     pool += [WHOLE, SliceRequest(core=200, cpu_milli=4000)]
