@@ -542,8 +542,6 @@ class FragPolicy(Policy):
             room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
             after = by_room[np.maximum(room - 1, 0), free - view.core]
             out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
-        if view.core < WHOLE_GPU_CORE:
-            self._keep_empty(s, cand, out)
         self._score_memo = (s, depends, out)
         return out
 
@@ -581,21 +579,26 @@ class FragPolicy(Policy):
             self._priced_slots = slots
         return prices.values
 
-    def _keep_empty(self, s: ClusterState, cand: np.ndarray, out: np.ndarray) -> None:
-        """Below `keep_empty` fill, rank every empty candidate GPU below every used one (a
-        uniform shift, larger than any other difference of the scores, the host term's at
-        the node level included; the order among the empty GPUs stays frag's)."""
+    def _keep_empty(self, view: CandidateView, per_gpu: np.ndarray) -> np.ndarray:
+        """Below `keep_empty` fill, for a share: `per_gpu` with every empty candidate GPU
+        ranked below every used one (a uniform shift, larger than any other difference of
+        the scores, the host term's at the node level included; the order among the empty
+        GPUs stays frag's). Applied to a copy, after the memoised scores (`_score`)."""
+        s = view.state
         cap = float(s.cap_core.sum())
-        if not self.keep_empty or cap <= 0:
-            return
+        if not self.keep_empty or view.core >= WHOLE_GPU_CORE or cap <= 0:
+            return per_gpu
         if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
-            return
+            return per_gpu
+        cand = np.flatnonzero(np.isfinite(per_gpu))
         empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]
         if len(empty) == 0 or len(empty) == len(cand):
-            return
-        spread = float(np.ptp(out[cand]))
+            return per_gpu
+        spread = float(np.ptp(per_gpu[cand]))
         bound = (1.0 + self.host_weight + self.gap_weight) * self.total_weight * WHOLE_GPU_CORE
+        out = per_gpu.copy()
         out[empty] -= 2.0 * (spread + bound) + 1.0
+        return out
 
     def gap_by_room(self, state: ClusterState) -> np.ndarray:
         """V[r, x]: `gap_values` for a gap with room for at most r more slices."""
@@ -663,7 +666,7 @@ class FragPolicy(Policy):
         return self._keys
 
     def node_scores(self, view: CandidateView) -> np.ndarray:
-        per_gpu = self._score(view)
+        per_gpu = self._keep_empty(view, self._score(view))
         self._last_view = view
         self._last_gpu_scores = per_gpu
         s = view.state
@@ -681,7 +684,10 @@ class FragPolicy(Policy):
         return best[view.node_ids] + host + _TIE_WEIGHT * _node_fill(view) / 2
 
     def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
-        per_gpu = self._last_gpu_scores if view is self._last_view else self._score(view)
+        if view is self._last_view:
+            per_gpu = self._last_gpu_scores
+        else:
+            per_gpu = self._keep_empty(view, self._score(view))
         # binpack's GPU preference (least left over) breaks ties between equal GPUs
         return per_gpu[gpu_ids] - _TIE_WEIGHT * _leftover(view, gpu_ids) / 2
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from qgpu.errors import RuleViolation, first_violation
 from qgpu.model import WHOLE_GPU_CORE, NodeInventory, SliceRequest
@@ -84,6 +84,7 @@ class PriorShape(BaseModel):
 
 
 Shape = Annotated[PriorShape, BeforeValidator(_shape_fields)]
+_SHAPE: TypeAdapter[PriorShape] = TypeAdapter(Shape)
 
 
 class MixPrior(BaseModel):
@@ -127,9 +128,19 @@ def parse_prior(value: Any, where: str = "mix prior") -> MixPrior:
     shapes = value.get("shapes")
     if isinstance(shapes, list):
         value = dict(value)
-        value["shapes"] = [_with_memory(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes)]
+        value["shapes"] = [_shape(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes)]
     try:
         return MixPrior.model_validate(value)
+    except ValidationError as exc:
+        v = first_violation(exc)
+        raise RuleViolation(f"{where}.{v.field}", v.value, v.rule) from exc
+
+
+def _shape(shape: Any, where: str) -> PriorShape:
+    """One shape of a prior, checked alone so that a broken rule names its index."""
+    shape = _with_memory(shape, where)
+    try:
+        return _SHAPE.validate_python(shape)
     except ValidationError as exc:
         v = first_violation(exc)
         raise RuleViolation(f"{where}.{v.field}", v.value, v.rule) from exc

@@ -96,5 +96,6 @@ def test_the_default_places_at_least_as_many_as_binpack_in_most_cases():
         mine, _ = _replay(nodes, requests, DEFAULT_PLACEMENT.value)
         theirs, _ = _replay(nodes, requests, "binpack")
         at_least += sum(mine) >= sum(theirs)
-    # measured: 199 of 200 (the one loss is one request, at more than half full)
-    assert at_least >= 194, at_least
+    # measured: 194 of 200 (97%); each of the 6 others places one request fewer, and the
+    # two runs first differ at 70-96% fill. 95% is the floor this test holds it to.
+    assert at_least >= 190, at_least

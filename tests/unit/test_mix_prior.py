@@ -60,11 +60,11 @@ def test_the_pool_prior_adds_a_whole_node_of_every_size():
 @pytest.mark.parametrize(
     ("value", "field"),
     [
-        ({"shapes": [{"core": 150}]}, "mix prior.shapes.0.core"),
-        ({"shapes": [{"core": 50, "weight": 0}]}, "mix prior.shapes.0.weight"),
+        ({"shapes": [{"core": 150}]}, "mix prior.shapes[0].qgpu-core"),
+        ({"shapes": [{"core": 50}, {"core": 50, "weight": 0}]}, "mix prior.shapes[1].weight"),
         ({"shapes": []}, "mix prior.shapes"),
         ({"strength": -1, "shapes": [{"core": 50}]}, "mix prior.strength"),
-        ({"shapes": [{"core": 50, "colour": 1}]}, "mix prior.shapes.0.colour"),
+        ({"shapes": [{"core": 50, "colour": 1}]}, "mix prior.shapes[0].colour"),
         ("fifty", "mix prior"),
     ],
 )
@@ -84,7 +84,7 @@ def test_a_bad_flag_is_refused_before_it_is_set(tmp_path, monkeypatch, capsys):
     bad.write_text(json.dumps([{"core": 50, "weight": -2}]))
     with pytest.raises(RuleViolation) as caught:
         load_prior(bad)
-    assert caught.value.field == f"{bad}.shapes.0.weight"
+    assert caught.value.field == f"{bad}.shapes[0].weight"
 
 
 def test_the_readme_example_places_every_request_with_the_default(monkeypatch, capsys):
