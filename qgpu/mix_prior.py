@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -39,6 +39,7 @@ from qgpu.model import WHOLE_GPU_CORE, NodeInventory, SliceRequest
 from qgpu.units import parse_memory_gib
 
 PRIOR_ENV = "QGPU_MIX_PRIOR"
+_T = TypeVar("_T")
 DEFAULT_STRENGTH = 4.0
 
 
@@ -129,18 +130,18 @@ def parse_prior(value: Any, where: str = "mix prior") -> MixPrior:
     if isinstance(shapes, list):
         value = dict(value)
         value["shapes"] = [_shape(s, f"{where}.shapes[{i}]") for i, s in enumerate(shapes)]
-    try:
-        return MixPrior.model_validate(value)
-    except ValidationError as exc:
-        v = first_violation(exc)
-        raise RuleViolation(f"{where}.{v.field}", v.value, v.rule) from exc
+    return _validated(MixPrior.model_validate, value, where)
 
 
 def _shape(shape: Any, where: str) -> PriorShape:
     """One shape of a prior, checked alone so that a broken rule names its index."""
-    shape = _with_memory(shape, where)
+    return _validated(_SHAPE.validate_python, _with_memory(shape, where), where)
+
+
+def _validated(validate: Callable[[Any], _T], value: Any, where: str) -> _T:
+    """`validate(value)`, a broken rule raised as RuleViolation with `where` before its field."""
     try:
-        return _SHAPE.validate_python(shape)
+        return validate(value)
     except ValidationError as exc:
         v = first_violation(exc)
         raise RuleViolation(f"{where}.{v.field}", v.value, v.rule) from exc
