@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -74,12 +75,12 @@ def test_a_broken_prior_names_the_field(value, field):
     assert caught.value.field == field
 
 
-def test_a_bad_flag_is_refused_before_it_is_set(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv(PRIOR_ENV, raising=False)
+def test_a_bad_flag_is_refused_before_it_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv(PRIOR_ENV, "none")
     with pytest.raises(RuleViolation) as caught:
         use_prior(str(tmp_path / "missing.yaml"))
     assert caught.value.field == "--mix-prior"
-    assert PRIOR_ENV not in __import__("os").environ
+    assert os.environ[PRIOR_ENV] == "none"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"core": 50, "weight": -2}]))
     with pytest.raises(RuleViolation) as caught:
@@ -88,7 +89,7 @@ def test_a_bad_flag_is_refused_before_it_is_set(tmp_path, monkeypatch, capsys):
 
 
 def test_the_readme_example_places_every_request_with_the_default(monkeypatch, capsys):
-    monkeypatch.delenv(PRIOR_ENV, raising=False)
+    monkeypatch.setenv(PRIOR_ENV, "default")  # restored afterwards (the flag sets it)
     args = ["plan", "--nodes", "examples/nodes.yaml", "--requests", "examples/requests.yaml"]
     assert cli_main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -130,3 +131,19 @@ def test_below_half_full_a_share_never_opens_an_empty_gpu_a_used_one_could_spare
     with pytest.raises(ValueError, match="keep_empty"):
         FragPolicy(keep_empty=1.5)
     assert FragPolicy(measure="fgd").keep_empty == 0  # the paper's measure stays as published
+
+
+def test_the_agent_and_the_extender_take_the_same_flag(tmp_path, monkeypatch):
+    from enforcement.agent.cli import config_from_args
+    from qgpu.cli import build_parser
+
+    monkeypatch.setenv(PRIOR_ENV, "default")  # restored afterwards
+    parser = build_parser()
+    agent = parser.parse_args(
+        ["agent", "--sim", "1xT4", "--state-dir", str(tmp_path), "--mix-prior", "pool"]
+    )
+    config_from_args(agent)
+    assert os.environ[PRIOR_ENV] == "pool" and FragPolicy().prior == "pool"
+    assert parser.parse_args(["extender", "--mix-prior", "none"]).mix_prior == "none"
+    with pytest.raises(RuleViolation, match="--mix-prior"):
+        config_from_args(parser.parse_args(["agent", "--mix-prior", "everything"]))
