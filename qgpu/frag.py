@@ -194,6 +194,9 @@ class FragPolicy(Policy):
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
         self._observed += 1
+        self._count_request(request)
+
+    def _count_request(self, request: SliceRequest, arrivals: int = 1) -> None:
         self._count(
             request.core_per_gpu,
             request.memory_gib_per_gpu or 0,
@@ -201,6 +204,7 @@ class FragPolicy(Policy):
             request.model_names,
             request.cpu_milli,
             request.host_memory_mib,
+            arrivals,
         )
 
     def _start(self, state: ClusterState) -> None:
@@ -212,17 +216,7 @@ class FragPolicy(Policy):
         prior = resolve_prior(self.prior, state.nodes)
         if prior is not None:
             for shape, arrivals in prior.counts():
-                core = shape.core
-                whole = core >= WHOLE_GPU_CORE
-                self._count(
-                    WHOLE_GPU_CORE if whole else core,
-                    shape.memory or 0,
-                    core // WHOLE_GPU_CORE if whole else 1,
-                    tuple(shape.model.split("|")) if shape.model else (),
-                    shape.cpu_milli,
-                    shape.host_memory_mib,
-                    arrivals,
-                )
+                self._count_request(shape.request(), arrivals)
         if self._observed == 0:
             self._seed_from_live(state)
 

@@ -49,7 +49,9 @@ def _shape_fields(value: Any) -> Any:
         return value
     raw = {k: v for k, v in value.items() if k != "weight"}
     if "core" in raw and raw.get("memory", raw.get("memory_gib")) is None:
-        raw.setdefault("memory", 1)  # memory is optional in a prior (see PriorShape)
+        # memory is optional in a prior (see PriorShape): checked with the least legal
+        # value (2 GiB, for a share split over 2 GPUs)
+        raw.setdefault("memory", 2)
     try:
         SliceRequest.model_validate(raw)
     except ValidationError as exc:

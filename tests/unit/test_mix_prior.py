@@ -61,7 +61,8 @@ def test_the_pool_prior_adds_a_whole_node_of_every_size():
 @pytest.mark.parametrize(
     ("value", "field"),
     [
-        ({"shapes": [{"core": 150}]}, "mix prior.shapes[0].qgpu-core"),
+        ({"shapes": [{"core": 250}]}, "mix prior.shapes[0].qgpu-core"),
+        ({"shapes": [{"core": 150, "memory": 1}]}, "mix prior.shapes[0].qgpu-memory"),
         ({"shapes": [{"core": 50}, {"core": 50, "weight": 0}]}, "mix prior.shapes[1].weight"),
         ({"shapes": []}, "mix prior.shapes"),
         ({"strength": -1, "shapes": [{"core": 50}]}, "mix prior.strength"),
@@ -109,6 +110,11 @@ def test_the_prior_counts_as_arrivals_before_the_first_decision_and_fades():
     for _ in range(35):
         engine.observe(SliceRequest(core=30, memory_gib=1))
     assert policy.mix()[(100, 1, 0, 0)] == 4 / 40
+    # a shape counts as the request it stands for: 150 is 75% on each of 2 GPUs
+    split = FragPolicy(prior=parse_prior([{"core": 150, "memory": 8, "model": "T4|A10"}]))
+    Engine(ClusterState([node("n", 2)]), split).decide(WHOLE)
+    assert (split._k_core, split._k_mem, split._k_count) == ([75, 100], [4, 0], [2, 1])
+    assert split._k_models[0] == ("T4", "A10")
     # a pool prior knows the node sizes of the cluster it first decides on
     pool = FragPolicy(prior="pool")
     Engine(ClusterState([node("n", 2), node("m", 4)]), pool).decide(WHOLE)
