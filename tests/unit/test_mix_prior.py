@@ -113,7 +113,7 @@ def test_the_prior_counts_as_arrivals_before_the_first_decision_and_fades():
     # a shape counts as the request it stands for: 150 is 75% on each of 2 GPUs
     split = FragPolicy(prior=parse_prior([{"core": 150, "memory": 8, "model": "T4|A10"}]))
     Engine(ClusterState([node("n", 2)]), split).decide(WHOLE)
-    assert (split._k_core, split._k_mem, split._k_count) == ([75, 100], [4, 0], [2, 1])
+    assert (split._k_core, split._k_mem, split._k_count) == ([75], [4], [2])  # decide: no count
     assert split._k_models[0] == ("T4", "A10")
     # a pool prior knows the node sizes of the cluster it first decides on
     pool = FragPolicy(prior="pool")
