@@ -25,6 +25,7 @@ from enforcement.agent.client import AgentClient, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
 from enforcement.discovery import node_slice_policy
 from qgpu.errors import QgpuError, RuleViolation
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import IsolationPolicy, PlacementPolicy
 
 EXIT_OK = 0
@@ -59,6 +60,7 @@ def _socket_for(args: argparse.Namespace) -> Path:
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    use_prior(args.mix_prior)
     raw: dict[str, object] = {
         "state_dir": args.state_dir or DEFAULT_STATE_DIR,
         "socket_path": _socket_for(args),
@@ -133,8 +135,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     iso = ", ".join(f"{i.value}/{i.abbreviation}" for i in IsolationPolicy)
     p.add_argument("--isolation", default="best-effort", help=f"node default isolation: {iso}")
     names = [x.value for x in PlacementPolicy]
-    p.add_argument("--placement", choices=names, help="GPU choice policy (default binpack)")
+    p.add_argument("--placement", choices=names, help="GPU choice policy (default frag)")
     p.add_argument("--gpu-placement", choices=names, help="GPU-level policy if different")
+    add_prior_option(p)
     p.add_argument(
         "--max-slices-per-gpu",
         type=int,
