@@ -5,8 +5,12 @@ or an explicit host), reading objects as plain JSON (``_preload_content=False``,
 bridge's own pydantic models — faster than the client's model layer and tolerant of fields
 the client does not know), patches with the right content types, the Binding call (checked
 for HTTP 201, never retried on a client-side error) and the per-node lock. The calls made
-for every bind (get pod, patch node, Binding) go over `k8s_bridge.lean_http.LeanTransport`
-when the client's configuration allows it (same host, TLS and token; half the CPU).
+for every bind (get pod, patch node, Binding) skip the client's model layer: over
+`k8s_bridge.lean_http.LeanTransport` when it covers the configuration (the default: a
+quarter of the CPU of a library call, see docs/results.md), else straight over the official
+client's own urllib3 pool (`k8s_bridge.apiserver_http.ApiserverHTTP`); both use the same
+host, TLS settings and credentials as the client. Every name that goes into a URL is
+escaped as one path segment (`api_path`).
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from k8s_bridge.apiserver_http import ApiserverHTTP, api_path
 from k8s_bridge.lean_http import LeanTransport
 from k8s_bridge.protocol import NodeLock, load_lock
 from k8s_bridge.resources import Names
@@ -32,6 +36,7 @@ from qgpu.errors import QgpuError
 
 Obj = dict[str, Any]
 
+TRANSPORTS = ("auto", "lean", "library")
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
@@ -108,23 +113,31 @@ def _pointer(key: str) -> str:
 class Kube:
     """The handful of apiserver calls the bridge makes, as JSON dicts."""
 
-    def __init__(self, api_client: client.ApiClient, names: Names, lean: bool = True) -> None:
+    def __init__(self, api_client: client.ApiClient, names: Names, transport: str = "auto") -> None:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.names = names
-        # the per-bind calls (get pod, patch node, Binding) over `LeanTransport` when the
-        # configuration allows it; everything else through the official client
-        self.lean = LeanTransport.for_configuration(api_client.configuration) if lean else None
+        # the per-bind calls (get pod, patch node, Binding); everything else goes through
+        # the official client
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        lean = (
+            LeanTransport.for_configuration(api_client.configuration)
+            if transport != "library"
+            else None
+        )
+        if transport == "lean" and lean is None:
+            raise ValueError("the lean transport does not cover this client configuration")
+        self.http: LeanTransport | ApiserverHTTP = lean or ApiserverHTTP(api_client)
 
-    def _lean(
+    def _call(
         self, what: str, method: str, path: str, body: Any = None, content_type: str = ""
     ) -> tuple[int, bytes]:
-        """One call over the lean transport; any non-2xx answer raises KubeError."""
-        assert self.lean is not None
+        """One call over the client's pool; any non-2xx answer raises KubeError."""
         data = None if body is None else json.dumps(body).encode()
         try:
-            status, raw = self.lean.request(method, path, data, content_type or None)
-        except (OSError, http.client.HTTPException) as exc:
+            status, raw = self.http.request(method, path, data, content_type or None)
+        except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError) as exc:
             raise KubeError(f"{what}: no answer from the apiserver: {exc}") from exc
         if not 200 <= status <= 299:
             raise _status_error(what, status, "", raw)
@@ -146,13 +159,8 @@ class Kube:
 
     def get_pod(self, namespace: str, name: str) -> Obj:
         what = f"get pod {namespace}/{name}"
-        if self.lean is not None:
-            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}"
-            return json.loads(self._lean(what, "GET", path)[1])
-        with _calling(what):
-            return self._json(
-                self.core.read_namespaced_pod(name, namespace, _preload_content=False)
-            )
+        path = api_path("api", "v1", "namespaces", namespace, "pods", name)
+        return json.loads(self._call(what, "GET", path)[1])
 
     def list_pods(
         self, label_selector: str = "", field_selector: str = ""
@@ -173,14 +181,8 @@ class Kube:
 
     # -- writes --
     def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
-        what = f"patch node {name}"
-        if self.lean is not None:
-            path = f"/api/v1/nodes/{quote(name)}"
-            return json.loads(self._lean(what, "PATCH", path, body, content_type)[1])
-        with _calling(what):
-            return self._json(
-                self.core.patch_node(name, body, _content_type=content_type, _preload_content=False)
-            )
+        path = api_path("api", "v1", "nodes", name)
+        return json.loads(self._call(f"patch node {name}", "PATCH", path, body, content_type)[1])
 
     def patch_pod(self, namespace: str, name: str, body: Any, content_type: str = MERGE) -> Obj:
         with _calling(f"patch pod {namespace}/{name}"):
@@ -203,9 +205,9 @@ class Kube:
 
         The apiserver copies the Binding's annotations onto the pod in the same write that
         binds it, and checks the UID and resourceVersion preconditions (409 Conflict).
-        Called with ``_preload_content=False``: the client cannot deserialize the Status
-        the apiserver returns, and a bind that raised on the client side may have succeeded
-        on the server, so it is never retried blindly.
+        Made over `ApiserverHTTP` (the official client cannot deserialize the Status the
+        apiserver returns); a bind whose answer did not come back may have succeeded on the
+        server, so it is never retried blindly.
         """
         meta: Obj = {"name": name, "namespace": namespace, "uid": uid}
         if annotations:
@@ -219,20 +221,10 @@ class Kube:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         what = f"bind pod {namespace}/{name} to {node}"
-        if self.lean is not None:
-            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding"
-            status, _ = self._lean(what, "POST", path, body, "application/json")
-            if status != 201:
-                raise KubeError(f"bind pod {namespace}/{name}: HTTP {status}", status)
-            return
-        with _calling(what):
-            resp = self.core.create_namespaced_pod_binding(
-                name, namespace, body, _preload_content=False
-            )
-            _ = resp.data  # read the (undecodable) Status so the connection can be reused
-            resp.release_conn()
-        if resp.status != 201:
-            raise KubeError(f"bind pod {namespace}/{name}: HTTP {resp.status}", resp.status)
+        path = api_path("api", "v1", "namespaces", namespace, "pods", name, "binding")
+        status, _ = self._call(what, "POST", path, body, "application/json")
+        if status != 201:
+            raise KubeError(f"bind pod {namespace}/{name}: HTTP {status}", status)
 
     def publish_node_annotations(self, node: str, annotations: dict[str, str | None]) -> Obj:
         return self.patch_node(node, {"metadata": {"annotations": annotations}})
