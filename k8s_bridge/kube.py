@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from k8s_bridge.resources import Names
 from qgpu.errors import QgpuError
 
 Obj = dict[str, Any]
+log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "lean", "library")
 MERGE = "application/merge-patch+json"
@@ -264,6 +266,23 @@ def current_lock(node_obj: Obj, names: Names) -> NodeLock | None:
         return None  # an unreadable lock is treated as absent: it can never be released
 
 
+@dataclass(frozen=True)
+class HolderPod:
+    """The pod a lock holder runs in (from the downward API): its lock names it, so a lock
+    whose pod is gone can be taken over."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+GONE_CHECK_S = 1.0  # a holder found alive is not asked about again for this long
+
+
 class NodeLocker:
     """Per-node lock: an annotation (holder, expiry) taken with a resourceVersion precondition.
 
@@ -272,17 +291,48 @@ class NodeLocker:
     annotation in the same write; a 409 re-reads the node and retries. The caller compares
     `LockHandle.previous_epoch` with the epoch it last wrote: a difference means another
     writer locked the node in between, so its view of that node must be re-read. A lock held
-    by someone else is waited on until it is released or expires (`ttl_s`). `release`
-    removes it with a JSON-patch ``test`` of our own value (a lock that expired and was taken
-    over is left alone).
+    by someone else is waited on until it is released or expires (`ttl_s`) -- or taken over
+    at once when its holder is provably gone: its lock names a pod (`HolderPod`) and that
+    pod no longer exists, has another UID, or has terminated. A lock held under our own
+    holder name (a restarted extender with a stable name: the same pod) is ours again.
+    `release` removes it with a JSON-patch ``test`` of our own value (a lock that expired
+    and was taken over is left alone).
     """
 
-    def __init__(self, kube: Kube, holder: str | None = None, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        holder: str | None = None,
+        ttl_s: float = 30.0,
+        pod: HolderPod | None = None,
+    ) -> None:
         self.kube = kube
         self.names = kube.names
         self.holder = holder or f"qgpu-extender-{uuid.uuid4().hex[:8]}"
         self.ttl_s = ttl_s
+        self.pod = pod
         self._seen: dict[str, Obj] = {}
+        self._alive: dict[tuple[str, str], float] = {}  # (pod, uid) -> monotonic checked
+
+    def holder_gone(self, lock: NodeLock) -> bool:
+        """Is the lock's holder provably gone (its pod deleted, replaced or terminated)?
+        False when the lock names no pod or the apiserver cannot tell."""
+        if not lock.pod or not lock.pod_uid or "/" not in lock.pod:
+            return False
+        key = (lock.pod, lock.pod_uid)
+        checked = self._alive.get(key)
+        if checked is not None and time.monotonic() - checked < GONE_CHECK_S:
+            return False
+        namespace, name = lock.pod.split("/", 1)
+        try:
+            pod = self.kube.get_pod(namespace, name)
+        except KubeError as exc:  # no answer, or not allowed to look: not provably gone
+            return exc.status == 404
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("uid") != lock.pod_uid or status.get("phase") in ("Succeeded", "Failed"):
+            return True
+        self._alive[key] = time.monotonic()
+        return False
 
     def remember(self, node_obj: Obj) -> None:
         """Cache the node as seen (a watch event may be older than our own last write)."""
@@ -302,7 +352,12 @@ class NodeLocker:
                 obj = self.kube.get_node(node)
             now = time.time()
             held = current_lock(obj, self.names)
-            if held is not None and held.expires > now and held.holder != self.holder:
+            if (
+                held is not None
+                and held.expires > now
+                and held.holder != self.holder
+                and not self.holder_gone(held)
+            ):
                 if time.monotonic() >= deadline:
                     raise NodeLockError(
                         f"node {node} is locked by {held.holder} until {held.expires:.0f}",
@@ -313,8 +368,20 @@ class NodeLocker:
                 delay = min(delay * 2, 0.1)
                 obj = None
                 continue
-            lock = NodeLock(holder=self.holder, expires=now + self.ttl_s)
-            text = lock.model_dump_json()
+            if held is not None and held.expires > now and held.holder != self.holder:
+                log.warning(
+                    "node %s: taking over the lock of %s (its pod %s is gone)",
+                    node,
+                    held.holder,
+                    held.pod,
+                )
+            lock = NodeLock(
+                holder=self.holder,
+                expires=now + self.ttl_s,
+                pod=self.pod.ref if self.pod else None,
+                pod_uid=self.pod.uid if self.pod else None,
+            )
+            text = lock.model_dump_json(exclude_none=True)
             previous = node_epoch(obj, self.names)
             body = {
                 "metadata": {
