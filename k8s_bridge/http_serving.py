@@ -17,7 +17,8 @@ flow control and timeouts are its own):
   ``header_timeout_s`` of the connection opening (or of the previous response) and be at
   most ``max_head_bytes``; its body must arrive within ``body_timeout_s`` more and be at
   most ``max_body_bytes``. A request over a limit gets 408, 413 or 431 (JSON) and the
-  connection is closed, so half-open or endless requests cannot pile up;
+  connection is closed (after a short lingering read, so the client sees the answer rather
+  than a reset), so half-open or endless requests cannot pile up;
 - on a TLS connection it puts the ASGI TLS extension in every request's scope
   (``scope["extensions"]["tls"]``: ``client_cert_name``, the verified client certificate's
   subject, or None), plus ``client_cert_common_name`` for `k8s_bridge.peer_auth`.
@@ -49,6 +50,7 @@ class ServerLimits:
 
 DEFAULT_LIMITS = ServerLimits()
 _REASONS = {408: "Request Timeout", 413: "Content Too Large", 431: "Header Fields Too Large"}
+LINGER_S = 2.0  # after a refusal, unread input is read and dropped this long before closing
 
 
 class CoalescingTransport:
@@ -89,6 +91,10 @@ class CoalescingTransport:
     def close(self) -> None:
         self.flush()
         self._transport.close()
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
 
     def abort(self) -> None:
         self._pending.clear()
@@ -135,6 +141,7 @@ class CoalescingHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         loop = asyncio.get_running_loop()
         self._limits: ServerLimits = getattr(self.config, "qgpu_limits", DEFAULT_LIMITS)
         self._timer: asyncio.TimerHandle | None = None
+        self._lingering = False
         tls = tls_extension(transport)
         super().connection_made(CoalescingTransport(transport, loop))  # type: ignore[arg-type]
         if tls is not None:
@@ -146,6 +153,7 @@ class CoalescingHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def _next_request(self) -> None:
         """A new request may begin: count its bytes and time its head from now."""
         self._seen = 0
+        self._tail = b""  # the last bytes of the head so far (its end may be split)
         self._before = self.cycle  # the cycle of the previous request (None at first)
         self._length_checked = False
         self._arm(self._limits.header_timeout_s, self._head_deadline)
@@ -181,16 +189,32 @@ class CoalescingHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             self.cycle.disconnected = True  # the app's own answer, if any, goes nowhere
             self.cycle.message_event.set()
         self.transport.write(head + body)
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after a refusal without losing the answer: closing a TCP socket with unread
+        input sends RST, and the client's kernel then drops our reply unread. So send FIN,
+        read and drop what still comes for up to `LINGER_S`, then close (TLS cannot half-close:
+        it closes at once)."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering = True
+        self.transport.write_eof()
+        self._arm(LINGER_S, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
+        if self._lingering or self.transport.is_closing():
             return
         limits = self._limits
+        before = self._seen
         self._seen += len(data)
         if not self._started() and self._seen > limits.max_head_bytes:
-            self._refuse(431, f"the request head is over {limits.max_head_bytes} bytes")
-            return
+            if self._head_end(before, data) > limits.max_head_bytes:
+                self._refuse(431, f"the request head is over {limits.max_head_bytes} bytes")
+                return
+        elif not self._started():
+            self._tail = (self._tail + data)[-3:]
         if self._seen > limits.max_head_bytes + limits.max_body_bytes:
             self._refuse(413, f"the request body is over {limits.max_body_bytes} bytes")
             return
@@ -205,9 +229,18 @@ class CoalescingHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             if too_big:
                 self._refuse(413, f"the request body is over {limits.max_body_bytes} bytes")
 
+    def _head_end(self, before: int, data: bytes) -> int:
+        """Bytes of the request up to the end of its head (CRLF CRLF), counting from its
+        first byte; past the limit when the head does not end within `data`."""
+        window = self._tail + data
+        end = window.find(b"\r\n\r\n")
+        if end < 0:
+            return self._seen + 1
+        return before - len(self._tail) + end + 4
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        if not self._lingering and not self.transport.is_closing():
             self._next_request()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -215,6 +248,30 @@ class CoalescingHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             self._timer.cancel()
             self._timer = None
         super().connection_lost(exc)
+
+
+def json_body_openapi(model: Any) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its body raw: the pydantic model's schema
+    (aliases, ``$defs`` inlined so the OpenAPI document resolves), for clients and fuzzers."""
+    schema = model.model_json_schema(by_alias=True)
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }
 
 
 def config(
@@ -254,5 +311,6 @@ __all__ = [
     "CoalescingTransport",
     "ServerLimits",
     "config",
+    "json_body_openapi",
     "serve",
 ]
