@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qgpu.errors import RuleViolation, first_violation
+from qgpu.errors import RuleViolation, echo, first_violation
 from qgpu.model import IsolationPolicy, SliceRequest
 
 DEFAULT_PREFIX = "tke.cloud.tencent.com"
@@ -249,7 +249,7 @@ def _container_amounts(names: Names, c: ContainerModel, where: str) -> dict[str,
                 raise RuleViolation(
                     f"{where}.resources.requests[{key}]",
                     requests[key],
-                    f"requests must equal limits ({limits[key]})",
+                    f"requests must equal limits ({echo(limits[key])})",
                 )
         out[key] = limit
     return out

@@ -26,6 +26,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "qgpu.managerName" -}}qgpu-manager{{- end -}}
 {{- define "qgpu.schedulerName" -}}qgpu-scheduler{{- end -}}
 {{- define "qgpu.webhookSecret" -}}qgpu-scheduler-webhook-tls{{- end -}}
+{{- define "qgpu.extenderSecret" -}}qgpu-scheduler-extender-tls{{- end -}}
 {{- define "qgpu.webhookService" -}}qgpu-scheduler{{- end -}}
 
 {{/* The interposer as installed on the host. */}}
