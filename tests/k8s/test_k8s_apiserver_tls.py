@@ -9,9 +9,7 @@ same configuration, so a configuration that works for one works for all.
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,15 +22,6 @@ from tests.fakes.certs import TestPKI
 from tests.k8s.helpers import NAMES, pod_object, publish_node
 
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def pki() -> Iterator[TestPKI]:
-    d = Path(tempfile.mkdtemp(prefix="qpki", dir="/tmp"))
-    try:
-        yield TestPKI(d)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _server_context(pki: TestPKI, *hosts: str) -> ssl.SSLContext:

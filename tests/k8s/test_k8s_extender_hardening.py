@@ -4,10 +4,8 @@ that are refused with a 4xx (never a 500), request limits, and node locks after 
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,15 +25,6 @@ from tests.fakes.certs import TestPKI
 from tests.k8s.helpers import NAMES, ServedApp, gpu, pod_object, publish_node
 
 SCHEDULER_CN = "qgpu-kube-scheduler"
-
-
-@pytest.fixture(scope="module")
-def pki() -> Iterator[TestPKI]:
-    d = Path(tempfile.mkdtemp(prefix="qpki", dir="/tmp"))
-    try:
-        yield TestPKI(d)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
