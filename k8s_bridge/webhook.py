@@ -20,6 +20,15 @@ The body is read raw and parsed with pydantic's JSON parser: malformed JSON, lon
 surrogates, numbers past 4,300 digits and nesting deeper than its limit are refused as
 data. A body that is not an AdmissionReview gets HTTP 400 with field, value and rule; a
 review whose pod is malformed (``containers: "x"``) gets a denial naming the field.
+
+HAMi and Koordinator names (`k8s_bridge.compat`): with ``--compat`` they are translated
+into qgpu's (the patch rewrites the container's resources and annotations, records the
+translation in ``<prefix>/qgpu-compat-translation``, and each translation is a line in the
+response's ``warnings``, which kubectl prints); what cannot be translated exactly is denied
+with the rule. Without ``--compat`` a pod mixing them with qgpu names is denied, and a pod
+asking only for them is allowed with a warning (the extender refuses qgpu nodes for it).
+
+``GET /metrics``: `k8s_bridge.metrics.WebhookMetrics`.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from k8s_bridge import compat
 from k8s_bridge.http_serving import json_body_openapi
+from k8s_bridge.metrics import WebhookMetrics, exposition, rule_key
 from k8s_bridge.resources import (
     ContainerRequest,
     Names,
@@ -80,11 +91,12 @@ class AdmissionReview(_Wire):
     response: AdmissionResponse | None = None
 
 
-def _deny(uid: str, message: str) -> AdmissionResponse:
+def _deny(uid: str, exc: RuleViolation, warnings: list[str]) -> AdmissionResponse:
     return AdmissionResponse(
         uid=uid,
         allowed=False,
-        status=AdmissionStatus(code=400, reason="BadRequest", message=f"qgpu: {message}"),
+        status=AdmissionStatus(code=400, reason="BadRequest", message=f"qgpu: {exc}"),
+        warnings=warnings or None,
     )
 
 
@@ -96,52 +108,96 @@ def _amounts(reqs: list[ContainerRequest]) -> list[tuple[str, int, int | None]]:
     return [(cr.container, cr.request.core, cr.request.memory_gib) for cr in reqs]
 
 
-def review(names: Names, scheduler_name: str, req: AdmissionRequest) -> AdmissionResponse:
-    """The admission decision for one request."""
-    pod = req.object
-    if req.operation not in ("CREATE", "UPDATE") or not pod:
-        return AdmissionResponse(uid=req.uid, allowed=True)
+Decision = tuple[AdmissionResponse, RuleViolation | None, list[str]]
+
+
+def _decide_update(names: Names, req: AdmissionRequest) -> Decision:
+    """An UPDATE (in-place resize): the request rules hold and the qgpu amounts stay."""
+    raw, old = req.object or {}, req.old_object
+    if not asks_for_qgpu(names, raw) and not (old and asks_for_qgpu(names, old)):
+        return AdmissionResponse(uid=req.uid, allowed=True), None, []
     try:
-        parsed = parse_pod(pod)  # only a hostile caller sends a pod that does not parse
-        if not asks_for_qgpu(names, pod):
-            return AdmissionResponse(uid=req.uid, allowed=True)
-        reqs = pod_slice_requests(names, parsed)
+        reqs = _requests(names, raw)
     except RuleViolation as exc:
-        return _deny(req.uid, str(exc))
-    if req.operation == "UPDATE":
-        try:
-            before = _requests(names, req.old_object) if req.old_object else reqs
-        except RuleViolation:
-            before = []
-        if _amounts(before) != _amounts(reqs):
-            return _deny(
-                req.uid,
-                "spec.containers[*].resources: qgpu resources cannot change on an existing "
-                "pod (its slices are allocated once): delete and recreate it",
-            )
-        return AdmissionResponse(uid=req.uid, allowed=True)
-    named = parsed.spec.scheduler_name or ""
-    if named == scheduler_name:
-        return AdmissionResponse(uid=req.uid, allowed=True)
-    if named not in UNSET_SCHEDULERS:
-        return _deny(
-            req.uid,
-            str(
-                RuleViolation(
-                    "spec.schedulerName",
-                    named,
-                    f"pods that ask for qgpu resources must be scheduled by {scheduler_name} "
-                    "(leave schedulerName unset)",
-                )
-            ),
+        return _deny(req.uid, exc, []), exc, []
+    try:
+        before = _requests(names, old) if old else reqs
+    except RuleViolation:
+        before = []
+    if _amounts(before) != _amounts(reqs):
+        exc = RuleViolation(
+            "spec.containers[*].resources",
+            None,
+            "qgpu resources cannot change on an existing pod (its slices are allocated "
+            "once): delete and recreate it",
         )
-    ops = [{"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
-    return AdmissionResponse(
+        return _deny(req.uid, exc, []), exc, []
+    return AdmissionResponse(uid=req.uid, allowed=True), None, []
+
+
+def decide(
+    names: Names, scheduler_name: str, req: AdmissionRequest, compat_mode: bool = False
+) -> Decision:
+    """The admission decision for one request, the rule a denial broke, and the sources
+    (HAMi, Koordinator, annotation) of what compat mode translated."""
+    raw = req.object
+    if req.operation not in ("CREATE", "UPDATE") or not raw:
+        return AdmissionResponse(uid=req.uid, allowed=True), None, []
+    try:
+        parse_pod(raw)  # only a hostile caller sends a pod that does not parse
+    except RuleViolation as exc:
+        return _deny(req.uid, exc, []), exc, []
+    if req.operation == "UPDATE":
+        return _decide_update(names, req)
+    foreign = compat.foreign_in(raw)
+    ours = asks_for_qgpu(names, raw)
+    if not ours and not foreign and not compat_mode:
+        return AdmissionResponse(uid=req.uid, allowed=True), None, []
+    pod, ops, warnings, sources = raw, [], [], []
+    try:
+        if compat_mode:
+            t = compat.translate(names, raw)
+            pod, ops, warnings = t.pod, t.ops, t.warnings
+            sources = [compat.family(r) for _, r in foreign] + (
+                ["annotation"] * len(t.record.get("annotations", {}))
+            )
+        elif foreign and ours:
+            container, resource = foreign[0]
+            raise RuleViolation(
+                f"container {container}: {resource}",
+                None,
+                f"{compat.family(resource)} names cannot be mixed with qgpu resources: enable "
+                "compat mode (qgpu webhook --compat) to translate them, or remove them",
+            )
+        elif foreign:
+            reason = compat.foreign_reason(names, raw, compat=False)
+            return AdmissionResponse(uid=req.uid, allowed=True, warnings=[reason]), None, []
+        if not asks_for_qgpu(names, pod):
+            return AdmissionResponse(uid=req.uid, allowed=True), None, []
+        pod_slice_requests(names, parse_pod(pod))
+    except RuleViolation as exc:
+        return _deny(req.uid, exc, warnings), exc, []
+    named = (pod.get("spec") or {}).get("schedulerName") or ""
+    if named != scheduler_name:
+        if named not in UNSET_SCHEDULERS:
+            exc = RuleViolation(
+                "spec.schedulerName",
+                named,
+                f"pods that ask for qgpu resources must be scheduled by {scheduler_name} "
+                "(leave schedulerName unset)",
+            )
+            return _deny(req.uid, exc, warnings), exc, []
+        ops = [*ops, {"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
+    if not ops:
+        return AdmissionResponse(uid=req.uid, allowed=True, warnings=warnings or None), None, []
+    resp = AdmissionResponse(
         uid=req.uid,
         allowed=True,
         patch=base64.b64encode(json.dumps(ops).encode()).decode(),
         patchType="JSONPatch",
+        warnings=warnings or None,
     )
+    return resp, None, sources
 
 
 def _reply(status: int, body: BaseModel | dict[str, Any]) -> Response:
@@ -152,30 +208,56 @@ def _reply(status: int, body: BaseModel | dict[str, Any]) -> Response:
     return Response(data, status_code=status, media_type="application/json")
 
 
-def mutate_body(names: Names, scheduler_name: str, raw: bytes) -> tuple[int, BaseModel | dict]:
-    """(HTTP status, reply) for one raw request body."""
-    try:
-        review_in = AdmissionReview.model_validate_json(raw)
-    except ValidationError as exc:
-        return 400, first_violation(exc).as_dict()
-    if review_in.request is None:
-        return 400, RuleViolation("request", None, "an AdmissionReview needs a request").as_dict()
-    return 200, AdmissionReview(response=review(names, scheduler_name, review_in.request))
+def review(
+    names: Names, scheduler_name: str, req: AdmissionRequest, compat_mode: bool = False
+) -> AdmissionResponse:
+    """The admission decision for one request."""
+    return decide(names, scheduler_name, req, compat_mode)[0]
 
 
-def create_app(names: Names, scheduler_name: str = DEFAULT_SCHEDULER) -> FastAPI:
+def create_app(
+    names: Names,
+    scheduler_name: str = DEFAULT_SCHEDULER,
+    compat_mode: bool = False,
+    metrics: WebhookMetrics | None = None,
+) -> FastAPI:
     app = FastAPI(title="qgpu mutating webhook", docs_url=None, redoc_url=None)
+    m = metrics or WebhookMetrics()
+    app.state.metrics = m
 
     @app.post(
         "/mutate",
         openapi_extra=json_body_openapi(AdmissionReview),
     )
     async def mutate(request: Request) -> Response:
-        status, body = mutate_body(names, scheduler_name, await request.body())
-        return _reply(status, body)
+        with m.timed("mutate"):
+            raw = await request.body()
+            try:
+                review_in = AdmissionReview.model_validate_json(raw)
+                if review_in.request is None:
+                    raise RuleViolation("request", None, "an AdmissionReview needs a request")
+            except (ValidationError, RuleViolation) as exc:
+                bad = first_violation(exc) if isinstance(exc, ValidationError) else exc
+                m.admissions.labels("denied").inc()
+                m.denials.labels("request").inc()
+                return _reply(400, bad.as_dict())
+            resp, broken, sources = decide(names, scheduler_name, review_in.request, compat_mode)
+            if broken is not None:
+                m.admissions.labels("denied").inc()
+                m.denials.labels(rule_key(broken)).inc()
+            else:
+                m.admissions.labels("mutated" if resp.patch else "allowed").inc()
+            for source in sources:
+                m.translations.labels(source).inc()
+            return _reply(200, AdmissionReview(response=resp))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, bool]:
         return {"ok": True}
+
+    @app.get("/metrics")
+    def metrics_endpoint() -> Response:
+        body, content_type = exposition(m.registry)
+        return Response(body, media_type=content_type)
 
     return app
