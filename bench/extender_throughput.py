@@ -88,7 +88,9 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
         time.sleep(3600)
 
 
-def _extender(api_url: str, policy: str, port: int, bind_threads: int, ready: Any) -> None:
+def _extender(
+    api_url: str, policy: str, port: int, bind_threads: int, transport: str, ready: Any
+) -> None:
     import logging
 
     from k8s_bridge.extender.app import create_app
@@ -98,7 +100,8 @@ def _extender(api_url: str, policy: str, port: int, bind_threads: int, ready: An
     from k8s_bridge.resources import Names
 
     logging.basicConfig(level=logging.WARNING)
-    ext = Extender(Kube(make_api_client(api_url), Names()), ExtenderConfig(node_policy=policy))
+    kube = Kube(make_api_client(api_url), Names(), transport=transport)
+    ext = Extender(kube, ExtenderConfig(node_policy=policy))
     ext.start()
     ready.put(len(ext.state.inventories))
     serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
@@ -258,6 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         "--extender-bind-threads", type=int, default=4, help="the extender's bind threads"
     )
     ap.add_argument(
+        "--apiserver-client",
+        default="lean",
+        choices=["lean", "library"],
+        help="the extender's per-bind apiserver calls: over k8s_bridge.lean_http (lean, the "
+        "extender's default) or the official client's own urllib3 pool (library)",
+    )
+    ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -274,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     ext = ctx.Process(
         target=_extender,
-        args=(api_url, args.policy, port, args.extender_bind_threads, q),
+        args=(api_url, args.policy, port, args.extender_bind_threads, args.apiserver_client, q),
         daemon=True,
     )
     ext.start()
@@ -374,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"extender throughput: {args.pods} pods, {n_nodes} nodes x {args.gpus} GPUs, "
         f"policy {args.policy}, nodeCacheCapable, {per_pod} node names per filter, "
-        f"{args.bind_workers} binding workers"
+        f"{args.bind_workers} binding workers, apiserver client {args.apiserver_client}"
     )
     print(f"  setup (seed apiserver, extender list+watch): {setup_s:.1f} s")
     print(f"  CPUs: {cpus}")

@@ -50,6 +50,72 @@ def _kube(args: argparse.Namespace) -> Any:
     return Kube(make_api_client(args.apiserver, args.kubeconfig), Names(args.prefix))
 
 
+def _serving_flags(p: argparse.ArgumentParser, client_help: str) -> None:
+    """Request limits and TLS of an HTTP server (`k8s_bridge.http_serving`, `peer_auth`)."""
+    p.add_argument("--tls-cert", help="server certificate (PEM); plain HTTP without it")
+    p.add_argument("--tls-key", help="server key (PEM)")
+    p.add_argument(
+        "--client-ca",
+        help=f"require a client certificate signed by this CA (PEM) on every request but "
+        f"/healthz: 401 without one, 403 for a name not in --client-name ({client_help})",
+    )
+    p.add_argument(
+        "--client-name",
+        action="append",
+        default=[],
+        help="a client certificate common name to accept (repeatable; default: any the CA signed)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's head may take to arrive (408 and close after)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds more its body may take (408 and close after)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        help="largest request body (413 above it)",
+    )
+
+
+def _serving(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(ServerLimits, ServerTLS or None) from `_serving_flags`; SystemExit(2) on bad flags."""
+    from pydantic import ValidationError
+
+    from k8s_bridge.http_serving import ServerLimits
+    from k8s_bridge.peer_auth import ServerTLS
+
+    for flag in ("header_timeout", "body_timeout", "max_body_bytes"):
+        if getattr(args, flag) <= 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be positive")
+    limits = ServerLimits(
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_body_bytes=args.max_body_bytes,
+    )
+    if not args.tls_cert:
+        if args.client_ca or args.tls_key:
+            raise SystemExit("--client-ca and --tls-key need --tls-cert")
+        return limits, None
+    try:
+        tls = ServerTLS(
+            cert=args.tls_cert,
+            key=args.tls_key or args.tls_cert,
+            client_ca=args.client_ca,
+            client_names=frozenset(args.client_name),
+        )
+    except ValidationError as exc:
+        raise SystemExit(f"TLS settings: {exc.errors()[0]['msg']}") from None
+    return limits, tls
+
+
 def _wait_for_signal() -> None:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -191,8 +257,20 @@ def run_extender(args: argparse.Namespace) -> int:
 
     _logging(args)
     use_prior(args.mix_prior)
+    limits, tls = _serving(args)
+    if tls is None or tls.client_ca is None:
+        logging.warning(
+            "the extender authenticates no caller (no --tls-cert/--client-ca): anyone who "
+            "can reach port %d can ask it to bind pods of %s",
+            args.port,
+            args.scheduler_name,
+        )
+    holder = args.holder_id or _default_holder()
     cfg = ExtenderConfig(
         prefix=args.prefix,
+        scheduler_name=args.scheduler_name,
+        **({"holder": holder} if holder else {}),
+        holder_pod=_holder_pod(),
         node_policy=PlacementPolicy.parse(args.node_policy, "--node-policy"),
         gpu_policy=PlacementPolicy.parse(args.gpu_policy, "--gpu-policy")
         if args.gpu_policy
@@ -205,18 +283,46 @@ def run_extender(args: argparse.Namespace) -> int:
     ext = Extender(_kube(args), cfg)
     ext.start()
     try:
-        serve(create_app(ext), host=args.host, port=args.port)
+        serve(create_app(ext), host=args.host, port=args.port, limits=limits, tls=tls)
     finally:
         ext.stop()
     return EXIT_OK
 
 
+def _holder_pod() -> Any:
+    """The pod this extender runs in, from the downward API (POD_NAMESPACE, POD_NAME,
+    POD_UID), or None outside a pod."""
+    from k8s_bridge.kube import HolderPod
+
+    ns, name, uid = (os.environ.get(k) for k in ("POD_NAMESPACE", "POD_NAME", "POD_UID"))
+    return HolderPod(ns, name, uid) if ns and name and uid else None
+
+
+def _default_holder() -> str | None:
+    """The pod's namespace/name (stable across restarts of its containers), else None (a
+    random name per process)."""
+    pod = _holder_pod()
+    return f"qgpu-extender/{pod.ref}" if pod else None
+
+
 def register_extender(sub: Any) -> None:
     names = [p.value for p in PlacementPolicy]
-    p = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP)")
+    p = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP or HTTPS)")
     _common(p)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8888)
+    p.add_argument(
+        "--scheduler-name",
+        default="qgpu-scheduler",
+        help="bind only pods with this spec.schedulerName (the profile that calls us)",
+    )
+    p.add_argument(
+        "--holder-id",
+        help="this replica's name in node locks (default: qgpu-extender/$POD_NAMESPACE/"
+        "$POD_NAME from the downward API, else random per process); must differ between "
+        "replicas and stay the same across restarts of one",
+    )
+    _serving_flags(p, "kube-scheduler's extender tlsConfig certificate")
     p.add_argument("--node-policy", default="binpack", choices=names)
     p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
     add_prior_option(p)
@@ -256,8 +362,9 @@ def run_webhook(args: argparse.Namespace) -> int:
     from k8s_bridge.webhook import create_app
 
     _logging(args)
+    limits, tls = _serving(args)
     app = create_app(Names(args.prefix), args.scheduler_name, compat_mode=args.compat)
-    serve(app, host=args.host, port=args.port, ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
+    serve(app, host=args.host, port=args.port, limits=limits, tls=tls)
     return EXIT_OK
 
 
@@ -269,8 +376,7 @@ def register_webhook(sub: Any) -> None:
     p.add_argument("--scheduler-name", default="qgpu-scheduler")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8443)
-    p.add_argument("--tls-cert", help="server certificate (PEM); plain HTTP without it")
-    p.add_argument("--tls-key", help="server key (PEM)")
     p.add_argument("--log-level", default="INFO")
+    _serving_flags(p, "for an apiserver configured with webhook client credentials")
     _compat_flag(p)
     p.set_defaults(func=run_webhook)

@@ -5,33 +5,40 @@ or an explicit host), reading objects as plain JSON (``_preload_content=False``,
 bridge's own pydantic models — faster than the client's model layer and tolerant of fields
 the client does not know), patches with the right content types, the Binding call (checked
 for HTTP 201, never retried on a client-side error) and the per-node lock. The calls made
-for every bind (get pod, patch node, Binding) go over `k8s_bridge.lean_http.LeanTransport`
-when the client's configuration allows it (same host, TLS and token; half the CPU).
+for every bind (get pod, patch node, Binding) skip the client's model layer: over
+`k8s_bridge.lean_http.LeanTransport` when it covers the configuration (the default: a
+quarter of the CPU of a library call, see docs/results.md), else straight over the official
+client's own urllib3 pool (`k8s_bridge.apiserver_http.ApiserverHTTP`); both use the same
+host, TLS settings and credentials as the client. Every name that goes into a URL is
+escaped as one path segment (`api_path`).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from k8s_bridge.apiserver_http import ApiserverHTTP, api_path
 from k8s_bridge.lean_http import LeanTransport
 from k8s_bridge.protocol import NodeLock, load_lock
 from k8s_bridge.resources import Names
 from qgpu.errors import QgpuError
 
 Obj = dict[str, Any]
+log = logging.getLogger(__name__)
 
+TRANSPORTS = ("auto", "lean", "library")
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
@@ -108,23 +115,31 @@ def _pointer(key: str) -> str:
 class Kube:
     """The handful of apiserver calls the bridge makes, as JSON dicts."""
 
-    def __init__(self, api_client: client.ApiClient, names: Names, lean: bool = True) -> None:
+    def __init__(self, api_client: client.ApiClient, names: Names, transport: str = "auto") -> None:
         self.api_client = api_client
         self.core = client.CoreV1Api(api_client)
         self.names = names
-        # the per-bind calls (get pod, patch node, Binding) over `LeanTransport` when the
-        # configuration allows it; everything else through the official client
-        self.lean = LeanTransport.for_configuration(api_client.configuration) if lean else None
+        # the per-bind calls (get pod, patch node, Binding); everything else goes through
+        # the official client
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        lean = (
+            LeanTransport.for_configuration(api_client.configuration)
+            if transport != "library"
+            else None
+        )
+        if transport == "lean" and lean is None:
+            raise ValueError("the lean transport does not cover this client configuration")
+        self.http: LeanTransport | ApiserverHTTP = lean or ApiserverHTTP(api_client)
 
-    def _lean(
+    def _call(
         self, what: str, method: str, path: str, body: Any = None, content_type: str = ""
     ) -> tuple[int, bytes]:
-        """One call over the lean transport; any non-2xx answer raises KubeError."""
-        assert self.lean is not None
+        """One call over the client's pool; any non-2xx answer raises KubeError."""
         data = None if body is None else json.dumps(body).encode()
         try:
-            status, raw = self.lean.request(method, path, data, content_type or None)
-        except (OSError, http.client.HTTPException) as exc:
+            status, raw = self.http.request(method, path, data, content_type or None)
+        except (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError) as exc:
             raise KubeError(f"{what}: no answer from the apiserver: {exc}") from exc
         if not 200 <= status <= 299:
             raise _status_error(what, status, "", raw)
@@ -146,13 +161,8 @@ class Kube:
 
     def get_pod(self, namespace: str, name: str) -> Obj:
         what = f"get pod {namespace}/{name}"
-        if self.lean is not None:
-            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}"
-            return json.loads(self._lean(what, "GET", path)[1])
-        with _calling(what):
-            return self._json(
-                self.core.read_namespaced_pod(name, namespace, _preload_content=False)
-            )
+        path = api_path("api", "v1", "namespaces", namespace, "pods", name)
+        return json.loads(self._call(what, "GET", path)[1])
 
     def list_pods(
         self, label_selector: str = "", field_selector: str = ""
@@ -173,14 +183,8 @@ class Kube:
 
     # -- writes --
     def patch_node(self, name: str, body: Any, content_type: str = MERGE) -> Obj:
-        what = f"patch node {name}"
-        if self.lean is not None:
-            path = f"/api/v1/nodes/{quote(name)}"
-            return json.loads(self._lean(what, "PATCH", path, body, content_type)[1])
-        with _calling(what):
-            return self._json(
-                self.core.patch_node(name, body, _content_type=content_type, _preload_content=False)
-            )
+        path = api_path("api", "v1", "nodes", name)
+        return json.loads(self._call(f"patch node {name}", "PATCH", path, body, content_type)[1])
 
     def patch_pod(self, namespace: str, name: str, body: Any, content_type: str = MERGE) -> Obj:
         with _calling(f"patch pod {namespace}/{name}"):
@@ -203,9 +207,9 @@ class Kube:
 
         The apiserver copies the Binding's annotations onto the pod in the same write that
         binds it, and checks the UID and resourceVersion preconditions (409 Conflict).
-        Called with ``_preload_content=False``: the client cannot deserialize the Status
-        the apiserver returns, and a bind that raised on the client side may have succeeded
-        on the server, so it is never retried blindly.
+        Made over `ApiserverHTTP` (the official client cannot deserialize the Status the
+        apiserver returns); a bind whose answer did not come back may have succeeded on the
+        server, so it is never retried blindly.
         """
         meta: Obj = {"name": name, "namespace": namespace, "uid": uid}
         if annotations:
@@ -219,20 +223,10 @@ class Kube:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         what = f"bind pod {namespace}/{name} to {node}"
-        if self.lean is not None:
-            path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding"
-            status, _ = self._lean(what, "POST", path, body, "application/json")
-            if status != 201:
-                raise KubeError(f"bind pod {namespace}/{name}: HTTP {status}", status)
-            return
-        with _calling(what):
-            resp = self.core.create_namespaced_pod_binding(
-                name, namespace, body, _preload_content=False
-            )
-            _ = resp.data  # read the (undecodable) Status so the connection can be reused
-            resp.release_conn()
-        if resp.status != 201:
-            raise KubeError(f"bind pod {namespace}/{name}: HTTP {resp.status}", resp.status)
+        path = api_path("api", "v1", "namespaces", namespace, "pods", name, "binding")
+        status, _ = self._call(what, "POST", path, body, "application/json")
+        if status != 201:
+            raise KubeError(f"bind pod {namespace}/{name}: HTTP {status}", status)
 
     def publish_node_annotations(self, node: str, annotations: dict[str, str | None]) -> Obj:
         return self.patch_node(node, {"metadata": {"annotations": annotations}})
@@ -272,6 +266,23 @@ def current_lock(node_obj: Obj, names: Names) -> NodeLock | None:
         return None  # an unreadable lock is treated as absent: it can never be released
 
 
+@dataclass(frozen=True)
+class HolderPod:
+    """The pod a lock holder runs in (from the downward API): its lock names it, so a lock
+    whose pod is gone can be taken over."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+GONE_CHECK_S = 1.0  # a holder found alive is not asked about again for this long
+
+
 class NodeLocker:
     """Per-node lock: an annotation (holder, expiry) taken with a resourceVersion precondition.
 
@@ -280,17 +291,48 @@ class NodeLocker:
     annotation in the same write; a 409 re-reads the node and retries. The caller compares
     `LockHandle.previous_epoch` with the epoch it last wrote: a difference means another
     writer locked the node in between, so its view of that node must be re-read. A lock held
-    by someone else is waited on until it is released or expires (`ttl_s`). `release`
-    removes it with a JSON-patch ``test`` of our own value (a lock that expired and was taken
-    over is left alone).
+    by someone else is waited on until it is released or expires (`ttl_s`) -- or taken over
+    at once when its holder is provably gone: its lock names a pod (`HolderPod`) and that
+    pod no longer exists, has another UID, or has terminated. A lock held under our own
+    holder name (a restarted extender with a stable name: the same pod) is ours again.
+    `release` removes it with a JSON-patch ``test`` of our own value (a lock that expired
+    and was taken over is left alone).
     """
 
-    def __init__(self, kube: Kube, holder: str | None = None, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        holder: str | None = None,
+        ttl_s: float = 30.0,
+        pod: HolderPod | None = None,
+    ) -> None:
         self.kube = kube
         self.names = kube.names
         self.holder = holder or f"qgpu-extender-{uuid.uuid4().hex[:8]}"
         self.ttl_s = ttl_s
+        self.pod = pod
         self._seen: dict[str, Obj] = {}
+        self._alive: dict[tuple[str, str], float] = {}  # (pod, uid) -> monotonic checked
+
+    def holder_gone(self, lock: NodeLock) -> bool:
+        """Is the lock's holder provably gone (its pod deleted, replaced or terminated)?
+        False when the lock names no pod or the apiserver cannot tell."""
+        if not lock.pod or not lock.pod_uid or "/" not in lock.pod:
+            return False
+        key = (lock.pod, lock.pod_uid)
+        checked = self._alive.get(key)
+        if checked is not None and time.monotonic() - checked < GONE_CHECK_S:
+            return False
+        namespace, name = lock.pod.split("/", 1)
+        try:
+            pod = self.kube.get_pod(namespace, name)
+        except KubeError as exc:  # no answer, or not allowed to look: not provably gone
+            return exc.status == 404
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("uid") != lock.pod_uid or status.get("phase") in ("Succeeded", "Failed"):
+            return True
+        self._alive[key] = time.monotonic()
+        return False
 
     def remember(self, node_obj: Obj) -> None:
         """Cache the node as seen (a watch event may be older than our own last write)."""
@@ -310,7 +352,12 @@ class NodeLocker:
                 obj = self.kube.get_node(node)
             now = time.time()
             held = current_lock(obj, self.names)
-            if held is not None and held.expires > now and held.holder != self.holder:
+            if (
+                held is not None
+                and held.expires > now
+                and held.holder != self.holder
+                and not self.holder_gone(held)
+            ):
                 if time.monotonic() >= deadline:
                     raise NodeLockError(
                         f"node {node} is locked by {held.holder} until {held.expires:.0f}",
@@ -321,8 +368,20 @@ class NodeLocker:
                 delay = min(delay * 2, 0.1)
                 obj = None
                 continue
-            lock = NodeLock(holder=self.holder, expires=now + self.ttl_s)
-            text = lock.model_dump_json()
+            if held is not None and held.expires > now and held.holder != self.holder:
+                log.warning(
+                    "node %s: taking over the lock of %s (its pod %s is gone)",
+                    node,
+                    held.holder,
+                    held.pod,
+                )
+            lock = NodeLock(
+                holder=self.holder,
+                expires=now + self.ttl_s,
+                pod=self.pod.ref if self.pod else None,
+                pod_uid=self.pod.uid if self.pod else None,
+            )
+            text = lock.model_dump_json(exclude_none=True)
             previous = node_epoch(obj, self.names)
             body = {
                 "metadata": {

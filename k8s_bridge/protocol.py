@@ -120,8 +120,13 @@ class PublishedInventory(_Wire):
 
 
 class NodeLock(_Wire):
+    """A node's bind lock: who holds it, until when, and (when the holder runs in a pod) the
+    pod, so that a lock whose holder is provably gone can be taken over before it expires."""
+
     holder: str
     expires: float
+    pod: str | None = None  # "<namespace>/<name>" of the holder's pod
+    pod_uid: str | None = None
 
 
 def _load(model: type[_M], text: str, what: str) -> _M:

@@ -21,12 +21,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from qgpu.errors import RuleViolation, first_violation
+from qgpu.errors import RuleViolation, echo, first_violation
 from qgpu.model import IsolationPolicy, SliceRequest
 
 DEFAULT_PREFIX = "tke.cloud.tencent.com"
 _PREFIX_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _INT_RE = re.compile(r"^\s*[0-9]+\s*$")
+_DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN_RE = re.compile(
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$"
+)
+MAX_AMOUNT_DIGITS = 18  # an int64; longer amounts go to the core's rule as written
 
 
 TERMINATED_PHASES = ("Succeeded", "Failed")  # a pod in these holds no GPU any more
@@ -126,6 +131,26 @@ class Names:
         return (self.core, self.memory, self.memory_percent)
 
 
+def dns_label(field: str, value: Any) -> str:
+    """A namespace (RFC 1123 label: lower-case alphanumerics and '-', at most 63)."""
+    if not isinstance(value, str) or not _DNS_LABEL_RE.match(value):
+        raise RuleViolation(
+            field, value, "must be a DNS label (a-z, 0-9 and '-', at most 63, e.g. default)"
+        )
+    return value
+
+
+def dns_subdomain(field: str, value: Any) -> str:
+    """A pod or node name (RFC 1123 subdomain: labels joined by '.', at most 253)."""
+    if not isinstance(value, str) or len(value) > 253 or not _DNS_SUBDOMAIN_RE.match(value):
+        raise RuleViolation(
+            field,
+            value,
+            "must be a DNS subdomain (a-z, 0-9, '-' and '.', at most 253, e.g. worker-0)",
+        )
+    return value
+
+
 # --- the v1.Pod subset we read -----------------------------------------------------------
 
 
@@ -206,13 +231,16 @@ class ContainerRequest:
     request: SliceRequest
 
 
-def _amount(field: str, value: Any) -> int:
+def _amount(field: str, value: Any) -> int | str:
+    """A plain whole number; one longer than an int64 is passed on as written, for the
+    core's range rule to refuse (and name)."""
     if isinstance(value, bool):
         raise RuleViolation(field, value, "must be a whole number")
     if isinstance(value, int):
         return value
     if isinstance(value, str) and _INT_RE.match(value):
-        return int(value)
+        digits = value.strip().lstrip("0")
+        return int(value) if len(digits) <= MAX_AMOUNT_DIGITS else value.strip()
     raise RuleViolation(
         field,
         value,
@@ -221,11 +249,11 @@ def _amount(field: str, value: Any) -> int:
     )
 
 
-def _container_amounts(names: Names, c: ContainerModel, where: str) -> dict[str, int]:
+def _container_amounts(names: Names, c: ContainerModel, where: str) -> dict[str, int | str]:
     res = c.resources or ResourceRequirements()
     limits = {k: v for k, v in (res.limits or {}).items() if names.is_qgpu(k)}
     requests = {k: v for k, v in (res.requests or {}).items() if names.is_qgpu(k)}
-    out: dict[str, int] = {}
+    out: dict[str, int | str] = {}
     for key in sorted(set(limits) | set(requests)):
         field = f"{where}.resources.limits[{key}]"
         if key not in limits:
@@ -241,7 +269,7 @@ def _container_amounts(names: Names, c: ContainerModel, where: str) -> dict[str,
                 raise RuleViolation(
                     f"{where}.resources.requests[{key}]",
                     requests[key],
-                    f"requests must equal limits ({limits[key]})",
+                    f"requests must equal limits ({echo(limits[key])})",
                 )
         out[key] = limit
     return out
@@ -335,12 +363,22 @@ def pod_slice_requests(names: Names, pod: PodModel) -> list[ContainerRequest]:
     return out
 
 
-def asks_for_qgpu(names: Names, raw_pod: dict[str, Any]) -> bool:
-    """True when any (init) container mentions a qgpu resource in limits or requests."""
-    spec = raw_pod.get("spec") or {}
-    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
-        res = c.get("resources") or {}
-        for part in ("limits", "requests"):
-            if any(names.is_qgpu(k) for k in (res.get(part) or {})):
-                return True
+def asks_for_qgpu(names: Names, raw_pod: Any) -> bool:
+    """True when any (init) container mentions a qgpu resource in limits or requests.
+
+    Reads raw JSON of any shape (a malformed pod is not this function's to refuse: it
+    answers for the parts that have the expected types)."""
+    spec = raw_pod.get("spec") if isinstance(raw_pod, dict) else None
+    if not isinstance(spec, dict):
+        return False
+    for part in ("containers", "initContainers"):
+        containers = spec.get(part)
+        for c in containers if isinstance(containers, list) else []:
+            res = c.get("resources") if isinstance(c, dict) else None
+            if not isinstance(res, dict):
+                continue
+            for kind in ("limits", "requests"):
+                amounts = res.get(kind)
+                if isinstance(amounts, dict) and any(names.is_qgpu(k) for k in amounts):
+                    return True
     return False

@@ -2,11 +2,24 @@
 
 For a pod CREATE whose containers ask for ``<prefix>/qgpu-core`` / ``<prefix>/qgpu-memory``:
 - valid request -> allowed, with a JSONPatch (base64) setting ``spec.schedulerName`` to the
-  scheduler that runs the qgpu extender (no patch when it is already set so);
+  scheduler that runs the qgpu extender (no patch when it is already set so). The
+  apiserver defaults an unset ``schedulerName`` to ``default-scheduler`` before admission,
+  so that value counts as unset;
+- a pod that explicitly names *another* scheduler -> denied, naming the field: its slices
+  would never be assigned (the device plugin refuses pods the extender did not bind), and
+  silently moving it to qgpu-scheduler would overrule its author;
 - invalid request -> denied (HTTP 400 in the Status) with the rule that was broken, named
   by container and resource, e.g. ``spec.containers[0].resources.limits[...qgpu-core]=150:
-  must be 1..99 ...``.
-Pods without qgpu resources, and other operations, are allowed untouched.
+  must be 1..99 ...``. The slice rules are the core's (`qgpu.model.SliceRequest`, through
+  `k8s_bridge.resources`).
+For a pod UPDATE the same request rules hold (denied when broken) and the qgpu amounts may
+not change (a slice is allocated once); nothing is patched. Pods without qgpu resources,
+and other operations, are allowed untouched.
+
+The body is read raw and parsed with pydantic's JSON parser: malformed JSON, lone
+surrogates, numbers past 4,300 digits and nesting deeper than its limit are refused as
+data. A body that is not an AdmissionReview gets HTTP 400 with field, value and rule; a
+review whose pod is malformed (``containers: "x"``) gets a denial naming the field.
 
 HAMi and Koordinator names (`k8s_bridge.compat`): with ``--compat`` they are translated
 into qgpu's (the patch rewrites the container's resources and annotations, records the
@@ -24,16 +37,24 @@ import base64
 import json
 from typing import Any
 
-from fastapi import FastAPI, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k8s_bridge import compat
+from k8s_bridge.http_serving import json_body_openapi
 from k8s_bridge.metrics import WebhookMetrics, exposition, rule_key
-from k8s_bridge.resources import Names, asks_for_qgpu, parse_pod, pod_slice_requests
-from qgpu.errors import RuleViolation
+from k8s_bridge.resources import (
+    ContainerRequest,
+    Names,
+    asks_for_qgpu,
+    parse_pod,
+    pod_slice_requests,
+)
+from qgpu.errors import RuleViolation, first_violation
 
 ADMISSION_API = "admission.k8s.io/v1"
 DEFAULT_SCHEDULER = "qgpu-scheduler"
+UNSET_SCHEDULERS = ("", "default-scheduler")  # the apiserver's default fills an unset name
 
 
 class _Wire(BaseModel):
@@ -41,10 +62,11 @@ class _Wire(BaseModel):
 
 
 class AdmissionRequest(_Wire):
-    uid: str
+    uid: str = Field(max_length=128)
     operation: str = "CREATE"
     namespace: str | None = None
     object: dict[str, Any] | None = None
+    old_object: dict[str, Any] | None = Field(default=None, alias="oldObject")
 
 
 class AdmissionStatus(_Wire):
@@ -78,14 +100,55 @@ def _deny(uid: str, exc: RuleViolation, warnings: list[str]) -> AdmissionRespons
     )
 
 
+def _requests(names: Names, pod: dict[str, Any]) -> list[ContainerRequest]:
+    return pod_slice_requests(names, parse_pod(pod))
+
+
+def _amounts(reqs: list[ContainerRequest]) -> list[tuple[str, int, int | None]]:
+    return [(cr.container, cr.request.core, cr.request.memory_gib) for cr in reqs]
+
+
+Decision = tuple[AdmissionResponse, RuleViolation | None, list[str]]
+
+
+def _decide_update(names: Names, req: AdmissionRequest) -> Decision:
+    """An UPDATE (in-place resize): the request rules hold and the qgpu amounts stay."""
+    raw, old = req.object or {}, req.old_object
+    if not asks_for_qgpu(names, raw) and not (old and asks_for_qgpu(names, old)):
+        return AdmissionResponse(uid=req.uid, allowed=True), None, []
+    try:
+        reqs = _requests(names, raw)
+    except RuleViolation as exc:
+        return _deny(req.uid, exc, []), exc, []
+    try:
+        before = _requests(names, old) if old else reqs
+    except RuleViolation:
+        before = []
+    if _amounts(before) != _amounts(reqs):
+        exc = RuleViolation(
+            "spec.containers[*].resources",
+            None,
+            "qgpu resources cannot change on an existing pod (its slices are allocated "
+            "once): delete and recreate it",
+        )
+        return _deny(req.uid, exc, []), exc, []
+    return AdmissionResponse(uid=req.uid, allowed=True), None, []
+
+
 def decide(
     names: Names, scheduler_name: str, req: AdmissionRequest, compat_mode: bool = False
-) -> tuple[AdmissionResponse, RuleViolation | None, list[str]]:
+) -> Decision:
     """The admission decision for one request, the rule a denial broke, and the sources
     (HAMi, Koordinator, annotation) of what compat mode translated."""
     raw = req.object
-    if req.operation != "CREATE" or not raw:
+    if req.operation not in ("CREATE", "UPDATE") or not raw:
         return AdmissionResponse(uid=req.uid, allowed=True), None, []
+    try:
+        parse_pod(raw)  # only a hostile caller sends a pod that does not parse
+    except RuleViolation as exc:
+        return _deny(req.uid, exc, []), exc, []
+    if req.operation == "UPDATE":
+        return _decide_update(names, req)
     foreign = compat.foreign_in(raw)
     ours = asks_for_qgpu(names, raw)
     if not ours and not foreign and not compat_mode:
@@ -114,7 +177,16 @@ def decide(
         pod_slice_requests(names, parse_pod(pod))
     except RuleViolation as exc:
         return _deny(req.uid, exc, warnings), exc, []
-    if (pod.get("spec") or {}).get("schedulerName") != scheduler_name:
+    named = (pod.get("spec") or {}).get("schedulerName") or ""
+    if named != scheduler_name:
+        if named not in UNSET_SCHEDULERS:
+            exc = RuleViolation(
+                "spec.schedulerName",
+                named,
+                f"pods that ask for qgpu resources must be scheduled by {scheduler_name} "
+                "(leave schedulerName unset)",
+            )
+            return _deny(req.uid, exc, warnings), exc, []
         ops = [*ops, {"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
     if not ops:
         return AdmissionResponse(uid=req.uid, allowed=True, warnings=warnings or None), None, []
@@ -126,6 +198,14 @@ def decide(
         warnings=warnings or None,
     )
     return resp, None, sources
+
+
+def _reply(status: int, body: BaseModel | dict[str, Any]) -> Response:
+    if isinstance(body, BaseModel):
+        data = body.model_dump_json(by_alias=True, exclude_none=True).encode()
+    else:
+        data = json.dumps(body).encode()
+    return Response(data, status_code=status, media_type="application/json")
 
 
 def review(
@@ -147,23 +227,21 @@ def create_app(
 
     @app.post(
         "/mutate",
-        response_model=AdmissionReview,
-        response_model_by_alias=True,
-        response_model_exclude_none=True,
+        openapi_extra=json_body_openapi(AdmissionReview),
     )
-    async def mutate(body: AdmissionReview) -> AdmissionReview:
+    async def mutate(request: Request) -> Response:
         with m.timed("mutate"):
-            if body.request is None:
+            raw = await request.body()
+            try:
+                review_in = AdmissionReview.model_validate_json(raw)
+                if review_in.request is None:
+                    raise RuleViolation("request", None, "an AdmissionReview needs a request")
+            except (ValidationError, RuleViolation) as exc:
+                bad = first_violation(exc) if isinstance(exc, ValidationError) else exc
                 m.admissions.labels("denied").inc()
                 m.denials.labels("request").inc()
-                return AdmissionReview(
-                    response=AdmissionResponse(
-                        uid="",
-                        allowed=False,
-                        status=AdmissionStatus(code=400, message="AdmissionReview without request"),
-                    )
-                )
-            resp, broken, sources = decide(names, scheduler_name, body.request, compat_mode)
+                return _reply(400, bad.as_dict())
+            resp, broken, sources = decide(names, scheduler_name, review_in.request, compat_mode)
             if broken is not None:
                 m.admissions.labels("denied").inc()
                 m.denials.labels(rule_key(broken)).inc()
@@ -171,7 +249,7 @@ def create_app(
                 m.admissions.labels("mutated" if resp.patch else "allowed").inc()
             for source in sources:
                 m.translations.labels(source).inc()
-            return AdmissionReview(response=resp)
+            return _reply(200, AdmissionReview(response=resp))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, bool]:

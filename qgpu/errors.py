@@ -16,6 +16,18 @@ class QgpuError(Exception):
     """Base class of qgpu's own errors."""
 
 
+ECHO_LIMIT = 120  # characters of an offending value repeated in a message
+
+
+def echo(value: Any, limit: int = ECHO_LIMIT) -> str:
+    """``repr(value)``, cut to `limit` characters: a message repeats what it was sent, never
+    megabytes of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 class RuleViolation(QgpuError, ValueError):
     """A value broke one of the slice model's rules.
 
@@ -29,12 +41,14 @@ class RuleViolation(QgpuError, ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        super().__init__(f"{field}={value!r}: {rule}")
+        super().__init__(f"{field}={echo(value)}: {rule}")
 
     def as_dict(self) -> dict[str, Any]:
         value = self.value
-        if not isinstance(value, str | int | float | bool | type(None)):
-            value = repr(value)
+        if not isinstance(value, str | int | float | bool | type(None)) or (
+            len(echo(value)) > ECHO_LIMIT
+        ):
+            value = echo(value)
         return {"field": self.field, "value": value, "rule": self.rule}
 
 

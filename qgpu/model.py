@@ -49,6 +49,13 @@ DEFAULT_MAX_SLICES_PER_GPU = 16
 MAX_FIXED_SLICES_PER_GPU = 16
 MIN_GIB_PER_SLICE = 4
 WHOLE_GPU_CORE = 100
+MAX_WHOLE_GPUS = 1024  # per request (one node); far above any node, far below int32 arithmetic
+MAX_CORE = MAX_WHOLE_GPUS * WHOLE_GPU_CORE
+MAX_MEMORY_GIB = 1 << 16  # per GPU: 64 TiB, far above any card; MiB still fit an int32
+
+CORE_RULE = "must be 1..99 (a share of one GPU) or a multiple of 100 (whole GPUs: 100, 200, ...)"
+CORE_LIMIT_RULE = f"must be at most {MAX_CORE} ({MAX_WHOLE_GPUS} whole GPUs)"
+MEMORY_LIMIT_RULE = f"must be at most {MAX_MEMORY_GIB} GiB (no GPU has more)"
 MAX_SHARE_GPUS = 2  # a multi-GPU share spans at most this many GPUs (TKE's first version)
 
 CORE_RULE = (
@@ -138,6 +145,8 @@ def _core(value: Any) -> int:
     multi_gpu_share = WHOLE_GPU_CORE < core < WHOLE_GPU_CORE * MAX_SHARE_GPUS
     if core < 1 or (core >= WHOLE_GPU_CORE and core % WHOLE_GPU_CORE and not multi_gpu_share):
         raise RuleViolation(CORE_FIELD, value, CORE_RULE)
+    if core > MAX_CORE:
+        raise RuleViolation(CORE_FIELD, value, CORE_LIMIT_RULE)
     return core
 
 
@@ -151,7 +160,12 @@ def _memory_percent(value: Any) -> Any:
 
 
 def _memory(value: Any) -> Any:
-    return None if value is None else parse_memory_gib(value)
+    if value is None:
+        return None
+    gib = parse_memory_gib(value)
+    if gib > MAX_MEMORY_GIB:
+        raise RuleViolation(MEMORY_FIELD, value, MEMORY_LIMIT_RULE)
+    return gib
 
 
 _UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")

@@ -84,6 +84,8 @@ def parse_core(value: Any, field: str = CORE_FIELD) -> int:
     if isinstance(value, str):
         text = value.strip().removesuffix("%").strip()
         if re.fullmatch(r"-?[0-9]+", text):
+            if len(text.lstrip("-").lstrip("0")) > 18:  # past int64: no amount of GPUs
+                raise RuleViolation(field, value, "is out of range (more than 18 digits)")
             return int(text)
         raise RuleViolation(field, value, CORE_SYNTAX_RULE)
     raise RuleViolation(field, value, CORE_SYNTAX_RULE)

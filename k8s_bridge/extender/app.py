@@ -37,6 +37,7 @@ from k8s_bridge.extender.models import (
     ExtenderBindingArgs,
 )
 from k8s_bridge.extender.service import Extender
+from k8s_bridge.http_serving import json_body_openapi
 from k8s_bridge.metrics import exposition
 from qgpu.errors import first_violation
 
@@ -50,8 +51,9 @@ Verb = Callable[[bytes], Awaitable[Reply]]
 
 
 def _bad_request(exc: ValidationError) -> Reply:
+    """400 with kube-scheduler's ``Error`` and the field, value and rule (value cut short)."""
     v = first_violation(exc)
-    return 400, json.dumps({"Error": str(v)}).encode()
+    return 400, json.dumps({"Error": str(v), **v.as_dict()}).encode()
 
 
 class Verbs:
@@ -177,8 +179,15 @@ def create_app(
 
         return endpoint
 
+    bodies = {"/filter": ExtenderArgs, "/prioritize": ExtenderArgs, "/bind": ExtenderBindingArgs}
     for path, verb in verbs.routes().items():
-        app.add_api_route(path, route(verb), methods=["POST"], name=path.strip("/"))
+        app.add_api_route(
+            path,
+            route(verb),
+            methods=["POST"],
+            name=path.strip("/"),
+            openapi_extra=json_body_openapi(bodies[path]),
+        )
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -12,16 +12,31 @@ import json
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 from typing_extensions import TypedDict
+
+from k8s_bridge.resources import dns_label, dns_subdomain
+from qgpu.errors import RuleViolation
 
 
 class _Go(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
 
+def _named_node(node: dict[str, Any]) -> dict[str, Any]:
+    """A v1.Node of a ``NodeList``: the extender reads its ``metadata.name``."""
+    meta = node.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise RuleViolation(
+            "Nodes.items[].metadata.name", meta, "every node needs a string metadata.name"
+        )
+    return node
+
+
 class NodeList(_Go):
-    items: list[dict[str, Any]] = Field(default_factory=list)
+    items: list[Annotated[dict[str, Any], AfterValidator(_named_node)]] = Field(
+        default_factory=list
+    )
 
 
 class ExtenderArgs(_Go):
@@ -102,11 +117,25 @@ class HostPriorityTable:
         return f"[{','.join(parts)}]".encode()
 
 
+def _pod_name(v: str) -> str:
+    return dns_subdomain("PodName", v)
+
+
+def _namespace(v: str) -> str:
+    return dns_label("PodNamespace", v)
+
+
+def _node_name(v: str) -> str:
+    return dns_subdomain("Node", v)
+
+
 class ExtenderBindingArgs(_Go):
-    pod_name: str = Field(alias="PodName")
-    pod_namespace: str = Field(alias="PodNamespace")
-    pod_uid: str = Field(alias="PodUID")
-    node: str = Field(alias="Node")
+    """A bind request: names are checked as Kubernetes names before they reach a URL."""
+
+    pod_name: Annotated[str, AfterValidator(_pod_name)] = Field(alias="PodName")
+    pod_namespace: Annotated[str, AfterValidator(_namespace)] = Field(alias="PodNamespace")
+    pod_uid: str = Field(alias="PodUID", max_length=128)
+    node: Annotated[str, AfterValidator(_node_name)] = Field(alias="Node")
 
 
 class ExtenderBindingResult(_Go):

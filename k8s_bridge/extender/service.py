@@ -1,7 +1,9 @@
 """The extender's verbs (filter, prioritize, bind) and its sync with the apiserver.
 
 Owns the bind protocol:
-1. take the pod as kube-scheduler filtered it (or read it: it must be unbound, same UID);
+1. read the pod from the apiserver (never trust the request): it must be unbound, have the
+   UID kube-scheduler named, name this extender's scheduler (``spec.schedulerName``) and
+   ask for qgpu resources -- anything else is refused with an error, never bound;
 2. take the node's lock (`k8s_bridge.kube.NodeLocker`: annotation with holder + expiry,
    resourceVersion precondition); if the node's epoch moved since our last lock, another
    writer assigned pods there: re-read the pods bound to that node first. A lock this
@@ -51,7 +53,7 @@ from k8s_bridge.extender.models import (
     NodeList,
 )
 from k8s_bridge.extender.state import ExtenderState, FilterResult
-from k8s_bridge.kube import Conflict, Kube, KubeError, LockHandle, NodeLocker
+from k8s_bridge.kube import Conflict, HolderPod, Kube, KubeError, LockHandle, NodeLocker
 from k8s_bridge.metrics import ExtenderMetrics
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
@@ -64,6 +66,11 @@ BOUND = "spec.nodeName!="  # pods bound to some node: the only ones holding assi
 
 class PodChanged(Conflict):
     """The pod changed since kube-scheduler read it (our write's precondition failed)."""
+
+
+class NotOurs(QgpuError):
+    """A bind asked for a pod this extender does not bind (another scheduler's, or one
+    that asks for no qgpu resources)."""
 
 
 @dataclass
@@ -81,6 +88,11 @@ class ExtenderConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prefix: str = "tke.cloud.tencent.com"
+    scheduler_name: str = Field(
+        default="qgpu-scheduler",
+        min_length=1,
+        description="the only spec.schedulerName whose pods bind accepts",
+    )
     node_policy: PlacementPolicy = PlacementPolicy.BINPACK
     gpu_policy: PlacementPolicy | None = None
     lock_ttl_s: float = Field(default=30.0, gt=0)
@@ -97,7 +109,14 @@ class ExtenderConfig(BaseModel):
     assume_ttl_s: float = Field(
         default=10.0, ge=0, description="hold prioritize's best node until bind (0: never)"
     )
-    holder: str = Field(default_factory=lambda: f"qgpu-extender-{uuid.uuid4().hex[:8]}")
+    holder: str = Field(
+        default_factory=lambda: f"qgpu-extender-{uuid.uuid4().hex[:8]}",
+        description="this replica's name in node locks: stable across restarts of its pod "
+        "(the pod's namespace/name), so a restarted extender takes its own locks back",
+    )
+    holder_pod: HolderPod | None = Field(
+        default=None, description="the pod this replica runs in, named in its node locks"
+    )
     compat: bool = Field(
         default=False,
         description="compat mode is on (the webhook translates HAMi/Koordinator names): only "
@@ -119,7 +138,7 @@ class Extender:
         )
         self.metrics = ExtenderMetrics()
         self.metrics.state = self.state
-        self.locker = NodeLocker(kube, self.cfg.holder, self.cfg.lock_ttl_s)
+        self.locker = NodeLocker(kube, self.cfg.holder, self.cfg.lock_ttl_s, self.cfg.holder_pod)
         self.epochs: dict[str, int] = {}
         self._node_locks: dict[str, threading.Lock] = {}
         self._node_locks_guard = threading.Lock()
@@ -271,11 +290,6 @@ class Extender:
         pod = parse_pod(raw)
         return pod, self._pod_requests(pod)
 
-    def _scheduled_pod(self, uid: str) -> PodModel | None:
-        with self._requests_guard:
-            hit = self._requests.get(uid)
-        return hit[0] if hit is not None else None
-
     def filter(self, args: ExtenderArgs) -> ExtenderFilterResult:
         names = args.candidate_names()
         try:
@@ -388,38 +402,44 @@ class Extender:
         return ExtenderBindingResult()
 
     def _bind(self, args: ExtenderBindingArgs) -> None:
-        # The pod kube-scheduler filtered (unbound then) saves a read; its resourceVersion
-        # is the precondition of our write, so a pod changed since is read again.
-        pod = self._scheduled_pod(args.pod_uid) if args.pod_uid else None
-        held = args.pod_uid in self.state.pods  # bound before: read it, never assign twice
-        if pod is not None and pod.metadata.resource_version and not held:
+        # The pod as the apiserver has it (the request only names it); its resourceVersion
+        # is the precondition of our write, so a pod changed since is read once more.
+        for attempt in (1, 2):
+            found = self._read_pod(args)
+            if found is None:
+                return
+            pod, reqs = found
             try:
-                self._bind_pod(pod, args.node)
+                self._bind_pod(pod, reqs, args.node)
                 return
             except PodChanged:
-                pass
-        pod = self._read_pod(args)
-        if pod is not None:
-            self._bind_pod(pod, args.node)
+                if attempt == 2:
+                    raise
 
-    def _read_pod(self, args: ExtenderBindingArgs) -> PodModel | None:
-        """The pod as it is now; None when it is already bound where it was sent."""
+    def _read_pod(
+        self, args: ExtenderBindingArgs
+    ) -> tuple[PodModel, list[ContainerRequest]] | None:
+        """The pod as it is now and its requests, when this extender may bind it; None when
+        it is already bound where it was sent. Raises NotOurs / KubeError otherwise."""
         ns, name, node = args.pod_namespace, args.pod_name, args.node
         pod = parse_pod(self.kube.get_pod(ns, name))
-        if args.pod_uid and pod.metadata.uid != args.pod_uid:
-            raise KubeError(f"pod {ns}/{name} has UID {pod.metadata.uid}, not {args.pod_uid}")
+        if pod.metadata.uid != args.pod_uid:
+            raise NotOurs(f"pod {ns}/{name} has UID {pod.metadata.uid!r}, not {args.pod_uid!r}")
+        if pod.spec.scheduler_name != self.cfg.scheduler_name:
+            raise NotOurs(
+                f"pod {ns}/{name} has schedulerName {pod.spec.scheduler_name!r}: qgpu binds "
+                f"only pods of {self.cfg.scheduler_name!r}"
+            )
         if pod.spec.node_name:
             if pod.spec.node_name == node:
                 return None  # a repeated bind of a bound pod: it is already where it was sent
             raise KubeError(f"pod {ns}/{name} is already bound to node {pod.spec.node_name}")
-        return pod
-
-    def _bind_pod(self, pod: PodModel, node: str) -> None:
-        ns, name = pod.metadata.namespace, pod.metadata.name
         reqs = self._pod_requests(pod)
         if not reqs:
-            self.kube.bind(ns, name, pod.metadata.uid, node)
-            return
+            raise NotOurs(f"pod {ns}/{name} asks for no qgpu resources: qgpu does not bind it")
+        return pod, reqs
+
+    def _bind_pod(self, pod: PodModel, reqs: list[ContainerRequest], node: str) -> None:
         with self._node_lock(node):
             lease = self._take_lease(node)
             keep = False

@@ -23,6 +23,11 @@ Serves only what qgpu's Kubernetes bridge uses, with the apiserver's semantics:
 
 Tests drive it over HTTP through the `kubernetes` client and inspect/seed it through
 `FakeApiserver.store` directly. `FakeApiserver.fail_next(...)` injects faults.
+
+``FakeApiserver(tls=ctx, token=...)`` serves HTTPS with a server-side `ssl.SSLContext`
+(make it ``CERT_OPTIONAL`` with a client CA to accept client certificates) and, as the real
+apiserver without anonymous access, answers 401 Unauthorized to a request that brings
+neither the bearer token nor a verified client certificate.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import itertools
 import json
 import re
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -441,12 +447,25 @@ class _Handler(BaseHTTPRequestHandler):
             404, "NotFound", f"the server could not find the requested resource {url.path}"
         )
 
+    def _authenticated(self) -> bool:
+        owner = self.server.owner
+        if owner.token is None and owner.tls is None:
+            return True
+        if owner.token is not None and self.headers.get("Authorization") == (
+            f"Bearer {owner.token}"
+        ):
+            return True
+        conn = self.connection
+        return isinstance(conn, ssl.SSLSocket) and bool(conn.getpeercert())
+
     def _dispatch(self, method: str) -> None:
         # Read the whole body first, so an early error leaves the keep-alive stream clean.
         n = int(self.headers.get("Content-Length") or 0)
         self._raw = self.rfile.read(n) if n else b""
         self._drop_reply = False
         try:
+            if not self._authenticated():
+                raise ApiError(401, "Unauthorized", "Unauthorized")
             self.server.owner.count(method)
             drop = self.server.owner.take_drop(method, self.path)
             if drop == "before":
@@ -667,8 +686,9 @@ class _Server(ThreadingHTTPServer):
     owner: FakeApiserver
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hangs up (a watcher that stops, a process that exits) is normal.
-        if isinstance(sys.exc_info()[1], ConnectionError):
+        # A client that hangs up (a watcher that stops, a process that exits) is normal, and
+        # so is one that fails the TLS handshake (a client that does not trust us).
+        if isinstance(sys.exc_info()[1], ConnectionError | ssl.SSLError):
             return
         super().handle_error(request, client_address)
 
@@ -676,21 +696,27 @@ class _Server(ThreadingHTTPServer):
 class FakeApiserver:
     """Run the fake on 127.0.0.1:<free port>; `url` is the client's host."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None, token: str | None = None) -> None:
         self.store = Store()
         self.stopping = threading.Event()
+        self.tls = tls
+        self.token = token
         self._faults: list[tuple[str, re.Pattern[str], ApiError]] = []
         self._drops: list[tuple[str, re.Pattern[str], str]] = []
         self._fault_lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.owner = self
+        if tls is not None:  # the handshake happens in the connection's own thread
+            self._server.socket = tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self.requests: dict[str, int] = {}
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
     def start(self) -> FakeApiserver:
         self._thread.start()

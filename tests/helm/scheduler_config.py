@@ -39,6 +39,19 @@ class ManagedResource(_Go):
         return v
 
 
+class ExtenderTLS(_Go):
+    """ExtenderTLSConfig (client side of kube-scheduler's calls)."""
+
+    insecure: bool = False
+    server_name: str = Field("", alias="serverName")
+    cert_file: str = Field("", alias="certFile")
+    key_file: str = Field("", alias="keyFile")
+    ca_file: str = Field("", alias="caFile")
+    cert_data: str = Field("", alias="certData")
+    key_data: str = Field("", alias="keyData")
+    ca_data: str = Field("", alias="caData")
+
+
 class Extender(_Go):
     url_prefix: str = Field(alias="urlPrefix")
     filter_verb: str = Field("", alias="filterVerb")
@@ -47,6 +60,7 @@ class Extender(_Go):
     weight: int = 0
     bind_verb: str = Field("", alias="bindVerb")
     enable_https: bool = Field(False, alias="enableHTTPS")
+    tls_config: ExtenderTLS | None = Field(None, alias="tlsConfig")
     http_timeout: str = Field("30s", alias="httpTimeout")
     node_cache_capable: bool = Field(False, alias="nodeCacheCapable")
     managed_resources: list[ManagedResource] = Field(default_factory=list, alias="managedResources")

@@ -84,6 +84,7 @@ def test_default_objects_are_named_as_tke_names_them(default: Rendered) -> None:
             ("Role", "qgpu-scheduler-leader-election"),
             ("RoleBinding", "qgpu-scheduler-auth-reader"),
             ("RoleBinding", "qgpu-scheduler-leader-election"),
+            ("Secret", "qgpu-scheduler-extender-tls"),
             ("Secret", "qgpu-scheduler-webhook-tls"),
             ("Service", "qgpu-manager-metrics"),
             ("Service", "qgpu-scheduler"),
@@ -277,7 +278,24 @@ def test_scheduler_configuration_registers_the_extender(default: Rendered) -> No
     for verb in (ext.filter_verb, ext.prioritize_verb, ext.bind_verb):
         assert f"/{verb}" in routes
     extender = _parse_qgpu(command(containers(default.scheduler)["extender"]))
-    assert ext.url_prefix == f"http://127.0.0.1:{extender.port}"
+    assert ext.url_prefix == f"https://127.0.0.1:{extender.port}"
+    # authentication is on by default: kube-scheduler presents the chart's client
+    # certificate, the extender accepts only that CA and that common name
+    assert ext.enable_https is True and ext.tls_config is not None
+    client_mount = next(
+        m
+        for m in containers(default.scheduler)["kube-scheduler"]["volumeMounts"]
+        if m["name"] == "extender-client"
+    )["mountPath"]
+    assert ext.tls_config.cert_file == f"{client_mount}/client.crt"
+    assert ext.tls_config.ca_file == f"{client_mount}/ca.crt"
+    assert extender.client_ca and extender.tls_cert and extender.client_name == [
+        "qgpu-scheduler"
+    ]
+    off = render({"scheduler": {"extender": {"auth": {"enabled": False}}}})
+    (plain,) = off.scheduler_config()["extenders"]
+    assert plain["urlPrefix"].startswith("http://") and "tlsConfig" not in plain
+    assert off.find("Secret", "qgpu-scheduler-extender-tls") is None
     assert extender.node_policy == "binpack"
     assert extender.gpu_policy is None
     assert cfg.leader_election.leader_elect is True
@@ -518,10 +536,12 @@ def test_cert_manager_replaces_the_generated_certificate() -> None:
 def test_webhook_off_removes_every_webhook_piece() -> None:
     r = render({"webhook": {"enabled": False}})
     assert r.of_kind("MutatingWebhookConfiguration") == []
-    assert r.of_kind("Secret") == []
+    assert [s["metadata"]["name"] for s in r.of_kind("Secret")] == [
+        "qgpu-scheduler-extender-tls"
+    ]
     assert set(containers(r.scheduler)) == {"kube-scheduler", "extender"}
     volumes = [v["name"] for v in r.scheduler["spec"]["template"]["spec"]["volumes"]]
-    assert volumes == ["config"]
+    assert volumes == ["config", "extender-client", "extender-server"]
     ports = [p["name"] for p in r.get("Service", "qgpu-scheduler")["spec"]["ports"]]
     assert ports == ["extender"]
     assert "set schedulerName: qgpu-scheduler in the pods yourself" in r.notes

@@ -5,9 +5,11 @@ certificate, driven as the apiserver and kube-scheduler would drive them.
   machine) serves the chart-generated certificate; a client that trusts only the chart's
   caBundle and names the Service (as the apiserver does) gets the examples/pod.yaml
   AdmissionReview answered with the patch to `qgpu-scheduler`;
-- the extender container's argv (port moved, pointed at the in-repo fake apiserver) is
-  called at the KubeSchedulerConfiguration's urlPrefix with its filter / prioritize / bind
-  verbs and Go field names, and binds the pod with its GPU assignment.
+- the extender container's argv (port and certificate directory moved, pointed at the
+  in-repo fake apiserver) is called at the KubeSchedulerConfiguration's urlPrefix over
+  HTTPS with its tlsConfig (the chart's client certificate) and its filter / prioritize /
+  bind verbs and Go field names, and binds the pod with its GPU assignment; without that
+  certificate it answers 401 (only /healthz is open).
 kube-scheduler itself cannot run here: the calls it would make are made by this test.
 """
 
@@ -101,6 +103,9 @@ def scheduler_pod(rendered: Rendered) -> Iterator[dict[str, Any]]:
     certs = Path(tempfile.mkdtemp(prefix="qgpu-webhook-"))
     for key in ("tls.crt", "tls.key"):
         (certs / key).write_bytes(base64.b64decode(secret["data"][key]))
+    ext_secret = rendered.get("Secret", "qgpu-scheduler-extender-tls")
+    for key, data in ext_secret["data"].items():
+        (certs / key).write_bytes(base64.b64decode(data))
     hook_port, ext_port = _free_port(), _free_port()
     srv = FakeApiserver().start()
     publish_node(srv, "gpu-node-1", [gpu("gpu-node-1", 0, gib=16), gpu("gpu-node-1", 1, gib=16)])
@@ -112,16 +117,34 @@ def scheduler_pod(rendered: Rendered) -> Iterator[dict[str, Any]]:
         tls_key=str(certs / "tls.key"),
     )
     ext_argv = _with(
-        command(cs["extender"]), port=str(ext_port), host="127.0.0.1", apiserver=srv.url
+        command(cs["extender"]),
+        port=str(ext_port),
+        host="127.0.0.1",
+        apiserver=srv.url,
+        tls_cert=str(certs / "server.crt"),
+        tls_key=str(certs / "server.key"),
+        client_ca=str(certs / "ca.crt"),
     )
     procs = [_start(hook_argv), _start(ext_argv)]
     try:
+        # kubelet's probe: HTTPS without a client certificate (and without checking ours)
+        probe = ssl.create_default_context()
+        probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
         _wait(
-            lambda: httpx.get(f"http://127.0.0.1:{ext_port}/healthz").json()["nodes"] == 1,
+            lambda: httpx.get(f"https://127.0.0.1:{ext_port}/healthz", verify=probe).json()[
+                "nodes"
+            ]
+            == 1,
             procs[1],
             "extender",
         )
-        yield {"srv": srv, "hook_port": hook_port, "ext_port": ext_port, "procs": procs}
+        yield {
+            "srv": srv,
+            "hook_port": hook_port,
+            "ext_port": ext_port,
+            "procs": procs,
+            "certs": certs,
+        }
     finally:
         stop_processes(procs)
         srv.stop()
@@ -197,12 +220,15 @@ def test_extender_binds_the_example_pod_through_the_configured_verbs(
     cfg = rendered.scheduler_config()
     (ext,) = cfg["extenders"]
     assert ext["nodeCacheCapable"] is True  # so kube-scheduler sends NodeNames, not Nodes
+    assert ext["enableHTTPS"] is True and ext["urlPrefix"].startswith("https://")
     base = ext["urlPrefix"].replace(":8888", f":{scheduler_pod['ext_port']}")
     pod = yaml.safe_load((ROOT / "examples" / "pod.yaml").read_text())
     pod["metadata"]["namespace"] = "default"
     created = srv.store.create("pods", pod)
     args = {"Pod": created, "Nodes": None, "NodeNames": ["gpu-node-1"]}
-    with httpx.Client(base_url=base, timeout=30) as http:
+    with httpx.Client(
+        base_url=base, timeout=30, verify=_scheduler_tls(ext, scheduler_pod["certs"])
+    ) as http:
         filtered = http.post(f"/{ext['filterVerb']}", json=args).json()
         assert filtered["NodeNames"] == ["gpu-node-1"], filtered
         scores = http.post(f"/{ext['prioritizeVerb']}", json=args).json()
@@ -224,3 +250,37 @@ def test_extender_binds_the_example_pod_through_the_configured_verbs(
     assignment = load_assignment(stored["metadata"]["annotations"][names.assignment_annotation])
     (slice_,) = assignment.containers.values()
     assert (slice_.core, slice_.memory_gib, slice_.isolation.value) == (30, [8], "fixed-share")
+
+
+def _scheduler_tls(ext: dict[str, Any], certs: Path, with_cert: bool = True) -> ssl.SSLContext:
+    """kube-scheduler's side of the extender's TLS, as its tlsConfig names it (the files
+    of the chart's Secret, moved to `certs`)."""
+    tls = ext["tlsConfig"]
+    ctx = ssl.create_default_context(cafile=str(certs / Path(tls["caFile"]).name))
+    if with_cert:
+        ctx.load_cert_chain(
+            str(certs / Path(tls["certFile"]).name), str(certs / Path(tls["keyFile"]).name)
+        )
+    return ctx
+
+
+def test_extender_refuses_callers_without_the_chart_client_certificate(
+    rendered: Rendered, scheduler_pod: dict[str, Any]
+) -> None:
+    (ext,) = rendered.scheduler_config()["extenders"]
+    base = ext["urlPrefix"].replace(":8888", f":{scheduler_pod['ext_port']}")
+    bind = {"PodName": "p", "PodNamespace": "default", "PodUID": "u", "Node": "gpu-node-1"}
+    no_cert = _scheduler_tls(ext, scheduler_pod["certs"], with_cert=False)
+    with httpx.Client(base_url=base, timeout=30, verify=no_cert) as http:
+        r = http.post(f"/{ext['bindVerb']}", json=bind)
+        assert r.status_code == 401 and "client certificate" in r.json()["Error"]
+        assert http.get("/healthz").status_code == 200  # probes stay open
+    # a client certificate of another CA (the webhook's) fails the TLS handshake
+    with pytest.raises(httpx.TransportError):  # refused in the handshake (or its end)
+        webhook_cert = ssl.create_default_context(
+            cafile=str(scheduler_pod["certs"] / "ca.crt")
+        )
+        webhook_cert.load_cert_chain(
+            str(scheduler_pod["certs"] / "tls.crt"), str(scheduler_pod["certs"] / "tls.key")
+        )
+        httpx.post(f"{base}/{ext['bindVerb']}", json=bind, verify=webhook_cert, timeout=30)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.fakes.apiserver import FakeApiserver  # noqa: E402
+from tests.fakes.certs import TestPKI  # noqa: E402
 from tests.k8s.helpers import ServedApp  # noqa: E402
 
 
@@ -38,3 +41,12 @@ def serve() -> Iterator[Callable[[Any], str]]:
     yield run
     for s in started:
         s.stop()
+
+@pytest.fixture(scope="module")
+def pki() -> Iterator[TestPKI]:
+    """A test CA that issues server and client certificates (in a short /tmp dir)."""
+    d = Path(tempfile.mkdtemp(prefix="qpki", dir="/tmp"))
+    try:
+        yield TestPKI(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

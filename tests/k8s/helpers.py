@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import uvicorn
 
-from k8s_bridge.http_serving import CoalescingHttpProtocol
 from k8s_bridge.protocol import PublishedInventory
 from k8s_bridge.resources import Names
 from qgpu.model import GpuDevice
@@ -55,8 +54,10 @@ def pod_object(
     annotations: dict[str, str] | None = None,
     requests_too: bool = True,
     namespace: str = "default",
+    scheduler_name: str | None = "qgpu-scheduler",
 ) -> dict[str, Any]:
-    """A pod whose containers c0, c1, ... ask for (core, memory GiB) each."""
+    """A pod whose containers c0, c1, ... ask for (core, memory GiB) each; one that asks is
+    routed to `scheduler_name` (as the webhook would have done; None: left unset)."""
     out = []
     for i, (core, mem) in enumerate(containers or []):
         limits: dict[str, str] = {NAMES.core: str(core)}
@@ -66,11 +67,14 @@ def pod_object(
         if requests_too:
             res["requests"] = dict(limits)
         out.append({"name": f"c{i}", "image": "cuda:12", "resources": res})
+    spec: dict[str, Any] = {"containers": out or [{"name": "c0", "image": "busybox"}]}
+    if out and scheduler_name:
+        spec["schedulerName"] = scheduler_name
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
-        "spec": {"containers": out or [{"name": "c0", "image": "busybox"}]},
+        "spec": spec,
     }
 
 
@@ -89,23 +93,21 @@ def free_port() -> int:
 
 
 class ServedApp:
-    """An ASGI app served by uvicorn on a loopback port in a thread."""
+    """An ASGI app served by uvicorn on a loopback port in a thread, as the bridge's CLI
+    serves its apps (`k8s_bridge.http_serving.config`: limits, optional TLS)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limits: Any = None, tls: Any = None) -> None:
+        from k8s_bridge.http_serving import DEFAULT_LIMITS, config
+
         self.port = free_port()
-        cfg = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            http=CoalescingHttpProtocol,  # as the bridge's CLI serves its apps
-        )
+        self.tls = tls
+        cfg = config(app, "127.0.0.1", self.port, limits or DEFAULT_LIMITS, tls)
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> ServedApp:
         self.thread.start()

@@ -303,6 +303,7 @@ def test_memory_percentage_pods_get_their_share_of_the_chosen_card(
     ext = _extender(apiserver, False)
     try:
         raw = _pod({NAMES.core: "30", NAMES.memory_percent: "50"})
+        raw["spec"]["schedulerName"] = "qgpu-scheduler"  # as the webhook sets it
         pod = apiserver.store.create("pods", raw)
         assert ext.filter(ExtenderArgs(Pod=pod, NodeNames=["n0"])).node_names == ["n0"]
         uid = pod["metadata"]["uid"]

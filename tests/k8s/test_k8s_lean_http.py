@@ -1,5 +1,6 @@
-"""The lean apiserver transport: same answers and errors as the official client, the
-configuration's token on every call, and a fallback to the client for what it does not cover."""
+"""The per-bind apiserver transports: the lean one and the library one (the official client's
+own urllib3 pool) give the same answers and errors, the configuration's token on every call,
+and the library one takes what the lean one does not cover."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from kubernetes import client
 
+from k8s_bridge.apiserver_http import ApiserverHTTP
 from k8s_bridge.kube import Conflict, Kube, KubeError
 from k8s_bridge.lean_http import Connection, LeanTransport
 from tests.fakes.apiserver import FakeApiserver
@@ -18,8 +20,8 @@ from tests.k8s.helpers import NAMES, pod_object, publish_node
 
 
 def _kube(srv: FakeApiserver, lean: bool) -> Kube:
-    kube = Kube(srv.client(), NAMES, lean=lean)
-    assert (kube.lean is not None) == lean
+    kube = Kube(srv.client(), NAMES, transport="lean" if lean else "library")
+    assert isinstance(kube.http, LeanTransport if lean else ApiserverHTTP)
     return kube
 
 
@@ -76,15 +78,16 @@ def recorder() -> Iterator[ThreadingHTTPServer]:
     srv.server_close()
 
 
+@pytest.mark.parametrize("transport", ["lean", "library"])
 def test_the_configurations_token_goes_with_every_call_and_refreshes(
-    recorder: ThreadingHTTPServer,
+    recorder: ThreadingHTTPServer, transport: str
 ) -> None:
+    _Recorder.seen.clear()
     cfg = client.Configuration()
     cfg.host = f"http://127.0.0.1:{recorder.server_address[1]}"
     cfg.api_key = {"authorization": "first"}
     cfg.api_key_prefix = {"authorization": "Bearer"}
-    kube = Kube(client.ApiClient(cfg), NAMES)
-    assert kube.lean is not None
+    kube = Kube(client.ApiClient(cfg), NAMES, transport=transport)
     kube.get_pod("default", "p")
     cfg.api_key["authorization"] = "second"  # what an in-cluster token refresh does
     kube.get_pod("default", "p")
@@ -97,13 +100,13 @@ def test_a_closed_keep_alive_connection_is_replaced_before_use(
     kube = _kube(apiserver, lean=True)
     publish_node(apiserver, "n0", [])
     kube.patch_node("n0", {"metadata": {"labels": {"a": "1"}}})
-    assert kube.lean is not None
-    conn = kube.lean._local.conn
+    assert isinstance(kube.http, LeanTransport)
+    conn = kube.http._local.conn
     conn.sock.shutdown(2)  # the connection dies while idle (server restart, idle timeout)
     assert kube.patch_node("n0", {"metadata": {"labels": {"a": "2"}}})["metadata"]["labels"] == {
         "a": "2"
     }
-    assert kube.lean._local.conn is not conn
+    assert kube.http._local.conn is not conn
 
 
 @pytest.mark.parametrize(
@@ -116,13 +119,13 @@ def test_a_closed_keep_alive_connection_is_replaced_before_use(
         {"host": "unix:///run/k8s.sock"},
     ],
 )
-def test_configurations_it_does_not_cover_keep_the_official_client(setting: dict) -> None:
+def test_configurations_it_does_not_cover_go_over_the_library(setting: dict) -> None:
     cfg = client.Configuration()
     cfg.host = "https://10.96.0.1:443"
     for key, value in setting.items():
         setattr(cfg, key, value)
     assert LeanTransport.for_configuration(cfg) is None
-    assert Kube(client.ApiClient(cfg), NAMES).lean is None
+    assert isinstance(Kube(client.ApiClient(cfg), NAMES).http, ApiserverHTTP)
 
 
 def test_https_with_verification_off_is_covered() -> None:

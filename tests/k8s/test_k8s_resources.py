@@ -155,7 +155,7 @@ def _review(client: httpx.Client, pod: dict, op: str = "CREATE") -> dict:
 
 
 def test_webhook_sets_scheduler_name_with_a_json_patch(webhook) -> None:
-    resp = _review(webhook, pod_object("p", [(30, 4)]))
+    resp = _review(webhook, pod_object("p", [(30, 4)], scheduler_name=None))
     assert resp["allowed"] and resp["patchType"] == "JSONPatch"
     patch = json.loads(base64.b64decode(resp["patch"]))
     assert patch == [{"op": "add", "path": "/spec/schedulerName", "value": "qgpu-scheduler"}]

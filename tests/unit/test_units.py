@@ -49,3 +49,24 @@ def test_core_syntax_rejections(value):
     with pytest.raises(RuleViolation) as info:
         parse_core(value)
     assert info.value.field == "qgpu-core"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field", "rule"),
+    [
+        ({"core": "1" + "0" * 4000}, "qgpu-core", "out of range"),  # past int() digit limit too
+        ({"core": "1" + "0" * 5000}, "qgpu-core", "out of range"),
+        ({"core": 10**30}, "qgpu-core", "at most 102400"),
+        ({"core": 30, "memory_gib": 2**31}, "qgpu-memory", "at most 65536 GiB"),
+        ({"core": 30, "memory": "9" * 300}, "qgpu-memory", "at most 65536 GiB"),
+    ],
+)
+def test_huge_amounts_break_a_rule_and_are_echoed_short(raw, field, rule):
+    from qgpu.errors import ECHO_LIMIT
+    from qgpu.model import SliceRequest
+
+    with pytest.raises(RuleViolation) as info:
+        SliceRequest.parse(raw)
+    assert info.value.field == field and rule in info.value.rule
+    assert len(str(info.value)) < ECHO_LIMIT + len(field) + len(info.value.rule) + 40
+    assert len(str(info.value.as_dict()["value"])) < ECHO_LIMIT + 40

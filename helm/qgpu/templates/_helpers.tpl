@@ -88,6 +88,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "qgpu.schedulerName" -}}{{ include "qgpu.fullname" . }}-scheduler{{- end -}}
 {{- define "qgpu.webhookSecret" -}}{{ include "qgpu.schedulerName" . }}-webhook-tls{{- end -}}
 {{- define "qgpu.webhookService" -}}{{ include "qgpu.schedulerName" . }}{{- end -}}
+{{- define "qgpu.extenderSecret" -}}{{ include "qgpu.schedulerName" . }}-extender-tls{{- end -}}
 
 {{/* The interposer as installed on the host. */}}
 {{- define "qgpu.hookPath" -}}{{ .Values.manager.interposerDir }}/libqgpu_hook.so{{- end -}}
