@@ -402,5 +402,10 @@ def test_the_request_mix_counts_each_pod_once(apiserver: FakeApiserver) -> None:
     assert _bind(apiserver, ext, "a", "n1") == ""  # not the node prioritize held: placed again
     ext.filter(ExtenderArgs(Pod=b, NodeNames=["n0", "n1"]))
     mix = ext.state.engine.node_policy.mix()
-    assert sorted((core, share) for (core, *_), share in mix.items()) == [(30, 0.5), (50, 0.5)]
+    # each pod counts once, next to the default prior's whole-GPU arrivals
+    from qgpu.mix_prior import DEFAULT_STRENGTH
+
+    total = 2 + DEFAULT_STRENGTH
+    shares = {core: share for (core, *_), share in mix.items()}
+    assert shares == pytest.approx({30: 1 / total, 50: 1 / total, 100: DEFAULT_STRENGTH / total})
     ext.stop()
