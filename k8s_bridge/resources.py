@@ -122,6 +122,7 @@ class ContainerModel(_Loose):
     name: str
     resources: ResourceRequirements | None = None
     env: list[dict[str, Any]] | None = None
+    security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
 
 
 class PodSpecModel(_Loose):
@@ -129,6 +130,7 @@ class PodSpecModel(_Loose):
     init_containers: list[ContainerModel] | None = Field(default=None, alias="initContainers")
     scheduler_name: str | None = Field(default=None, alias="schedulerName")
     node_name: str | None = Field(default=None, alias="nodeName")
+    security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
 
 
 class ObjectMetaModel(_Loose):

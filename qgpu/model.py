@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Self
@@ -28,6 +29,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     field_validator,
     model_validator,
@@ -41,6 +43,32 @@ MIN_GIB_PER_SLICE = 4
 WHOLE_GPU_CORE = 100
 
 CORE_RULE = "must be 1..99 (a share of one GPU) or a multiple of 100 (whole GPUs: 100, 200, ...)"
+MAX_WHOLE_GPUS = 64
+MAX_CORE = WHOLE_GPU_CORE * MAX_WHOLE_GPUS
+MAX_CORE_RULE = f"must be at most {MAX_CORE} ({MAX_WHOLE_GPUS} whole GPUs of one node)"
+
+# A slice id names files and directories on the node (its directory under the state dir,
+# its limits file): an ASCII letter or digit first, so never ".", ".." or a hidden ".x".
+SLICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+SLICE_ID_RULE = "must match [A-Za-z0-9][A-Za-z0-9._-]{0,63} (a letter or digit first, 1..64 chars)"
+_SLICE_ID_RE = re.compile(SLICE_ID_PATTERN)
+
+
+def is_slice_id(value: object) -> bool:
+    """True for a valid slice id (the one rule; `check_slice_id` raises instead)."""
+    return isinstance(value, str) and _SLICE_ID_RE.fullmatch(value) is not None
+
+
+def new_slice_id() -> str:
+    """A fresh random slice id (``s-`` and 16 hex digits)."""
+    return "s-" + uuid.uuid4().hex[:16]
+
+
+def check_slice_id(value: object, field: str = "slice_id") -> str:
+    """The slice id, or a `RuleViolation` naming `field`."""
+    if not is_slice_id(value):
+        raise RuleViolation(field, value, SLICE_ID_RULE)
+    return value  # type: ignore[return-value]
 
 
 class IsolationPolicy(StrEnum):
@@ -116,6 +144,8 @@ def _core(value: Any) -> int:
     core = parse_core(value)
     if core < 1 or (core >= WHOLE_GPU_CORE and core % WHOLE_GPU_CORE):
         raise RuleViolation(CORE_FIELD, value, CORE_RULE)
+    if core > MAX_CORE:
+        raise RuleViolation(CORE_FIELD, value, MAX_CORE_RULE)
     return core
 
 
@@ -335,7 +365,10 @@ class Owner(BaseModel):
 
     kind: OwnerKind = OwnerKind.MANUAL
     id: str = Field(default="", max_length=256)
-    meta: dict[str, str] = Field(default_factory=dict)
+    meta: dict[
+        Annotated[str, StringConstraints(max_length=128)],
+        Annotated[str, StringConstraints(max_length=4096)],
+    ] = Field(default_factory=dict, max_length=64)
 
 
 class Allocation(BaseModel):
@@ -343,7 +376,7 @@ class Allocation(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    slice_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    slice_id: str = Field(pattern=SLICE_ID_PATTERN)
     node: str
     gpu_uuids: list[str] = Field(min_length=1)
     core: int = Field(description="per GPU: the share, or 100 for whole GPUs")

@@ -39,6 +39,9 @@ _UNIT_TO_MIB = {
     "tb": MIB_PER_GIB * 1024,
 }
 MEMORY_RULE = "must be a whole number of GiB >= 1, written 8, '8', '8Gi', '8G' or '8192Mi'"
+MAX_MEMORY_GIB = 1 << 20  # 1 PiB: far above any GPU, far below every integer type's limit
+MAX_MEMORY_RULE = f"must be at most {MAX_MEMORY_GIB} GiB (no GPU has more)"
+_MAX_DIGITS = 24  # a longer number is refused before it is converted
 
 
 def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
@@ -52,7 +55,7 @@ def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
             raise RuleViolation(field, value, MEMORY_RULE)
         mib = int(value) * MIB_PER_GIB
     elif isinstance(value, str):
-        match = _MEMORY_RE.match(value)
+        match = _MEMORY_RE.match(value) if len(value) <= 2 * _MAX_DIGITS else None
         unit = match.group("unit").lower() if match else None
         if match is None or unit not in _UNIT_TO_MIB:
             raise RuleViolation(field, value, MEMORY_RULE)
@@ -65,6 +68,8 @@ def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
         raise RuleViolation(field, value, MEMORY_RULE)
     if mib <= 0 or mib % MIB_PER_GIB:
         raise RuleViolation(field, value, MEMORY_RULE)
+    if mib > MAX_MEMORY_GIB * MIB_PER_GIB:
+        raise RuleViolation(field, value, MAX_MEMORY_RULE)
     return mib // MIB_PER_GIB
 
 
@@ -83,7 +88,7 @@ def parse_core(value: Any, field: str = CORE_FIELD) -> int:
         raise RuleViolation(field, value, CORE_SYNTAX_RULE)
     if isinstance(value, str):
         text = value.strip().removesuffix("%").strip()
-        if re.fullmatch(r"-?[0-9]+", text):
+        if len(text) <= _MAX_DIGITS and re.fullmatch(r"-?[0-9]+", text):
             return int(text)
         raise RuleViolation(field, value, CORE_SYNTAX_RULE)
     raise RuleViolation(field, value, CORE_SYNTAX_RULE)

@@ -34,11 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from k8s_bridge.deviceplugin.allocation import (
     AllocationError,
     AllocationPaths,
+    container_identity,
     container_response,
     k8s_slice_id,
     limits_file_for,
 )
-from k8s_bridge.deviceplugin.claims import claimed_match, matching, pending_pods
+from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from k8s_bridge.kube import Conflict, Kube, KubeError
@@ -335,7 +336,11 @@ class QgpuDevicePlugin:
         must_by_gpu: dict[str, list[str]] = {}
         for dev in must:
             must_by_gpu.setdefault(parse_device_id(dev)[0], []).append(dev)
-        for cand in matching(self._candidates(), kind, None, size):
+        candidates = self._candidates()
+        # Containers waiting for this resource first; then containers that already claimed
+        # it: kubelet asks again when its Allocate got no answer (the plugin died after the
+        # claim reached the apiserver), and their IDs are then available again.
+        for cand in [*matching(candidates, kind, None, size), *claimed(candidates, kind, size)]:
             layout = cand.slice.devices[kind]
             if any(u not in layout or len(ids) > layout[u] for u, ids in must_by_gpu.items()):
                 continue
@@ -382,6 +387,7 @@ class QgpuDevicePlugin:
                             again.slice,
                             self._gpus(again.slice.gpus),
                             kind,
+                            container_identity(again.pod, again.container),
                         )
                     raise PluginError(
                         grpc.StatusCode.NOT_FOUND,
@@ -390,7 +396,13 @@ class QgpuDevicePlugin:
                     )
                 c = found[0]
                 resp = container_response(
-                    self.paths, c.uid, c.container, c.slice, self._gpus(c.slice.gpus), kind
+                    self.paths,
+                    c.uid,
+                    c.container,
+                    c.slice,
+                    self._gpus(c.slice.gpus),
+                    kind,
+                    container_identity(c.pod, c.container),
                 )
                 claim = c.allocated.with_claim(c.container, kind)
                 body = {

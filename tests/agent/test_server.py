@@ -195,7 +195,7 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
         before = {s.slice_id: s for s in client.slices().slices}
         limits = {r.slice_id: Path(r.limits_file).read_text() for r in res if r.limits_file}
     capped = res[0]
-    running = workload(capped.env, 3)
+    running = workload(capped.env, 2)  # + 0.5 GiB for its context: 2.5 of the 4 GiB cap
     assert running.stdout is not None and running.stdout.readline().split() == ["ok"]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -226,7 +226,7 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
             second.kill()
             usage = next(s for s in client.slices().slices if s.slice_id == capped.slice_id).usage
             assert usage.source == "interposer"
-            assert usage.memory_used_bytes is not None and usage.memory_used_bytes >= 3 * GIB
+            assert usage.memory_used_bytes is not None and usage.memory_used_bytes >= 2 * GIB
             assert running.pid in usage.pids
     finally:
         running.kill()
@@ -240,12 +240,17 @@ def test_restart_repairs_limits_files(state_dir: Path) -> None:
     stop_agent(proc)
     assert kept.limits_file is not None
     Path(kept.limits_file).unlink()
-    stray = state_dir / "limits" / "s-gone.limits"
-    stray.write_text("QGPU_SLICE_ID=s-gone\n")
+    stray = state_dir / "slices" / "s-gone"  # a released slice's directory a crash left
+    (stray / "ledger").mkdir(parents=True)
+    (stray / "limits.conf").write_text("QGPU_SLICE_ID=s-gone\n")
+    legacy = state_dir / "limits" / "s-old.limits"  # the flat layout of older versions
+    legacy.parent.mkdir()
+    legacy.write_text("QGPU_SLICE_ID=s-old\n")
     proc = start_agent(state_dir, "--sim", "1xH100-80GB")
     try:
         assert read_limits_file(kept.limits_file)["QGPU_SLICE_ID"] == kept.slice_id
         assert not stray.exists()
+        assert not legacy.parent.exists()
     finally:
         stop_agent(proc)
 
@@ -283,7 +288,7 @@ def test_crash_during_a_burst_keeps_every_acknowledged_reservation(state_dir: Pa
             for d in client.devices().devices:
                 assert d.core_committed <= 100 and d.slices <= d.max_slices
                 assert d.memory_committed_gib <= d.memory_mib // 1024
-        files = {p.name.removesuffix(".limits") for p in (state_dir / "limits").iterdir()}
+        files = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
         assert files == held
         ledger = Ledger(state_dir / "ledger.sqlite")
         ledger.state().check_invariants()
@@ -416,7 +421,7 @@ def test_sigterm_shuts_down_cleanly(state_dir: Path) -> None:
     proc.terminate()
     assert proc.wait(timeout=20) == 0
     assert not (state_dir / "agent.sock").exists()
-    assert (state_dir / "limits" / f"{sid}.limits").exists()  # slices outlive the agent
+    assert (state_dir / "slices" / sid / "limits.conf").exists()  # slices outlive the agent
 
 
 _SPINNER = """
@@ -474,7 +479,8 @@ def test_oom_refusals_come_from_the_interposer_ledger(state_dir: Path) -> None:
     try:
         with AgentClient(state_dir / "agent.sock") as client:
             res = client.reserve({"core": 20, "memory": 4, "isolation": "be"})
-            running = workload(res.env, 3, 2, 1)
+            # a context costs 0.5 GiB of the 4 GiB cap (QGPU_CONTEXT_MEMORY's default)
+            running = workload(res.env, 2.5, 2, 1)
             assert running.stdout is not None
             assert running.stdout.readline().split() == ["ok", "oom", "ok"]
             assert running.stdin is not None
@@ -519,11 +525,14 @@ def test_throttled_seconds_come_from_the_interposer_ledger(state_dir: Path) -> N
             text = client.metrics()
             held = usage[capped.slice_id].throttled_seconds
             assert held is not None and held > 0.2, usage
-            assert usage[free.slice_id].throttled_seconds == 0.0, usage
+            # best-effort takes what the guaranteed slices leave (70 % here): barely held back
+            free_held = usage[free.slice_id].throttled_seconds
+            assert free_held is not None and free_held < held / 10, usage
             assert usage[capped.slice_id].oom_refusals == 0
             counted = slice_counter(text, "qgpu_slice_throttled_seconds_total", capped.slice_id)
             assert counted is not None and counted >= held
-            assert slice_counter(text, "qgpu_slice_throttled_seconds_total", free.slice_id) == 0
+            free_counted = slice_counter(text, "qgpu_slice_throttled_seconds_total", free.slice_id)
+            assert free_counted is not None and free_counted < held / 10
     finally:
         for spinner in spinners:
             spinner.kill()
