@@ -219,8 +219,12 @@ class SliceRequest(BaseModel):
     exclude_uuids: Annotated[list[str], BeforeValidator(_uuid_list("exclude_uuids"))] = Field(
         default_factory=list, description="never these GPUs"
     )
-    cpu_milli: int = Field(default=0, ge=0, description="host CPU the workload needs (milli)")
-    host_memory_mib: int = Field(default=0, ge=0, description="host memory it needs (MiB)")
+    cpu_milli: int = Field(
+        default=0, ge=0, le=10**7, description="host CPU the workload needs (milli)"
+    )
+    host_memory_mib: int = Field(
+        default=0, ge=0, le=2**31, description="host memory it needs (MiB)"
+    )
 
     @model_validator(mode="after")
     def _memory_required_for_share(self) -> Self:

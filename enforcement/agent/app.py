@@ -278,16 +278,19 @@ class RequestTimer:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status = 500  # the app raised before answering: uvicorn answers 500
+        answered = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, answered = int(message["status"]), True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+            if not answered:
+                status = 499  # returned without an answer: the client left first
         finally:
             self.histogram.labels(
                 self.node, scope["method"], route_label(scope["path"]), str(status)
