@@ -171,9 +171,7 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         agent.counters.add("errors", type(exc).__name__)
-        log.error(
-            "internal error on %s %s", request.method, request.url.path, exc_info=exc
-        )
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         rule = f"internal error ({type(exc).__name__}); see the agent's log"
         return error_response(500, "internal", [RuleViolation("request", None, rule)])
 
@@ -240,9 +238,7 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
     async def lease(slice_id: SliceId, body: LeaseRequest) -> Reservation:
         """Renew a slice's lease (``expires_s`` from now) or end it (``null``: the slice is
         kept until released). 404 when the slice is gone (its lease may have run out)."""
-        return await anyio.to_thread.run_sync(
-            agent.renew, slice_id, body.expires_s, limiter=writes
-        )
+        return await anyio.to_thread.run_sync(agent.renew, slice_id, body.expires_s, limiter=writes)
 
     @app.get(
         "/v1/health",

@@ -14,21 +14,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from enforcement.agent.models import ErrorBody, Violation
-from qgpu.errors import RuleViolation
+from qgpu.errors import RuleViolation, safe_text
 
 MAX_ECHO_CHARS = 200
 MAX_ECHO_ITEMS = 16
 MAX_ECHO_DEPTH = 4
-
-
-def safe_text(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """`text` truncated to `limit` characters, lone surrogates escaped."""
-    cut = text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-    try:
-        cut.encode("utf-8")
-    except UnicodeEncodeError:
-        cut = cut.encode("utf-8", "backslashreplace").decode("utf-8")
-    return cut
 
 
 def echo(value: Any, depth: int = 0) -> Any:

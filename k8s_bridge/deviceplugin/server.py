@@ -51,7 +51,7 @@ from k8s_bridge.protocol import (
     ids_per_gpu,
     parse_device_id,
 )
-from qgpu.errors import QgpuError, RuleViolation
+from qgpu.errors import QgpuError, RuleViolation, safe_text
 from qgpu.model import NodeInventory
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+MAX_MESSAGE = 1000  # characters of an error message sent back to kubelet
 
 
 class PluginConfig(BaseModel):
@@ -95,13 +96,15 @@ class _Servicer(pb_grpc.DevicePluginServicer):
     def _guard(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        # Messages are cut short: a status message travels as a gRPC header (16 KiB at
+        # most), and one that echoes a long device ID would be lost for RESOURCE_EXHAUSTED.
         except PluginError as exc:
-            log.warning("%s: %s", self.kind, exc)
-            context.abort(exc.code, str(exc))
+            log.warning("%s: %s", self.kind, safe_text(str(exc), MAX_MESSAGE))
+            context.abort(exc.code, safe_text(str(exc), MAX_MESSAGE))
         except RuleViolation as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, safe_text(str(exc), MAX_MESSAGE))
         except (QgpuError, AllocationError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, safe_text(str(exc), MAX_MESSAGE))
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(
