@@ -1,7 +1,7 @@
 """Node agent throughput: reserve/release operations per second and latency over the unix socket.
 
 For each number of live slices L (``--live``, default 10 100 1000), side by side in one run,
-starts a fresh ``qgpu agent --sim 20xH100-80GB --max-slices-per-gpu 64`` in a private state
+starts a fresh ``qgpu agent --sim 64xH100-80GB --max-slices-per-gpu 20`` in a private state
 directory, fills it with L held slices (1 % / 1 GiB each, spread over the GPUs), then runs:
 - sequential: one client (`AgentClient`, what the adapters use), reserve then release;
 - concurrent: C asyncio workers, each looping reserve -> release (slices of 5 % / 4 GiB).
@@ -39,9 +39,9 @@ def start_agent(state_dir: Path) -> subprocess.Popen:
             "qgpu.cli",
             "agent",
             "--sim",
-            "20xH100-80GB",
+            "64xH100-80GB",
             "--max-slices-per-gpu",
-            "64",
+            "20",
             "--state-dir",
             str(state_dir),
             "--test-mode",
@@ -206,11 +206,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--live", type=int, nargs="+", default=[10, 100, 1000])
     args = parser.parse_args()
-    if max(args.live) > 20 * 64 - 128:
-        parser.error(f"--live: at most {20 * 64 - 128} (20 GPUs x 64 slices, room to work)")
+    if max(args.live) > 64 * 20 - 128:
+        parser.error(f"--live: at most {64 * 20 - 128} (64 GPUs x 20 slices, room to work)")
     results = {live: measure(live, args.ops, args.concurrency) for live in args.live}
     base = min(args.live)
-    print(f"qgpu agent over a unix socket, simulated 20xH100-80GB, {os.cpu_count()} CPUs")
+    print(f"qgpu agent over a unix socket, simulated 64xH100-80GB, {os.cpu_count()} CPUs")
     print(
         f"{'live':>6}  {'mode':<16}{'ops':>7}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
         f"{'409s':>7}{'ratio':>8}"
