@@ -23,6 +23,7 @@ from rich.table import Table
 
 from enforcement.agent.client import AgentClient, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
+from enforcement.discovery import node_slice_policy
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.model import IsolationPolicy, PlacementPolicy
 
@@ -66,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "backend": args.backend or ("sim" if args.sim else os.environ.get("QGPU_BACKEND", "auto")),
         "sim_spec": args.sim,
         "max_slices_per_gpu": args.max_slices_per_gpu,
+        "metrics_host": args.metrics_host,
+        "metrics_port": args.metrics_port,
         "default_isolation": args.isolation,
         "reconcile_interval_s": args.reconcile_interval,
         "watchdog_interval_s": args.watchdog_interval,
@@ -87,6 +90,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     ):
         if value is not None:
             raw[key] = value
+    if args.slices_per_gpu is not None or args.slices_per_gpu_file is not None:
+        raw["slices_per_gpu"] = node_slice_policy(
+            args.slices_per_gpu, args.slices_per_gpu_file, args.max_slices_per_gpu
+        )
     if args.token_file:
         raw["token"] = read_token_file(args.token_file)
     elif args.tcp_port is not None:
@@ -131,7 +138,31 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     names = [x.value for x in PlacementPolicy]
     p.add_argument("--placement", choices=names, help="GPU choice policy (default binpack)")
     p.add_argument("--gpu-placement", choices=names, help="GPU-level policy if different")
-    p.add_argument("--max-slices-per-gpu", type=int, default=16)
+    p.add_argument(
+        "--max-slices-per-gpu",
+        type=int,
+        default=16,
+        help="cap of the floor-gib rule (see --slices-per-gpu)",
+    )
+    p.add_argument(
+        "--slices-per-gpu",
+        help="slices one GPU may hold: floor-gib (floor(GiB/4), at most 16; the default) "
+        "or a fixed count 1..16",
+    )
+    p.add_argument(
+        "--slices-per-gpu-file",
+        help="a file whose text, when the file exists, overrides --slices-per-gpu (the chart "
+        "writes the node label's value there)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="also serve GET /metrics, and nothing else, on this TCP port (for Prometheus; "
+        "read-only, no token)",
+    )
+    p.add_argument(
+        "--metrics-host", default="0.0.0.0", help="address for --metrics-port (default all)"
+    )
     p.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--watchdog-interval", type=float, default=5.0, metavar="SECONDS")
     p.add_argument("--watchdog-kill", action="store_true", help="kill processes over their cap")

@@ -124,4 +124,4 @@ def test_python_example_runs():
     assert out.returncode == 0, out.stderr[-3000:]
     last = out.stdout.strip().splitlines()[-1]
     found = re.findall(r"\('(GPU-[0-9a-f-]+)', 8\)", last)
-    assert len(found) == 2 and found[0] == found[1], last
+    assert len(found) == 3 and found[0] == found[1], last
