@@ -386,30 +386,14 @@ class QgpuDevicePlugin:
                     if again is not None:
                         # kubelet allocating a container again from its checkpoint (e.g.
                         # after a restart): the same devices, the same answer.
-                        return container_response(
-                            self.paths,
-                            again.uid,
-                            again.container,
-                            again.slice,
-                            self._gpus(again.slice.gpus),
-                            kind,
-                            container_identity(again.pod, again.container),
-                        )
+                        return self._response(again, kind)
                     raise PluginError(
                         grpc.StatusCode.NOT_FOUND,
                         f"no pod assigned to node {self.cfg.node_name} waits for {kind} IDs "
                         f"laid out as {per_gpu}",
                     )
                 c = found[0]
-                resp = container_response(
-                    self.paths,
-                    c.uid,
-                    c.container,
-                    c.slice,
-                    self._gpus(c.slice.gpus),
-                    kind,
-                    container_identity(c.pod, c.container),
-                )
+                resp = self._response(c, kind)
                 claim = c.allocated.with_claim(c.container, kind)
                 body = {
                     "metadata": {
@@ -429,6 +413,18 @@ class QgpuDevicePlugin:
                 return resp
         raise PluginError(
             grpc.StatusCode.ABORTED, f"the claim kept conflicting ({self.cfg.claim_retries} tries)"
+        )
+
+    def _response(self, c: Any, kind: Kind) -> pb.ContainerAllocateResponse:
+        """The Allocate answer for candidate `c`'s container (makes its slice's files)."""
+        return container_response(
+            self.paths,
+            c.uid,
+            c.container,
+            c.slice,
+            self._gpus(c.slice.gpus),
+            kind,
+            container_identity(c.pod, c.container),
         )
 
     def pre_start(self, kind: Kind, ids: list[str]) -> None:
