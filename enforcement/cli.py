@@ -75,7 +75,8 @@ def register_run(subparsers: Any) -> None:
 
 def validate_request(core: str, memory: str | None, policy: str | None) -> SliceRequest:
     """The slice rules live in qgpu.model: this is the only validation done here."""
-    return SliceRequest(core=core, memory_gib=memory, isolation=policy)
+    request = SliceRequest(core=core, memory_gib=memory, isolation=policy)
+    return request.require_single_gpu_share("qgpu run")
 
 
 def _nvidia_driver_present() -> bool:

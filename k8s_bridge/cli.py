@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
 
 EXIT_OK = 0
@@ -196,6 +197,7 @@ def run_extender(args: argparse.Namespace) -> int:
     from k8s_bridge.http_serving import serve
 
     _logging(args)
+    use_prior(args.mix_prior)
     cfg = ExtenderConfig(
         prefix=args.prefix,
         node_policy=PlacementPolicy.parse(args.node_policy, "--node-policy"),
@@ -224,6 +226,7 @@ def register_extender(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8888)
     p.add_argument("--node-policy", default="binpack", choices=names)
     p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
+    add_prior_option(p)
     p.add_argument("--lock-ttl", type=float, default=30.0, help="node lock expiry, seconds")
     p.add_argument(
         "--lock-linger",

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qgpu.errors import QgpuError, RuleViolation, first_violation
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import GpuDevice, IsolationPolicy, PlacementPolicy, SliceRequest
 from qgpu.plan import PlanResult, load_nodes, load_requests, plan
 from qgpu.units import MIB_PER_GIB, parse_memory_gib
@@ -44,7 +45,7 @@ def request_from_args(args: argparse.Namespace) -> SliceRequest:
         value = getattr(args, key, None)
         if value is not None:
             raw[key] = value
-    return SliceRequest.parse(raw)
+    return SliceRequest.parse(raw, "the qgpu CLI")
 
 
 def add_request_options(parser: argparse.ArgumentParser, memory_required: bool = False) -> None:
@@ -75,6 +76,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    use_prior(args.mix_prior)
     nodes = load_nodes(args.nodes)
     requests = load_requests(args.requests)
     result = plan(nodes, requests, args.policy, args.gpu_policy)
@@ -166,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     names = [p.value for p in PlacementPolicy]
     plan_p.add_argument("--policy", choices=names, help="node-level (and GPU-level) policy")
     plan_p.add_argument("--gpu-policy", choices=names, help="GPU-level policy, if different")
+    add_prior_option(plan_p)
     plan_p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan_p.add_argument(
         "--unplaced-exit",

@@ -25,6 +25,7 @@ from enforcement.agent.client import AgentClient, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
 from enforcement.discovery import node_slice_policy
 from qgpu.errors import QgpuError, RuleViolation
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import IsolationPolicy, PlacementPolicy
 
 EXIT_OK = 0
@@ -59,6 +60,7 @@ def _socket_for(args: argparse.Namespace) -> Path:
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    use_prior(args.mix_prior)
     raw: dict[str, object] = {
         "state_dir": args.state_dir or DEFAULT_STATE_DIR,
         "socket_path": _socket_for(args),
@@ -73,6 +75,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "reconcile_interval_s": args.reconcile_interval,
         "watchdog_interval_s": args.watchdog_interval,
         "watchdog_kill": args.watchdog_kill,
+        "watchdog_grace_s": args.watchdog_grace,
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
@@ -136,8 +139,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     iso = ", ".join(f"{i.value}/{i.abbreviation}" for i in IsolationPolicy)
     p.add_argument("--isolation", default="best-effort", help=f"node default isolation: {iso}")
     names = [x.value for x in PlacementPolicy]
-    p.add_argument("--placement", choices=names, help="GPU choice policy (default binpack)")
+    p.add_argument("--placement", choices=names, help="GPU choice policy (default frag)")
     p.add_argument("--gpu-placement", choices=names, help="GPU-level policy if different")
+    add_prior_option(p)
     p.add_argument(
         "--max-slices-per-gpu",
         type=int,
@@ -165,7 +169,22 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
     p.add_argument("--watchdog-interval", type=float, default=5.0, metavar="SECONDS")
-    p.add_argument("--watchdog-kill", action="store_true", help="kill processes over their cap")
+    p.add_argument(
+        "--watchdog-kill",
+        nargs="?",
+        const="all",
+        default="share",
+        choices=("off", "share", "all"),
+        help="kill processes of slices over their memory cap: off, share (fixed-share and "
+        "burst-share slices; the default) or all (best-effort too; the bare flag)",
+    )
+    p.add_argument(
+        "--watchdog-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a slice may stay over its cap before the watchdog kills",
+    )
     p.add_argument("--enforcement", choices=["interposer", "mps"], default="interposer")
     p.add_argument("--mps-control", default="nvidia-cuda-mps-control", help="MPS control binary")
     p.add_argument("--hook-path", help="the interposer library (default: the installed one)")
