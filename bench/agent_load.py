@@ -1,13 +1,15 @@
 """Node agent throughput: reserve/release operations per second and latency over the unix socket.
 
-Starts ``qgpu agent --sim 2xH100-80GB`` in a private state directory, then runs, side by
-side in one process:
-- sequential: one client, reserve then release, N times;
-- concurrent: C asyncio workers, each looping reserve -> release (slices of 5% / 4 GiB, so
-  at most 32 are held at once and placement is always contended).
-Every operation's latency is recorded; the script prints ops/s, p50 and p99 per mode.
+For each number of live slices L (``--live``, default 10 100 1000), side by side in one run,
+starts a fresh ``qgpu agent --sim 64xH100-80GB --max-slices-per-gpu 20`` in a private state
+directory, fills it with L held slices (1 % / 1 GiB each, spread over the GPUs), then runs:
+- sequential: one client (`AgentClient`, what the adapters use), reserve then release;
+- concurrent: C asyncio workers, each looping reserve -> release (slices of 5 % / 4 GiB).
+Every operation's latency is recorded; the script prints ops/s, p50 and p99 per mode and
+live count, and each mode's ops/s as a ratio to the smallest live count (a flat curve is
+1.00: the cost of a reservation does not grow with the slices already held).
 
-    .venv/bin/python bench/agent_load.py [--ops 2000] [--concurrency 1 16 64]
+    .venv/bin/python bench/agent_load.py [--ops 2000] [--concurrency 1 16] [--live 10 100 1000]
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def start_agent(state_dir: Path) -> subprocess.Popen:
             "qgpu.cli",
             "agent",
             "--sim",
-            "2xH100-80GB",
+            "64xH100-80GB",
+            "--max-slices-per-gpu",
+            "20",
             "--state-dir",
             str(state_dir),
             "--test-mode",
@@ -58,6 +62,22 @@ def start_agent(state_dir: Path) -> subprocess.Popen:
             time.sleep(0.1)
     proc.kill()
     raise SystemExit("the agent did not start")
+
+
+async def fill(sock: Path, live: int, workers: int = 8) -> None:
+    """Hold `live` small slices (they stay until the agent stops)."""
+    conns = [await RawConnection.open(sock) for _ in range(workers)]
+
+    async def worker(w: int) -> None:
+        for i in range(w, live, workers):
+            body = {"request": {"core": 1, "memory": 1}, "owner": {"id": f"held-{i}"}}
+            status, res = await conns[w].request("POST", "/v1/slices", body)
+            if status != 201:
+                raise SystemExit(f"filling: reserve answered {status}: {res}")
+
+    await asyncio.gather(*(worker(w) for w in range(workers)))
+    for conn in conns:
+        conn.close()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -150,33 +170,58 @@ def run_sequential(sock: Path, ops: int) -> tuple[float, list[float], int]:
     return elapsed, latencies, 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", type=int, default=2000, help="operations per mode")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    args = parser.parse_args()
+def measure(live: int, ops: int, concurrency: list[int]) -> dict[str, tuple]:
+    """ops/s, p50, p99 and 409 count per mode, with `live` slices held throughout."""
     state = Path(tempfile.mkdtemp(prefix="qb", dir="/tmp"))
     proc = start_agent(state)
     sock = state / "agent.sock"
+    rows: dict[str, tuple] = {}
     try:
+        asyncio.run(fill(sock, live))
         run_sequential(sock, 100)  # warm-up
-        print(f"qgpu agent over a unix socket, simulated 2xH100-80GB, {os.cpu_count()} CPUs")
-        print(f"{'mode':<16}{'ops':>7}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'409s':>7}")
-        for c in args.concurrency:
+        for c in concurrency:
             if c == 1:
-                elapsed, lat, no_fit = run_sequential(sock, args.ops)
+                elapsed, lat, no_fit = run_sequential(sock, ops)
                 mode = "sequential"
             else:
-                elapsed, lat, no_fit = asyncio.run(run_concurrent(sock, args.ops, c))
+                elapsed, lat, no_fit = asyncio.run(run_concurrent(sock, ops, c))
                 mode = f"concurrent x{c}"
-            print(
-                f"{mode:<16}{len(lat):>7}{len(lat) / elapsed:>10.0f}"
-                f"{statistics.median(lat) * 1e3:>10.2f}{pct(lat, 0.99) * 1e3:>10.2f}{no_fit:>7}"
+            rows[mode] = (
+                len(lat),
+                len(lat) / elapsed,
+                statistics.median(lat) * 1e3,
+                pct(lat, 0.99) * 1e3,
+                no_fit,
             )
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
         shutil.rmtree(state, ignore_errors=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=2000, help="operations per mode")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--live", type=int, nargs="+", default=[10, 100, 1000])
+    args = parser.parse_args()
+    if max(args.live) > 64 * 20 - 128:
+        parser.error(f"--live: at most {64 * 20 - 128} (64 GPUs x 20 slices, room to work)")
+    results = {live: measure(live, args.ops, args.concurrency) for live in args.live}
+    base = min(args.live)
+    print(f"qgpu agent over a unix socket, simulated 64xH100-80GB, {os.cpu_count()} CPUs")
+    print(
+        f"{'live':>6}  {'mode':<16}{'ops':>7}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'409s':>7}{'ratio':>8}"
+    )
+    for live, rows in results.items():
+        for mode, (n, rate, p50, p99, no_fit) in rows.items():
+            ratio = rate / results[base][mode][1]
+            print(
+                f"{live:>6}  {mode:<16}{n:>7}{rate:>10.0f}{p50:>10.2f}{p99:>10.2f}"
+                f"{no_fit:>7}{ratio:>8.2f}"
+            )
     return 0
 
 

@@ -4,12 +4,14 @@ validated slice (``qgpu.model``) into the ``QGPU_*`` variables or the limits fil
 
 Keys (docs/enforcement.md has the full contract)::
 
-    QGPU_SLICE_ID      [A-Za-z0-9._-]{1,64}
+    QGPU_SLICE_ID      [A-Za-z0-9][A-Za-z0-9._-]{0,63}
     QGPU_DEVICE_UUID   the physical GPU (CUDA_VISIBLE_DEVICES is set to it as well)
     QGPU_MEMORY_LIMIT  bytes, integer > 0 (absent: no memory cap, whole GPUs)
     QGPU_CORE_LIMIT    1..100 (100 = no compute cap)
     QGPU_ISOLATION     best-effort | fixed-share | burst-share
-    QGPU_STATE_DIR     shared ledgers (default /tmp/qgpu-state)
+    QGPU_STATE_DIR     the slices root: <dir>/<slice>/ledger/ holds the slice's shared ledger,
+                       <dir>/gpu-<uuid>.region what the GPU's processes tell each other
+                       (default /tmp/qgpu-state; layout in `enforcement.state_tree`)
     QGPU_LIMITS_FILE   the limits file (default /etc/qgpu/limits.conf)
     QGPU_REAL_LIBCUDA  driver to forward to (default libcuda.so.1)
     QGPU_SIM_CONFIG    simulated GPUs
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 import uuid
 from collections.abc import Mapping
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgpu.errors import RuleViolation
-from qgpu.model import Allocation, IsolationPolicy, SliceRequest
+from qgpu.model import SLICE_ID_RULE, Allocation, IsolationPolicy, SliceRequest, is_slice_id
 from qgpu.units import BYTES_PER_GIB
 
 DEFAULT_STATE_DIR = "/tmp/qgpu-state"
@@ -44,7 +47,6 @@ LIMIT_KEYS = (
     "QGPU_REAL_LIBCUDA",
     "QGPU_SIM_CONFIG",
 )
-_SLICE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 _SAFE_VALUE = re.compile(r"^[^\n\r\x00]*$")
 
@@ -63,8 +65,8 @@ class SliceLimits:
     sim_config: str | None = None
 
     def __post_init__(self) -> None:
-        if not _SLICE_ID.match(self.slice_id):
-            raise RuleViolation("QGPU_SLICE_ID", self.slice_id, "must match [A-Za-z0-9._-]{1,64}")
+        if not is_slice_id(self.slice_id):
+            raise RuleViolation("QGPU_SLICE_ID", self.slice_id, SLICE_ID_RULE)
         if not _UUID.match(self.device_uuid):
             raise RuleViolation(
                 "QGPU_DEVICE_UUID", self.device_uuid, "must be a GPU UUID such as GPU-5f3c2a1b-..."
@@ -207,21 +209,26 @@ def write_limits_file(
     *,
     mode: int = 0o444,
     root_owned: bool = False,
+    owner: tuple[int, int] | None = None,
     fsync: bool = True,
 ) -> Path:
     """Write a limits file atomically (temp file, rename); an identical file with the right
-    mode (and owner) is left alone. Written by root (``root_owned``: chown 0:0) with the
-    default mode it is the authoritative source the workload cannot loosen. ``fsync=False``
+    mode (and owner) is left alone. Written by root (``root_owned``: chown 0:0, or
+    ``owner=(0, gid)``: root and the slice's group) with a mode no group or other can
+    write, it is the authoritative source the workload cannot loosen. ``fsync=False``
     suits writers that can rebuild the file from their own durable state (the node agent
     rewrites every limits file from its ledger when it starts)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = render_limits(limits)
+    if root_owned and owner is None:
+        owner = (0, 0)
     try:
-        st = path.stat()
+        st = path.lstat()
         if (
             (st.st_mode & 0o777) == mode
-            and (not root_owned or (st.st_uid, st.st_gid) == (0, 0))
+            and stat.S_ISREG(st.st_mode)
+            and (owner is None or (st.st_uid, st.st_gid) == owner)
             and path.read_text() == text
         ):
             return path
@@ -233,8 +240,8 @@ def write_limits_file(
         os.write(fd, text.encode())
         if fsync:
             os.fsync(fd)
-        if root_owned:
-            os.fchown(fd, 0, 0)
+        if owner is not None:
+            os.fchown(fd, *owner)
         os.fchmod(fd, mode)
     finally:
         os.close(fd)

@@ -154,6 +154,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         hook_library=_hook_library(args.hook_library),
         workload_env=dict(backend.workload_env),
         agent=_agent(args.agent_socket),
+        workload_gid=args.workload_gid,
     )
     cfg = PluginConfig(node_name=node, prefix=args.prefix, plugin_dir=Path(args.plugin_dir))
     plugin = QgpuDevicePlugin(cfg, _kube(args), inventory, paths)
@@ -243,6 +244,12 @@ def register_device_plugin(sub: Any) -> None:
         "--agent-socket",
         help="record every slice with the node agent on this socket (it writes the limits "
         "files and watches the pods' processes); default: the plugin writes them itself",
+    )
+    p.add_argument(
+        "--workload-gid",
+        type=int,
+        default=0,
+        help="group that may use the GPUs' region files (default 0: containers in group 0)",
     )
     p.set_defaults(func=run_device_plugin)
 

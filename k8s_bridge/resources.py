@@ -167,6 +167,7 @@ class ContainerModel(_Loose):
     name: str
     resources: ResourceRequirements | None = None
     env: list[dict[str, Any]] | None = None
+    security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
 
 
 class PodSpecModel(_Loose):
@@ -174,6 +175,7 @@ class PodSpecModel(_Loose):
     init_containers: list[ContainerModel] | None = Field(default=None, alias="initContainers")
     scheduler_name: str | None = Field(default=None, alias="schedulerName")
     node_name: str | None = Field(default=None, alias="nodeName")
+    security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
 
 
 class ObjectMetaModel(_Loose):

@@ -12,6 +12,17 @@ from typing import Any
 from pydantic import ValidationError
 
 
+def safe_text(text: str, limit: int = 200) -> str:
+    """`text` truncated to `limit` characters (saying how long it was), lone surrogates
+    escaped: what an error message may echo of a value, however hostile."""
+    cut = text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+    try:
+        cut.encode("utf-8")
+    except UnicodeEncodeError:
+        cut = cut.encode("utf-8", "backslashreplace").decode("utf-8")
+    return cut
+
+
 class QgpuError(Exception):
     """Base class of qgpu's own errors."""
 

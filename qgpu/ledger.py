@@ -7,7 +7,20 @@ anything would be over-committed. SQLite's write lock serialises writers across 
 and processes; WAL keeps readers unblocked; a committed slice survives ``kill -9``.
 
 Release is idempotent. Each slice records its owner (pid, Ray actor, pod uid, ...) so the
-node agent's reconcile can release slices whose owner is gone.
+node agent's reconcile can release slices whose owner is gone, and optionally `SliceAttrs`
+(written in the same transaction): a lease (``expires_at``, the slice returns by itself
+unless renewed) and the uid/gid its processes run as.
+
+A ledger whose process is its file's only writer (the node agent) passes
+``cache_state=True``: the placement state (`ClusterState`) is then built once and updated
+with every committed change, so a reservation costs the same with 10 or 1,000 live slices.
+All writes then go through one connection, whose ``PRAGMA data_version`` reveals a commit
+by any other connection or process: the cache is rebuilt before the next decision, and the
+capacity check inside each transaction never trusts the cache anyway.
+
+Rows are read back leniently: a stored value that today's rules refuse (a slice id or an
+owner field written by an older version) is read as it is, with lone surrogates replaced,
+so listing and releasing never fail on old data.
 """
 
 from __future__ import annotations
@@ -17,9 +30,8 @@ import os
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +44,7 @@ from qgpu.model import (
     OwnerKind,
     PlacementPolicy,
     SliceRequest,
+    new_slice_id,
 )
 from qgpu.placement import ClusterState, Decision, Engine
 
@@ -66,6 +79,14 @@ CREATE TABLE IF NOT EXISTS slice_gpus (
 CREATE INDEX IF NOT EXISTS slice_gpus_by_gpu ON slice_gpus(gpu_uuid);
 CREATE INDEX IF NOT EXISTS slices_by_owner ON slices(owner_kind, owner_id);
 CREATE INDEX IF NOT EXISTS slices_by_node ON slices(node);
+CREATE TABLE IF NOT EXISTS slice_attrs (
+    slice_id TEXT PRIMARY KEY REFERENCES slices(slice_id) ON DELETE CASCADE,
+    expires_at REAL,
+    uid INTEGER,
+    gid INTEGER
+);
+CREATE INDEX IF NOT EXISTS slice_attrs_by_expiry ON slice_attrs(expires_at)
+    WHERE expires_at IS NOT NULL;
 """
 
 
@@ -91,20 +112,37 @@ class GpuUsage:
     max_slices: int
 
 
-def new_slice_id() -> str:
-    return "s-" + uuid.uuid4().hex[:16]
+@dataclass(frozen=True)
+class SliceAttrs:
+    """What the ledger keeps of a slice besides its placement (all optional)."""
+
+    expires_at: float | None = None  # lease: released by the agent after this wall time
+    uid: int | None = None  # the user its processes run as (owner of its files)
+    gid: int | None = None
 
 
 class Ledger:
     """SQLite-backed record of nodes and slices. One instance may be shared by threads."""
 
-    def __init__(self, path: str | os.PathLike[str], synchronous: str = "FULL") -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        synchronous: str = "FULL",
+        *,
+        cache_state: bool = False,
+    ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if synchronous.upper() not in {"FULL", "NORMAL", "EXTRA"}:
             raise RuleViolation("synchronous", synchronous, "must be FULL, NORMAL or EXTRA")
         self._synchronous = synchronous.upper()
         self._local = threading.local()
+        self._cache_state = cache_state
+        self._wlock = threading.RLock()
+        self._wconn: sqlite3.Connection | None = None
+        self._seen_version: int | None = None
+        # node filter -> (inventories, state with every committed slice applied)
+        self._cache: dict[str | None, tuple[list[NodeInventory], ClusterState]] = {}
         # executescript() commits on its own, so the schema gets its own script transaction
         self._conn().executescript(
             "BEGIN IMMEDIATE;"
@@ -116,37 +154,71 @@ class Ledger:
 
     # -- connections -------------------------------------------------------------------
 
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, timeout=60.0, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._synchronous}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA busy_timeout=60000")
+        return conn
+
     def _conn(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         pid = getattr(self._local, "pid", None)
         if conn is None or pid != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA synchronous={self._synchronous}")
-            conn.execute("PRAGMA foreign_keys=ON")
-            conn.execute("PRAGMA busy_timeout=60000")
+            conn = self._connect()
             self._local.conn = conn
             self._local.pid = os.getpid()
         return conn
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction holding SQLite's write lock from the start."""
-        db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        else:
-            db.execute("COMMIT")
+        """One write transaction holding SQLite's write lock from the start (with
+        `cache_state`, on the one writer connection, after checking nobody else wrote)."""
+        if not self._cache_state:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                _rollback(db)
+                raise
+            else:
+                db.execute("COMMIT")
+            return
+        with self._wlock:
+            if self._wconn is None:
+                self._wconn = self._connect()
+            db = self._wconn
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                version = db.execute("PRAGMA data_version").fetchone()[0]
+                if version != self._seen_version:
+                    self._cache.clear()  # another connection or process committed
+                    self._seen_version = version
+                yield db
+            except BaseException:
+                _rollback(db)
+                raise
+            try:
+                db.execute("COMMIT")
+            except BaseException:
+                self._cache.clear()  # the transaction's fate is unknown: rebuild
+                _rollback(db)
+                raise
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+        with self._wlock:
+            if self._wconn is not None:
+                self._wconn.close()
+                self._wconn = None
+            self._cache.clear()
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -159,6 +231,7 @@ class Ledger:
                 "updated_at=excluded.updated_at",
                 (inventory.name, inventory.model_dump_json(), time.time()),
             )
+            self._cache.clear()
 
     def nodes(self) -> list[NodeInventory]:
         rows = self._conn().execute("SELECT inventory FROM nodes ORDER BY name").fetchall()
@@ -176,6 +249,7 @@ class Ledger:
             ids = [r[0] for r in db.execute("SELECT slice_id FROM slices WHERE node=?", (name,))]
             db.execute("DELETE FROM slices WHERE node=?", (name,))
             db.execute("DELETE FROM nodes WHERE name=?", (name,))
+            self._cache.clear()
         return ids
 
     # -- reservations ------------------------------------------------------------------
@@ -189,6 +263,7 @@ class Ledger:
         node: str | None = None,
         policy: PlacementPolicy | str | None = None,
         gpu_policy: PlacementPolicy | str | None = None,
+        attrs: SliceAttrs | None = None,
     ) -> Allocation:
         """Place and record a slice atomically. Raises NoFit, RuleViolation or OverCommit.
 
@@ -198,22 +273,35 @@ class Ledger:
         owner = owner or Owner()
         slice_id = slice_id or new_slice_id()
         request.require_single_gpu_share("a reservation (its env names one GPU)")
-        with self._tx() as db:
-            existing = self._get(db, slice_id)
-            if existing is not None:
-                return _same_owner_or_raise(existing, owner)
-            inventories = self._inventories(db, node)
-            state = self._state(db, inventories)
-            _reject_never_fits(request, inventories)
-            engine = Engine(state, policy, gpu_policy)
-            decision = engine.decide(request)
-            inv = next(n for n in inventories if n.name == decision.node)
-            alloc = _allocation(slice_id, decision, request, inv, owner)
-            self._insert_checked(db, alloc, decision.memory_gib_per_gpu, request, inv)
+        with self._wlock:  # the commit and the cached state's update, together
+            with self._tx() as db:
+                existing = self._get(db, slice_id)
+                if existing is not None:
+                    return _same_owner_or_raise(existing, owner)
+                inventories, state = self._placement_state(db, node)
+                _reject_never_fits(request, inventories)
+                engine = Engine(state, policy, gpu_policy)
+                decision = engine.decide(request)
+                inv = next(n for n in inventories if n.name == decision.node)
+                alloc = _allocation(slice_id, decision, request, inv, owner)
+                mems = decision.memory_gib_per_gpu
+                self._insert_checked(db, alloc, mems, request, inv, attrs)
+            self._cached_apply(alloc, mems, request)
         return alloc
 
-    def record(self, alloc: Allocation, request: SliceRequest | None = None) -> Allocation:
+    def record(
+        self,
+        alloc: Allocation,
+        request: SliceRequest | None = None,
+        attrs: SliceAttrs | None = None,
+    ) -> Allocation:
         """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked."""
+        with self._wlock:
+            return self._record(alloc, request, attrs)
+
+    def _record(
+        self, alloc: Allocation, request: SliceRequest | None, attrs: SliceAttrs | None
+    ) -> Allocation:
         with self._tx() as db:
             existing = self._get(db, alloc.slice_id)
             if existing is not None:
@@ -232,14 +320,55 @@ class Ledger:
                 memory_gib=None if alloc.is_whole_gpu else alloc.memory_gib,
                 isolation=alloc.isolation,
             )
-            self._insert_checked(db, alloc, mems, req, inv)
+            self._insert_checked(db, alloc, mems, req, inv, attrs)
+        self._cached_apply(alloc, mems, req)
         return alloc
 
     def release(self, slice_id: str) -> bool:
         """Release a slice. True if it was held; False if it was already gone (idempotent)."""
+        with self._wlock:
+            with self._tx() as db:
+                cur = db.execute("DELETE FROM slices WHERE slice_id=?", (slice_id,))
+                released = cur.rowcount > 0
+            if released:
+                self._cached_release(slice_id)
+        return released
+
+    # -- slice attributes (leases, identity) -------------------------------------------
+
+    def attrs(self, slice_id: str) -> SliceAttrs:
+        row = (
+            self._conn()
+            .execute("SELECT expires_at, uid, gid FROM slice_attrs WHERE slice_id=?", (slice_id,))
+            .fetchone()
+        )
+        return SliceAttrs(*row) if row else SliceAttrs()
+
+    def all_attrs(self) -> dict[str, SliceAttrs]:
+        rows = self._conn().execute("SELECT slice_id, expires_at, uid, gid FROM slice_attrs")
+        return {r[0]: SliceAttrs(*r[1:]) for r in rows}
+
+    def set_expiry(self, slice_id: str, expires_at: float | None) -> bool:
+        """Renew (a new time) or end (None) a slice's lease; False if the slice is gone."""
         with self._tx() as db:
-            cur = db.execute("DELETE FROM slices WHERE slice_id=?", (slice_id,))
-            return cur.rowcount > 0
+            if db.execute("SELECT 1 FROM slices WHERE slice_id=?", (slice_id,)).fetchone() is None:
+                return False
+            db.execute(
+                "INSERT INTO slice_attrs(slice_id, expires_at) VALUES (?, ?) "
+                "ON CONFLICT(slice_id) DO UPDATE SET expires_at=excluded.expires_at",
+                (slice_id, expires_at),
+            )
+        return True
+
+    def expired(self, now: float | None = None) -> list[str]:
+        """Slices whose lease ended before `now`."""
+        now = time.time() if now is None else now
+        rows = self._conn().execute(
+            "SELECT slice_id FROM slice_attrs WHERE expires_at IS NOT NULL AND expires_at <= ? "
+            "ORDER BY expires_at",
+            (now,),
+        )
+        return [r[0] for r in rows]
 
     def release_owner(self, kind: OwnerKind | str, owner_id: str) -> list[str]:
         """Release every slice of one owner; returns the released ids."""
@@ -255,6 +384,7 @@ class Ledger:
             db.execute(
                 "DELETE FROM slices WHERE owner_kind=? AND owner_id=?", (kind.value, owner_id)
             )
+            self._cache.clear()
         return ids
 
     # -- queries -----------------------------------------------------------------------
@@ -303,6 +433,51 @@ class Ledger:
         """A ClusterState with every live slice applied (for planning and tests)."""
         db = self._conn()
         return self._state(db, self._inventories(db, node))
+
+    # -- the cached placement state (cache_state=True) ---------------------------------
+
+    def _placement_state(
+        self, db: sqlite3.Connection, node: str | None
+    ) -> tuple[list[NodeInventory], ClusterState]:
+        """Inventories and state for a decision: cached (kept up to date by every commit of
+        this ledger) or read from the database."""
+        if not self._cache_state:
+            inventories = self._inventories(db, node)
+            return inventories, self._state(db, inventories)
+        cached = self._cache.get(node)
+        if cached is None:
+            inventories = self._inventories(db, node)
+            cached = (inventories, self._state(db, inventories))
+            self._cache[node] = cached
+        return cached
+
+    def _cached_apply(
+        self, alloc: Allocation, memory_per_gpu: tuple[int, ...] | list[int], req: SliceRequest
+    ) -> None:
+        if not self._cache_state:
+            return
+        with self._wlock:
+            for key, (_invs, state) in list(self._cache.items()):
+                if alloc.node not in state.node_index:
+                    continue
+                try:
+                    state.apply(
+                        alloc.slice_id,
+                        [state.uuid_index[u] for u in alloc.gpu_uuids],
+                        alloc.core,
+                        list(memory_per_gpu),
+                        req.cpu_milli,
+                        req.host_memory_mib,
+                    )
+                except (KeyError, ValueError):
+                    self._cache.pop(key, None)  # out of step with the database: rebuild
+
+    def _cached_release(self, slice_id: str) -> None:
+        if not self._cache_state:
+            return
+        with self._wlock:
+            for _invs, state in self._cache.values():
+                state.release(slice_id)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -357,6 +532,7 @@ class Ledger:
         memory_per_gpu: tuple[int, ...],
         request: SliceRequest,
         inv: NodeInventory,
+        attrs: SliceAttrs | None = None,
     ) -> None:
         db.execute(
             "INSERT INTO slices(slice_id, node, core, memory_gib, isolation, owner_kind, "
@@ -381,6 +557,11 @@ class Ledger:
                 for u, m in zip(alloc.gpu_uuids, memory_per_gpu, strict=True)
             ],
         )
+        if attrs is not None and attrs != SliceAttrs():
+            db.execute(
+                "INSERT INTO slice_attrs(slice_id, expires_at, uid, gid) VALUES (?,?,?,?)",
+                (alloc.slice_id, attrs.expires_at, attrs.uid, attrs.gid),
+            )
         self._check_capacity(db, inv, alloc.gpu_uuids)
 
     def _check_capacity(self, db: sqlite3.Connection, inv: NodeInventory, uuids: list[str]) -> None:
@@ -440,18 +621,65 @@ def _gpus_by_slice(db: sqlite3.Connection) -> dict[str, list[str]]:
     return out
 
 
+def _rollback(db: sqlite3.Connection) -> None:
+    """Roll back if a transaction is open (a failed COMMIT may already have ended it)."""
+    if db.in_transaction:
+        with suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+
+
+def _clean(text: object) -> str:
+    """A stored string as valid Unicode: lone surrogates (which no JSON encoder takes)
+    become U+FFFD."""
+    value = str(text)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return value
+
+
+def _meta(text: str) -> dict[str, str]:
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {_clean(k): _clean(v) for k, v in raw.items()}
+
+
 def _row_to_allocation(row: tuple, gpus: list[str]) -> Allocation:
+    """A stored slice, built without re-validating: the row was checked when written, and
+    an older version's rules (or data) must not make it unreadable."""
     (sid, node, core, mem, iso, okind, oid, ometa, _req, created) = row
-    return Allocation(
-        slice_id=sid,
-        node=node,
-        gpu_uuids=gpus,
+    try:
+        kind = OwnerKind(okind)
+    except ValueError:
+        kind = OwnerKind.MANUAL
+    try:
+        isolation = IsolationPolicy(iso)
+    except ValueError:
+        isolation = IsolationPolicy.BEST_EFFORT
+    owner = Owner.model_construct(kind=kind, id=_clean(oid), meta=_meta(ometa))
+    return Allocation.model_construct(
+        slice_id=_clean(sid),
+        node=_clean(node),
+        gpu_uuids=[_clean(g) for g in gpus],
         core=core,
         memory_gib=mem,
-        isolation=IsolationPolicy(iso),
-        owner=Owner(kind=OwnerKind(okind), id=oid, meta=json.loads(ometa)),
+        isolation=isolation,
+        owner=owner,
         created_at=created,
     )
 
 
-__all__ = ["GpuUsage", "Ledger", "NoFit", "OverCommit", "UnknownNode", "new_slice_id"]
+__all__ = [
+    "GpuUsage",
+    "Ledger",
+    "NoFit",
+    "OverCommit",
+    "SliceAttrs",
+    "UnknownNode",
+    "new_slice_id",
+]

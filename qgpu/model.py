@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Self
@@ -37,13 +38,22 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     field_validator,
     model_validator,
 )
 
 from qgpu.errors import RuleViolation, first_violation
-from qgpu.units import CORE_FIELD, MEMORY_FIELD, mib_to_gib_floor, parse_core, parse_memory_gib
+from qgpu.units import (
+    CORE_FIELD,
+    MAX_MEMORY_GIB,
+    MAX_MEMORY_RULE,
+    MEMORY_FIELD,
+    mib_to_gib_floor,
+    parse_core,
+    parse_memory_gib,
+)
 
 DEFAULT_MAX_SLICES_PER_GPU = 16
 MAX_FIXED_SLICES_PER_GPU = 16
@@ -51,11 +61,8 @@ MIN_GIB_PER_SLICE = 4
 WHOLE_GPU_CORE = 100
 MAX_WHOLE_GPUS = 1024  # per request (one node); far above any node, far below int32 arithmetic
 MAX_CORE = MAX_WHOLE_GPUS * WHOLE_GPU_CORE
-MAX_MEMORY_GIB = 1 << 16  # per GPU: 64 TiB, far above any card; MiB still fit an int32
 
-CORE_RULE = "must be 1..99 (a share of one GPU) or a multiple of 100 (whole GPUs: 100, 200, ...)"
 CORE_LIMIT_RULE = f"must be at most {MAX_CORE} ({MAX_WHOLE_GPUS} whole GPUs)"
-MEMORY_LIMIT_RULE = f"must be at most {MAX_MEMORY_GIB} GiB (no GPU has more)"
 MAX_SHARE_GPUS = 2  # a multi-GPU share spans at most this many GPUs (TKE's first version)
 
 CORE_RULE = (
@@ -69,6 +76,29 @@ MULTI_GPU_SHARE_RULE = (
 )
 MEMORY_PERCENT_FIELD = "qgpu-memory-percentage"
 MEMORY_PERCENT_RULE = "must be an integer percent of the card's memory, 1..100"
+
+# A slice id names files and directories on the node (its directory under the state dir,
+# its limits file): an ASCII letter or digit first, so never ".", ".." or a hidden ".x".
+SLICE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+SLICE_ID_RULE = "must match [A-Za-z0-9][A-Za-z0-9._-]{0,63} (a letter or digit first, 1..64 chars)"
+_SLICE_ID_RE = re.compile(SLICE_ID_PATTERN)
+
+
+def is_slice_id(value: object) -> bool:
+    """True for a valid slice id (the one rule; `check_slice_id` raises instead)."""
+    return isinstance(value, str) and _SLICE_ID_RE.fullmatch(value) is not None
+
+
+def new_slice_id() -> str:
+    """A fresh random slice id (``s-`` and 16 hex digits)."""
+    return "s-" + uuid.uuid4().hex[:16]
+
+
+def check_slice_id(value: object, field: str = "slice_id") -> str:
+    """The slice id, or a `RuleViolation` naming `field`."""
+    if not is_slice_id(value):
+        raise RuleViolation(field, value, SLICE_ID_RULE)
+    return value  # type: ignore[return-value]
 
 
 class IsolationPolicy(StrEnum):
@@ -164,7 +194,7 @@ def _memory(value: Any) -> Any:
         return None
     gib = parse_memory_gib(value)
     if gib > MAX_MEMORY_GIB:
-        raise RuleViolation(MEMORY_FIELD, value, MEMORY_LIMIT_RULE)
+        raise RuleViolation(MEMORY_FIELD, value, MAX_MEMORY_RULE)
     return gib
 
 
@@ -240,8 +270,12 @@ class SliceRequest(BaseModel):
     exclude_uuids: Annotated[list[str], BeforeValidator(_uuid_list("exclude_uuids"))] = Field(
         default_factory=list, description="never these GPUs"
     )
-    cpu_milli: int = Field(default=0, ge=0, description="host CPU the workload needs (milli)")
-    host_memory_mib: int = Field(default=0, ge=0, description="host memory it needs (MiB)")
+    cpu_milli: int = Field(
+        default=0, ge=0, le=10**7, description="host CPU the workload needs (milli)"
+    )
+    host_memory_mib: int = Field(
+        default=0, ge=0, le=2**31, description="host memory it needs (MiB)"
+    )
 
     @model_validator(mode="after")
     def _memory_required_for_share(self) -> Self:
@@ -515,7 +549,10 @@ class Owner(BaseModel):
 
     kind: OwnerKind = OwnerKind.MANUAL
     id: str = Field(default="", max_length=256)
-    meta: dict[str, str] = Field(default_factory=dict)
+    meta: dict[
+        Annotated[str, StringConstraints(max_length=128)],
+        Annotated[str, StringConstraints(max_length=4096)],
+    ] = Field(default_factory=dict, max_length=64)
 
 
 class Allocation(BaseModel):
@@ -523,7 +560,7 @@ class Allocation(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    slice_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    slice_id: str = Field(pattern=SLICE_ID_PATTERN)
     node: str
     gpu_uuids: list[str] = Field(min_length=1)
     core: int = Field(description="per GPU: the share, or 100 for whole GPUs")

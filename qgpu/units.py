@@ -39,6 +39,9 @@ _UNIT_TO_MIB = {
     "tb": MIB_PER_GIB * 1024,
 }
 MEMORY_RULE = "must be a whole number of GiB >= 1, written 8, '8', '8Gi', '8G' or '8192Mi'"
+MAX_MEMORY_GIB = 1 << 16  # per GPU: 64 TiB, far above any card; MiB still fit an int32
+MAX_MEMORY_RULE = f"must be at most {MAX_MEMORY_GIB} GiB (no GPU has more)"
+_MAX_DIGITS = 24  # a longer number is refused before it is converted
 
 
 def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
@@ -52,6 +55,9 @@ def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
             raise RuleViolation(field, value, MEMORY_RULE)
         mib = int(value) * MIB_PER_GIB
     elif isinstance(value, str):
+        if len(value) > 2 * _MAX_DIGITS:  # refused before it is converted
+            rule = MAX_MEMORY_RULE if value.strip().isdigit() else MEMORY_RULE
+            raise RuleViolation(field, value, rule)
         match = _MEMORY_RE.match(value)
         unit = match.group("unit").lower() if match else None
         if match is None or unit not in _UNIT_TO_MIB:
@@ -65,6 +71,8 @@ def parse_memory_gib(value: Any, field: str = MEMORY_FIELD) -> int:
         raise RuleViolation(field, value, MEMORY_RULE)
     if mib <= 0 or mib % MIB_PER_GIB:
         raise RuleViolation(field, value, MEMORY_RULE)
+    if mib > MAX_MEMORY_GIB * MIB_PER_GIB:
+        raise RuleViolation(field, value, MAX_MEMORY_RULE)
     return mib // MIB_PER_GIB
 
 

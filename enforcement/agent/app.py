@@ -11,19 +11,30 @@ GET      /v1/slices                       every slice with live usage
 GET      /v1/slices/{slice_id}            one slice -> Reservation
 DELETE   /v1/slices/{slice_id}            release (idempotent) -> ReleaseResult
 POST     /v1/slices/{slice_id}/release    the same, for clients without DELETE
-GET      /v1/health                       status, problems, counts
+POST     /v1/slices/{slice_id}/lease      renew or end a slice's lease -> Reservation
+GET      /v1/health                       status, problems, counts (503 when failing)
 GET      /metrics                         Prometheus text format
 =======  ===============================  ============================================
 
-Every rejection is an `ErrorBody`: 422 invalid input (field, value, rule), 409 no GPU can
-take the slice now (with per-reason counts), 404 unknown slice or route, 401 missing or
-wrong bearer token on TCP, 500 an internal error (also counted in metrics).
+Every rejection is an `ErrorBody`: 422 invalid input (field, value, rule), 413 a body over
+the size limit, 409 no GPU can take the slice now (with per-reason counts), 404 unknown
+slice or route, 401 missing or wrong bearer token on TCP, 503 the state directory is full
+or read-only (nothing was recorded; retry later), 500 an internal error (also counted in
+metrics). Bodies are checked by `enforcement.agent.http_guard.BodyGuard` first.
+
+A reservation whose client has gone by the time the agent reaches it (it waited behind
+other writes) is not made: nothing is committed for a request nobody will read. Once
+committed, a reservation is kept; a client that lost the answer retries with the same
+``slice_id`` and gets the same slice, and a lease (``expires_s``) returns the slices of a
+client that vanished.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import sqlite3
 import time
 from typing import Annotated, Any
 
@@ -35,19 +46,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from enforcement.agent.errors import error_response, violations_from_request_errors
+from enforcement.agent.http_guard import DEFAULT_MAX_BODY, BodyGuard
 from enforcement.agent.metrics import build_registry, request_histogram, route_label
 from enforcement.agent.models import (
     SLICE_ID_PATTERN,
     DeviceList,
     ErrorBody,
     Health,
+    LeaseRequest,
     NodeInfo,
     RecordRequest,
     ReleaseResult,
     Reservation,
     ReserveRequest,
     SliceList,
-    Violation,
 )
 from enforcement.agent.service import VERSION, Agent, NotFound
 from qgpu.errors import NoFit, RuleViolation
@@ -59,73 +72,30 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "missing or wrong bearer token (TCP only)"},
     404: {"model": ErrorBody, "description": "no such slice or endpoint"},
     409: {"model": ErrorBody, "description": "valid, but no GPU can take it now"},
+    413: {"model": ErrorBody, "description": "the request body is over the size limit"},
     422: {"model": ErrorBody, "description": "invalid input: field, value and rule"},
     500: {"model": ErrorBody, "description": "internal error"},
+    503: {"model": ErrorBody, "description": "the state directory is full or read-only"},
 }
 
 WRITE_THREADS = 1
+# SQLite's errors when its file cannot be written; OSErrors of a full or read-only disk
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
 
 SliceId = Annotated[str, Path(pattern=SLICE_ID_PATTERN, description="slice id")]
 
 
-def _json_value(value: Any) -> Any:
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    return repr(value)
+class ClientGone(Exception):
+    """The client disconnected before its write reached the front of the queue."""
 
 
-def error_response(
-    status: int,
-    kind: str,
-    violations: list[RuleViolation],
-    reasons: dict[str, int] | None = None,
-) -> JSONResponse:
-    items = [Violation(field=v.field, value=_json_value(v.value), rule=v.rule) for v in violations]
-    first = items[0]
-    body = ErrorBody(
-        error=kind,  # type: ignore[arg-type]
-        field=first.field,
-        value=first.value,
-        rule=first.rule,
-        violations=items,
-        reasons=reasons or {},
-    )
-    return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
+def is_storage_error(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS
 
 
-def violations_from_request_errors(errors: list[dict[str, Any]]) -> list[RuleViolation]:
-    """FastAPI's request validation errors as field/value/rule (body prefix dropped)."""
-    out: list[RuleViolation] = []
-    for err in errors:
-        inner = (err.get("ctx") or {}).get("error")
-        if isinstance(inner, RuleViolation):
-            out.append(inner)
-            continue
-        loc = [str(p) for p in err.get("loc", ())]
-        if loc and loc[0] in ("body", "path", "query", "header"):
-            loc = loc[1:] or loc
-        field = ".".join(loc) or "request"
-        kind = err.get("type", "")
-        value = err.get("input")
-        if kind == "missing":
-            out.append(RuleViolation(field, None, "this field is required"))
-        elif kind == "extra_forbidden":
-            out.append(RuleViolation(field, value, "unknown field"))
-        elif kind == "json_invalid":
-            out.append(RuleViolation("body", None, "must be valid JSON"))
-        else:
-            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-            out.append(RuleViolation(field, value, msg))
-    return out or [RuleViolation("request", None, "invalid request")]
-
-
-def create_app(agent: Agent) -> FastAPI:
+def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
     """The API over one `Agent`. Serve it with `enforcement.agent.server`."""
     app = FastAPI(
         title="qgpu node agent",
@@ -136,18 +106,21 @@ def create_app(agent: Agent) -> FastAPI:
     registry = build_registry(agent)
     app.state.agent = agent
     app.state.metrics_registry = registry
+    app.add_middleware(BodyGuard, max_body_bytes=max_body_bytes)
     app.add_middleware(RequestTimer, histogram=request_histogram(registry), node=agent.node)
+
+    def count_invalid(request: Request) -> None:
+        if request.url.path.startswith("/v1/slices") and request.method == "POST":
+            agent.counters.add("reservations", "invalid")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path.startswith("/v1/slices") and request.method == "POST":
-            agent.counters.add("reservations", "invalid")
+        count_invalid(request)
         return error_response(422, "invalid", violations_from_request_errors(list(exc.errors())))
 
     @app.exception_handler(RuleViolation)
     async def _rule(request: Request, exc: RuleViolation) -> JSONResponse:
-        if request.url.path.startswith("/v1/slices") and request.method == "POST":
-            agent.counters.add("reservations", "invalid")
+        count_invalid(request)
         return error_response(422, "invalid", [exc])
 
     @app.exception_handler(NoFit)
@@ -171,16 +144,34 @@ def create_app(agent: Agent) -> FastAPI:
         if exc.status_code == 404:
             rule = "no such endpoint (see /docs or docs/agent.md)"
             return error_response(404, "not-found", [RuleViolation("path", request.url.path, rule)])
+        if exc.status_code == 405:
+            rule = f"method {request.method} is not allowed on {request.url.path}"
+            return error_response(405, "invalid", [RuleViolation("method", request.method, rule)])
         kind = "invalid" if 400 <= exc.status_code < 500 else "internal"
-        rule = str(exc.detail)
+        field = "body" if exc.status_code == 400 else "request"
+        return error_response(exc.status_code, kind, [RuleViolation(field, None, str(exc.detail))])
+
+    async def _storage_or_internal(request: Request, exc: Exception) -> JSONResponse:
+        if not is_storage_error(exc):
+            return await _internal(request, exc)
+        reason = agent.storage_failed(exc)
+        if request.url.path.startswith("/v1/slices") and request.method == "POST":
+            agent.counters.add("reservations", "unavailable")
+        rule = f"{reason}; nothing was recorded, retry once /v1/health is ok"
         return error_response(
-            exc.status_code, kind, [RuleViolation("method", request.method, rule)]
+            503,
+            "unavailable",
+            [RuleViolation("state_dir", str(agent.config.state_dir), rule)],
+            headers={"Retry-After": "5"},
         )
+
+    for kind in (sqlite3.Error, OSError):
+        app.add_exception_handler(kind, _storage_or_internal)  # type: ignore[arg-type]
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         agent.counters.add("errors", type(exc).__name__)
-        log.exception("internal error on %s %s", request.method, request.url.path)
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         rule = f"internal error ({type(exc).__name__}); see the agent's log"
         return error_response(500, "internal", [RuleViolation("request", None, rule)])
 
@@ -198,17 +189,30 @@ def create_app(agent: Agent) -> FastAPI:
     # crowding the shared thread pool (40 threads fighting over the GIL and one lock).
     writes = anyio.CapacityLimiter(WRITE_THREADS)
 
+    async def write(request: Request, fn: Any, *args: Any) -> Any:
+        """Run a mutation when its turn comes, unless its client has left meanwhile."""
+        async with writes:
+            if await request.is_disconnected():
+                raise ClientGone
+            return await anyio.to_thread.run_sync(fn, *args)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        agent.counters.add("reservations", "abandoned")
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
     @app.post("/v1/slices", response_model=Reservation, status_code=201, tags=["slices"])
-    async def reserve(body: ReserveRequest) -> Reservation:
-        """Reserve a slice. The answer carries the environment the workload must apply."""
-        return await anyio.to_thread.run_sync(agent.reserve, body, limiter=writes)
+    async def reserve(request: Request, body: ReserveRequest) -> Reservation:
+        """Reserve a slice. The answer carries the environment the workload must apply.
+        A repeat with the same ``slice_id`` and owner returns the same slice."""
+        return await write(request, agent.reserve, body)
 
     @app.post("/v1/slices/record", response_model=Reservation, status_code=201, tags=["slices"])
-    async def record(body: RecordRequest) -> Reservation:
+    async def record(request: Request, body: RecordRequest) -> Reservation:
         """Account for and enforce a slice placed elsewhere (scheduler extender, Ray SDK):
         the ledger checks the GPUs exist and have room; a repeat by the same owner is a no-op.
         """
-        return await anyio.to_thread.run_sync(agent.record, body, limiter=writes)
+        return await write(request, agent.record, body)
 
     @app.get("/v1/slices", response_model=SliceList, tags=["slices"])
     def slices() -> SliceList:
@@ -230,10 +234,24 @@ def create_app(agent: Agent) -> FastAPI:
         """Release a slice (POST form of DELETE)."""
         return await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes)
 
-    @app.get("/v1/health", response_model=Health, tags=["health"])
-    def health() -> Health:
-        """ok, or degraded with the problems listed."""
-        return agent.health()
+    @app.post("/v1/slices/{slice_id}/lease", response_model=Reservation, tags=["slices"])
+    async def lease(slice_id: SliceId, body: LeaseRequest) -> Reservation:
+        """Renew a slice's lease (``expires_s`` from now) or end it (``null``: the slice is
+        kept until released). 404 when the slice is gone (its lease may have run out)."""
+        return await anyio.to_thread.run_sync(agent.renew, slice_id, body.expires_s, limiter=writes)
+
+    @app.get(
+        "/v1/health",
+        response_model=Health,
+        tags=["health"],
+        responses={503: {"model": Health, "description": "failing: cannot record slices"}},
+    )
+    def health() -> Response:
+        """ok, degraded (problems listed), or failing (503: the state directory is full or
+        read-only, so no slice can be recorded)."""
+        h = agent.health()
+        status = 503 if h.status == "failing" else 200
+        return JSONResponse(h.model_dump(mode="json"), status_code=status)
 
     @app.get("/metrics", tags=["metrics"], response_class=Response)
     def metrics() -> Response:
@@ -256,16 +274,19 @@ class RequestTimer:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
+        status = 500  # the app raised before answering: uvicorn answers 500
+        answered = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, answered = int(message["status"]), True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+            if not answered:
+                status = 499  # returned without an answer: the client left first
         finally:
             self.histogram.labels(
                 self.node, scope["method"], route_label(scope["path"]), str(status)
@@ -317,4 +338,4 @@ def _is_unix(scope: Scope) -> bool:
     return server is not None and len(server) == 2 and server[1] is None
 
 
-__all__ = ["TokenGuard", "create_app", "error_response"]
+__all__ = ["TokenGuard", "create_app", "error_response", "is_storage_error"]

@@ -79,6 +79,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
+        "workload_gid": args.workload_gid,
+        "max_body_bytes": args.max_body_bytes,
+        "head_timeout_s": args.head_timeout,
+        "body_timeout_s": args.body_timeout,
     }
     for key, value in (
         ("node_name", args.node_name),
@@ -186,6 +190,19 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hook-path", help="the interposer library (default: the installed one)")
     p.add_argument("--real-libcuda", help="QGPU_REAL_LIBCUDA for workloads")
     p.add_argument("--test-mode", action="store_true", help="limits files need not be root-owned")
+    p.add_argument(
+        "--workload-gid",
+        type=int,
+        default=0,
+        help="group that may use the GPUs' region files (default 0: root only)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="request body limit")
+    p.add_argument(
+        "--head-timeout", type=float, default=10.0, metavar="SECONDS", help="request head deadline"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, metavar="SECONDS", help="request body deadline"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_agent)
 

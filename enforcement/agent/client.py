@@ -4,11 +4,20 @@
 token=...)`` over loopback TCP with the bearer token. Answers are the API's pydantic
 models. A 4xx/5xx answer raises `AgentError` carrying the agent's field, value and rule
 (and ``reasons`` for a no-fit); a connection failure raises `AgentUnavailable`.
+
+``reserve`` and ``record`` are idempotent: ``reserve`` always sends a ``slice_id`` (a new
+random one unless the caller names one), and both retry with the same id when the answer
+is lost (a timeout, a broken connection) or the agent is briefly unavailable (503), so a
+retry returns the slice the first attempt made instead of a second one. ``expires_s``
+asks for a lease the holder keeps with ``renew`` (the agent releases the slice when it
+runs out); ``renew(slice_id, None)`` ends the lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any, Self
 
@@ -24,9 +33,11 @@ from enforcement.agent.models import (
     SliceList,
 )
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.model import Owner, SliceRequest
+from qgpu.model import Owner, SliceRequest, new_slice_id
 
 UDS_BASE_URL = "http://qgpu-agent"
+WRITE_ATTEMPTS = 4
+RETRY_BACKOFF_S = 0.25
 
 
 class AgentError(QgpuError):
@@ -70,14 +81,19 @@ def _request_json(request: SliceRequest | dict[str, Any]) -> dict[str, Any]:
 def _reserve_body(
     request: SliceRequest | dict[str, Any],
     owner: Owner | dict[str, Any] | None,
-    slice_id: str | None,
+    slice_id: str,
+    **extra: Any,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"request": _request_json(request)}
+    body: dict[str, Any] = {"request": _request_json(request), "slice_id": slice_id}
     if owner is not None:
         body["owner"] = owner.model_dump(mode="json") if isinstance(owner, Owner) else dict(owner)
-    if slice_id is not None:
-        body["slice_id"] = slice_id
+    body.update({k: v for k, v in extra.items() if v is not None})
     return body
+
+
+def _retryable(exc: QgpuError) -> bool:
+    """Worth repeating with the same slice id: the answer was lost, or the agent said 503."""
+    return isinstance(exc, AgentUnavailable) or (isinstance(exc, AgentError) and exc.status == 503)
 
 
 def _check(response: httpx.Response) -> Any:
@@ -131,14 +147,33 @@ class AgentClient:
     def devices(self) -> DeviceList:
         return DeviceList.model_validate_json(self._call("GET", "/v1/devices").content)
 
+    def _idempotent(self, path: str, body: dict[str, Any]) -> Reservation:
+        """POST `body` (which names its slice) until an answer comes, at most
+        `WRITE_ATTEMPTS` times."""
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                return Reservation.model_validate_json(self._call("POST", path, json=body).content)
+            except (AgentUnavailable, AgentError) as exc:
+                if not _retryable(exc) or attempt == WRITE_ATTEMPTS - 1:
+                    raise
+            time.sleep(RETRY_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
     def reserve(
         self,
         request: SliceRequest | dict[str, Any],
         owner: Owner | dict[str, Any] | None = None,
         slice_id: str | None = None,
+        *,
+        expires_s: float | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> Reservation:
-        body = _reserve_body(request, owner, slice_id)
-        return Reservation.model_validate_json(self._call("POST", "/v1/slices", json=body).content)
+        """Reserve a slice (idempotent: see the module); `expires_s` asks for a lease."""
+        body = _reserve_body(
+            request, owner, slice_id or new_slice_id(), expires_s=expires_s, uid=uid, gid=gid
+        )
+        return self._idempotent("/v1/slices", body)
 
     def record(
         self,
@@ -146,11 +181,19 @@ class AgentClient:
         request: SliceRequest | dict[str, Any],
         device_uuids: list[str],
         owner: Owner | dict[str, Any] | None = None,
+        *,
+        expires_s: float | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> Reservation:
-        """Have the agent account for and enforce a slice placed elsewhere."""
-        body = _reserve_body(request, owner, slice_id)
+        """Have the agent account for and enforce a slice placed elsewhere (idempotent)."""
+        body = _reserve_body(request, owner, slice_id, expires_s=expires_s, uid=uid, gid=gid)
         body["device_uuids"] = list(device_uuids)
-        response = self._call("POST", "/v1/slices/record", json=body)
+        return self._idempotent("/v1/slices/record", body)
+
+    def renew(self, slice_id: str, expires_s: float | None) -> Reservation:
+        """Renew the slice's lease for `expires_s` seconds from now (None: end the lease)."""
+        response = self._call("POST", f"/v1/slices/{slice_id}/lease", json={"expires_s": expires_s})
         return Reservation.model_validate_json(response.content)
 
     def get(self, slice_id: str) -> Reservation:
@@ -219,9 +262,29 @@ class AsyncAgentClient:
         request: SliceRequest | dict[str, Any],
         owner: Owner | dict[str, Any] | None = None,
         slice_id: str | None = None,
+        *,
+        expires_s: float | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> Reservation:
-        body = _reserve_body(request, owner, slice_id)
-        response = await self._call("POST", "/v1/slices", json=body)
+        """Reserve a slice (idempotent, retried with the same slice id)."""
+        body = _reserve_body(
+            request, owner, slice_id or new_slice_id(), expires_s=expires_s, uid=uid, gid=gid
+        )
+        for attempt in range(WRITE_ATTEMPTS):
+            try:
+                response = await self._call("POST", "/v1/slices", json=body)
+                return Reservation.model_validate_json(response.content)
+            except (AgentUnavailable, AgentError) as exc:
+                if not _retryable(exc) or attempt == WRITE_ATTEMPTS - 1:
+                    raise
+            await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def renew(self, slice_id: str, expires_s: float | None) -> Reservation:
+        response = await self._call(
+            "POST", f"/v1/slices/{slice_id}/lease", json={"expires_s": expires_s}
+        )
         return Reservation.model_validate_json(response.content)
 
     async def release(self, slice_id: str) -> ReleaseResult:

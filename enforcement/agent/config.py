@@ -1,8 +1,9 @@
 """The agent's settings (one pydantic model, validated like every other input).
 
-Paths derive from `state_dir` unless given: the ledger ``ledger.sqlite``, the per-slice
-limits files under ``limits/``, the interposer's shared per-slice state under ``slices/``,
-MPS pipe/log directories under ``mps/`` and the simulator's files under ``sim/``.
+Paths derive from `state_dir` unless given: the ledger ``ledger.sqlite``, one directory
+per slice (limits file and interposer ledger) and the GPUs' region files under ``slices/``
+(`enforcement.state_tree`), MPS pipe/log directories under ``mps/`` and the simulator's
+files under ``sim/``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,16 @@ class AgentConfig(BaseModel):
         default=False, description="skip root ownership of limits files (tests, laptops)"
     )
     kubelet_pods_dir: Path = Path("/var/lib/kubelet/pods")
+    workload_gid: int = Field(
+        default=0,
+        ge=0,
+        le=2**32 - 2,
+        description="group allowed to use the GPUs' region files (the interposer's "
+        "cross-slice compute coordination); 0: root only",
+    )
+    max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    head_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("default_isolation", mode="before")
     @classmethod
@@ -146,7 +157,8 @@ class AgentConfig(BaseModel):
         return self.state_dir / "ledger.sqlite"
 
     @property
-    def limits_dir(self) -> Path:
+    def legacy_limits_dir(self) -> Path:
+        """Where limits files lived before per-slice directories (cleaned up at start)."""
         return self.state_dir / "limits"
 
     @property

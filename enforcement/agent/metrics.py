@@ -136,12 +136,12 @@ class AgentCollector(Collector):
         res = CounterMetricFamily(
             "qgpu_agent_reservations", "Reservation requests by result", labels=["node", "result"]
         )
-        for result in ("ok", "invalid", "no-fit"):
+        for result in ("ok", "invalid", "no-fit", "unavailable", "abandoned"):
             res.add_metric([node, result], reservations.get(result, 0))
         rel = CounterMetricFamily(
             "qgpu_agent_releases", "Releases by reason", labels=["node", "reason"]
         )
-        for reason in ("request", "owner-gone", "already-gone"):
+        for reason in ("request", "owner-gone", "lease-expired", "already-gone"):
             rel.add_metric([node, reason], releases.get(reason, 0))
         err = CounterMetricFamily(
             "qgpu_agent_errors", "Internal errors by exception type", labels=["node", "type"]
@@ -216,11 +216,10 @@ def route_label(path: str) -> str:
     if path == "/v1/slices/record":
         return path
     if path.startswith("/v1/slices/"):
-        return (
-            "/v1/slices/{slice_id}/release"
-            if path.endswith("/release")
-            else "/v1/slices/{slice_id}"
-        )
+        for verb in ("release", "lease"):
+            if path.endswith(f"/{verb}"):
+                return f"/v1/slices/{{slice_id}}/{verb}"
+        return "/v1/slices/{slice_id}"
     return path if path in KNOWN_ROUTES else "other"
 
 

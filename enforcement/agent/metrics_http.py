@@ -6,7 +6,9 @@ slices; Prometheus must not need that. This listener serves the same registry as
 prometheus-client's own WSGI exposition, behind a guard that answers 404 for every other
 path and 405 for every method but GET and HEAD: no slice can be changed through it, whatever
 is sent to it. It runs in its own thread (prometheus-client's threading WSGI server), so a
-slow scrape never holds the API's event loop.
+slow scrape never holds the API's event loop. A connection that sends nothing (or half a
+request) for ``read_timeout_s`` is closed, so idle or half-sent requests cannot pile up
+threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
 METRICS_PATH = "/metrics"
 READ_METHODS = ("GET", "HEAD")
+DEFAULT_READ_TIMEOUT_S = 10.0
 
 Wsgi = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -50,11 +53,19 @@ def read_only_metrics_app(registry: CollectorRegistry) -> Wsgi:
 class MetricsListener:
     """A running metrics listener; `close()` stops it and frees the port."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+        # socketserver applies a handler's `timeout` to every read of its connection
+        handler = type("MetricsHandler", (_SilentHandler,), {"timeout": read_timeout_s})
         self.server: WSGIServer = make_server(
-            host, port, read_only_metrics_app(registry), server_class, handler_class=_SilentHandler
+            host, port, read_only_metrics_app(registry), server_class, handler_class=handler
         )
         self.thread = threading.Thread(
             target=self.server.serve_forever, name="qgpu-metrics", daemon=True

@@ -7,13 +7,32 @@ field, value and rule at the top level, all of them under ``violations``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from qgpu.model import GpuHealth, IsolationPolicy, NodeInventory, Owner, SliceRequest
+from qgpu.model import (
+    SLICE_ID_PATTERN,
+    GpuHealth,
+    IsolationPolicy,
+    NodeInventory,
+    Owner,
+    SliceRequest,
+)
 
-SLICE_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+MAX_LEASE_S = 7 * 24 * 3600.0
+MAX_ID = 2**32 - 2  # uid/gid: (uid_t)-1 means "unchanged" to chown
+
+LeaseSeconds = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=MAX_LEASE_S,
+        description="lease: the slice is released after this many seconds unless renewed "
+        "(POST /v1/slices/{id}/lease)",
+    ),
+]
+PosixId = Annotated[int, Field(ge=0, le=MAX_ID)]
 
 
 class Violation(BaseModel):
@@ -25,7 +44,9 @@ class Violation(BaseModel):
 class ErrorBody(BaseModel):
     """Every 4xx/5xx answer of the agent."""
 
-    error: Literal["invalid", "no-fit", "not-found", "unauthorized", "unavailable", "internal"]
+    error: Literal[
+        "invalid", "too-large", "no-fit", "not-found", "unauthorized", "unavailable", "internal"
+    ]
     field: str
     value: Any = None
     rule: str
@@ -35,25 +56,45 @@ class ErrorBody(BaseModel):
     )
 
 
-class ReserveRequest(BaseModel):
-    """POST /v1/slices body."""
+class WorkloadIdentity(BaseModel):
+    """Who the slice's processes run as: its ledger belongs to them, nobody else can open it.
+
+    Default: the owner's process (a ``pid`` owner, a Dask worker's ``meta.pid``), else the
+    agent's own user."""
 
     model_config = ConfigDict(extra="forbid")
+
+    uid: PosixId | None = Field(default=None, description="user of the slice's processes")
+    gid: PosixId | None = Field(default=None, description="their group")
+
+
+class ReserveRequest(WorkloadIdentity):
+    """POST /v1/slices body."""
 
     request: SliceRequest
     owner: Owner = Field(default_factory=Owner)
     slice_id: str | None = Field(
         default=None,
         pattern=SLICE_ID_PATTERN,
-        description="optional client-chosen id; a retry with the same id and owner is a no-op",
+        description="idempotency key chosen by the client (the Python client always sends "
+        "one): a retry with the same id and owner returns the same slice",
+    )
+    expires_s: LeaseSeconds | None = None
+
+
+class LeaseRequest(BaseModel):
+    """POST /v1/slices/{id}/lease body: renew the lease, or end it (the slice is kept)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    expires_s: LeaseSeconds | None = Field(
+        description="seconds from now; null makes the slice permanent (until released)"
     )
 
 
-class RecordRequest(BaseModel):
+class RecordRequest(WorkloadIdentity):
     """POST /v1/slices/record body: a placement decided elsewhere (the Kubernetes scheduler
     extender, the Ray SDK) that this node must enforce and account for."""
-
-    model_config = ConfigDict(extra="forbid")
 
     slice_id: str = Field(pattern=SLICE_ID_PATTERN)
     request: SliceRequest
@@ -61,6 +102,7 @@ class RecordRequest(BaseModel):
         min_length=1, max_length=64, description="the GPUs chosen: one for a share"
     )
     owner: Owner = Field(default_factory=Owner)
+    expires_s: LeaseSeconds | None = None
 
 
 class Reservation(BaseModel):
@@ -80,6 +122,14 @@ class Reservation(BaseModel):
     )
     owner: Owner
     created_at: float
+    expires_at: float | None = Field(
+        default=None, description="lease end (unix time); null: held until released"
+    )
+    uid: int | None = Field(default=None, description="user the slice's files belong to")
+    gid: int | None = Field(default=None, description="group the slice's files belong to")
+    slice_dir: str | None = Field(
+        default=None, description="the slice's directory (limits file, ledger directory)"
+    )
     limits_file: str | None = Field(description="KEY=VALUE limits file read at cuInit")
     env: dict[str, str] = Field(description="environment to apply before the process starts")
 
@@ -148,7 +198,10 @@ class NodeInfo(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
+    """``ok``; ``degraded`` (problems, but it serves); ``failing`` (it cannot record slices:
+    the state directory is full or read-only): then /v1/health answers 503."""
+
+    status: Literal["ok", "degraded", "failing"]
     node: str
     backend: str
     enforcement: str

@@ -5,8 +5,16 @@ The unix socket is created under a 0177 umask, so it is 0600 from the moment it 
 connect. TCP is opt-in, loopback only (the config refuses any other address) and every
 request on it needs the bearer token (`enforcement.agent.app.TokenGuard`).
 
-A maintenance thread reconciles owners every ``reconcile_interval_s``, runs the watchdog
-every ``watchdog_interval_s`` and re-reads the GPUs' health every 30 s.
+Both listeners run uvicorn's h11 protocol with deadlines (`enforcement.agent.http_guard`):
+a request head must arrive within ``head_timeout_s``, its body within ``body_timeout_s``;
+bodies are limited to ``max_body_bytes``.
+
+A maintenance thread reconciles owners every ``reconcile_interval_s``, releases slices
+whose lease ran out (every second), runs the watchdog every ``watchdog_interval_s`` and
+re-reads the GPUs' health every 30 s.
+
+A state directory the agent cannot use (read-only, full, not a directory) stops it at
+start-up with one line naming it and exit code 2 (`check_state_dir`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import threading
 import time
@@ -25,9 +34,10 @@ import uvicorn
 
 from enforcement.agent.app import TokenGuard, create_app
 from enforcement.agent.config import AgentConfig
+from enforcement.agent.http_guard import guarded_h11
 from enforcement.agent.metrics_http import MetricsListener
 from enforcement.agent.mps import MpsManager
-from enforcement.agent.service import Agent
+from enforcement.agent.service import Agent, check_state_dir, storage_reason
 from enforcement.agent.watchdog import Watchdog
 from enforcement.discovery import GpuBackend, open_backend
 from qgpu.errors import RuleViolation
@@ -35,11 +45,19 @@ from qgpu.errors import RuleViolation
 log = logging.getLogger("qgpu.agent.server")
 
 INVENTORY_REFRESH_S = 30.0
+LEASE_CHECK_S = 1.0
 BACKLOG = 4096
 
 
 def bind_unix(path: Path) -> socket.socket:
     """A listening unix socket at `path`, mode 0600 from creation."""
+    try:
+        return _bind_unix(path)
+    except OSError as exc:
+        raise RuleViolation("socket", str(path), f"cannot listen there ({exc.strerror})") from None
+
+
+def _bind_unix(path: Path) -> socket.socket:
     if not path.parent.exists():
         path.parent.mkdir(parents=True, mode=0o755)
     if path.exists() or path.is_symlink():
@@ -90,14 +108,21 @@ class Maintenance(threading.Thread):
     def run(self) -> None:
         cfg = self.agent.config
         now = time.monotonic()
-        due = {"reconcile": now + cfg.reconcile_interval_s, "watchdog": now, "inventory": now}
+        due = {
+            "reconcile": now + cfg.reconcile_interval_s,
+            "leases": now + LEASE_CHECK_S,
+            "watchdog": now,
+            "inventory": now,
+        }
         every = {
             "reconcile": cfg.reconcile_interval_s,
+            "leases": LEASE_CHECK_S,
             "watchdog": cfg.watchdog_interval_s,
             "inventory": INVENTORY_REFRESH_S,
         }
         jobs = {
             "reconcile": self.agent.reconcile,
+            "leases": self.agent.expire_leases,
             "watchdog": self.watchdog.scan,
             "inventory": self.agent.refresh_inventory,
         }
@@ -119,7 +144,10 @@ class Maintenance(threading.Thread):
 
 
 def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent:
-    """Open the GPU backend (and MPS when configured) and start the agent's state."""
+    """Open the GPU backend (and MPS when configured) and start the agent's state.
+
+    A state directory that cannot be written is a `RuleViolation` naming it."""
+    check_state_dir(config.state_dir)
     if backend is None:
         backend = open_backend(
             config.backend,
@@ -128,7 +156,13 @@ def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent
             node_name=config.node_name,
         )
     mps = MpsManager(config.mps_control, config.mps_dir) if config.enforcement == "mps" else None
-    agent = Agent(config, backend, mps=mps)
+    try:
+        agent = Agent(config, backend, mps=mps)
+    except (sqlite3.Error, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno is None:
+            raise
+        rule = f"must be a writable directory with free space: {storage_reason(exc)}"
+        raise RuleViolation("state_dir", str(config.state_dir), rule) from None
     agent.watchdog = Watchdog(agent, kill=config.watchdog_kill, grace_s=config.watchdog_grace_s)
     return agent
 
@@ -137,6 +171,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     """Run the agent until SIGINT/SIGTERM. Returns the exit code."""
     if config.tcp_port is not None and not config.token:
         raise RuleViolation("token_file", None, "is required with --tcp-port")
+    check_state_dir(config.state_dir)
     # Bind first: a second agent on the same socket stops here, before touching the state.
     sockets = [bind_unix(config.socket)]
     try:
@@ -149,7 +184,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         config.socket.unlink(missing_ok=True)
         raise
     assert agent.watchdog is not None
-    app = create_app(agent)
+    app = create_app(agent, max_body_bytes=config.max_body_bytes)
     asgi = TokenGuard(app, config.token) if config.token else app
     metrics: MetricsListener | None = None
     if config.metrics_port is not None:
@@ -159,6 +194,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             asgi,
+            http=guarded_h11(config.head_timeout_s, config.body_timeout_s),
             lifespan="off",
             access_log=False,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),

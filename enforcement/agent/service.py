@@ -2,20 +2,29 @@
 
 State lives in two places, both under the state directory and both rebuilt from the
 ledger on start: the core SQLite ledger (``ledger.sqlite``, WAL, synchronous=FULL: a
-reservation is acknowledged only after it is committed) and one limits file per share slice
-(``limits/<slice>.limits``, written after the commit and before the answer). A restart —
-even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file, deletes
-files of slices that are gone, and reconciles owners. Running processes keep their caps:
-the interposer read its limits at ``cuInit`` and shares per-slice state through files the
-agent never touches.
+reservation is acknowledged only after it is committed) and one directory per slice
+(``slices/<slice>/``: its limits file and the interposer's ledger, owned by the slice's
+user, see `enforcement.state_tree`), made after the commit and before the answer. A
+restart — even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file,
+deletes the directories of slices that are gone, and reconciles owners. Running processes
+keep their caps: the interposer read its limits at ``cuInit`` and shares per-slice state
+through its ledger, which the agent never rewrites.
 
-Placement is the core engine's (`Ledger.reserve`); validation is the core model's.
+Placement is the core engine's (`Ledger.reserve`, with the placement state kept in memory:
+the agent is its ledger's only writer); validation is the core model's. Leases
+(``expires_s``) are kept in the ledger with the slice and released by `expire_leases`.
+A write that fails because the state directory is full or read-only is answered 503 (see
+`enforcement.agent.app`) and makes the health check fail until a write works again.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import pwd
+import shutil
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING
 from enforcement.agent import slice_env
 from enforcement.agent.config import AgentConfig
 from enforcement.agent.models import (
+    MAX_LEASE_S,
     DeviceInfo,
     DeviceList,
     Health,
@@ -47,13 +57,13 @@ from enforcement.agent.reconcile import (
     pid_namespace,
     proc_start_time,
 )
-from enforcement.agent.slice_stats import BusyRate, ledger_path, read_slice_ledger
+from enforcement.agent.slice_stats import BusyRate, read_ledger_file, read_slice_ledger
 from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
-from enforcement.limits import write_limits_file
 from enforcement.native import HOOK_LIBRARY
+from enforcement.state_tree import Identity, StateTree, process_identity
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.ledger import Ledger, OverCommit
-from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind
+from qgpu.ledger import Ledger, OverCommit, SliceAttrs
+from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind, is_slice_id
 from qgpu.units import BYTES_PER_GIB
 
 if TYPE_CHECKING:
@@ -67,10 +77,48 @@ except PackageNotFoundError:  # running from a source tree
     VERSION = "0+unknown"
 
 
+MIN_FREE_BYTES = 128 * 1024  # below this the state directory counts as full
+
+
 class NotFound(QgpuError):
     def __init__(self, field: str, value: object, rule: str) -> None:
         self.violation = RuleViolation(field, value, rule)
         super().__init__(str(self.violation))
+
+
+def check_state_dir(path: Path) -> None:
+    """Refuse (RuleViolation, exit 2 at start-up) a state directory the agent cannot use."""
+    rule = "must be a writable directory with free space"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        _probe_write(path)
+    except OSError as exc:
+        raise RuleViolation("state_dir", str(path), f"{rule} ({exc.strerror or exc})") from None
+
+
+def _probe_write(path: Path) -> None:
+    """Write, sync and delete a small file in `path` (OSError when it cannot)."""
+    fd, name = tempfile.mkstemp(prefix=".probe-", dir=path)
+    try:
+        os.write(fd, b"\0" * 8192)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+def storage_reason(exc: BaseException) -> str:
+    """A sentence for a failed write of the state directory."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"the state directory is full ({exc.strerror})"
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return "the state directory is on a read-only file system"
+    if "full" in text:
+        return f"the state directory is full ({text})"
+    if "readonly" in text or "read-only" in text:
+        return f"the state directory is read-only ({text})"
+    return f"the state directory cannot be written ({text})"
 
 
 @dataclass
@@ -122,22 +170,28 @@ class Agent:
         self._inventory_lock = threading.Lock()
         self._environ_cache: dict[tuple[int, int], str | None] = {}
         self._busy = BusyRate()
-        for path in (config.state_dir, config.limits_dir):
-            path.mkdir(parents=True, exist_ok=True)
-            os.chmod(path, 0o755)
-        config.slices_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(config.slices_dir, 0o1777)
-        self.ledger = Ledger(config.ledger_path)
+        self._storage_error: str | None = None
+        self.privileged = not config.test_mode and os.geteuid() == 0
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.state_dir, 0o755)
+        self.tree = StateTree(
+            config.slices_dir, privileged=self.privileged, workload_gid=config.workload_gid
+        )
+        self.tree.prepare()
+        self.ledger = Ledger(config.ledger_path, cache_state=True)
         for suffix in ("", "-wal", "-shm"):  # owners and slices are the agent's business
             path = config.ledger_path.with_name(config.ledger_path.name + suffix)
             if path.exists():
                 os.chmod(path, 0o600)
         self.inventory = self._discover()
         self.ledger.put_node(self.inventory)
+        for gpu in self.inventory.gpus:
+            self.tree.ensure_region(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
         self.restore()
         self.reconcile()
+        self.expire_leases()
 
     # -- inventory ---------------------------------------------------------------------
 
@@ -161,6 +215,8 @@ class Agent:
             if fresh == self.inventory:
                 return False
             self.ledger.put_node(fresh)
+            for gpu in fresh.gpus:
+                self.tree.ensure_region(gpu.uuid)
             self.inventory = fresh
             log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
             return True
@@ -168,39 +224,77 @@ class Agent:
     # -- restart recovery ---------------------------------------------------------------
 
     def restore(self) -> None:
-        """Make the limits files match the ledger exactly (after any restart or crash)."""
-        held = {a.slice_id: a for a in self.ledger.allocations(self.node)}
-        for alloc in held.values():
-            self._write_limits(alloc)
-        for path in self.config.limits_dir.iterdir():
-            name = path.name
-            if name.startswith("."):
-                path.unlink(missing_ok=True)  # a temp file a crash left behind
-            elif (
-                name.endswith(slice_env.LIMITS_SUFFIX)
-                and name.removesuffix(slice_env.LIMITS_SUFFIX) not in held
-            ):
-                path.unlink(missing_ok=True)
-        for path in self.config.slices_dir.glob("slice-*.ledger"):
-            sid = path.name.removeprefix("slice-").removesuffix(".ledger")
-            if sid not in held:
-                self._drop_slice_ledger(sid)
+        """Make the slice directories match the ledger exactly (after any restart or crash).
 
-    def _drop_slice_ledger(self, slice_id: str) -> None:
-        """Delete the interposer's ledger of a released slice once no live process uses it."""
+        A slice whose id breaks today's rule (``.``, ``..``, ``.x``, stored by an older
+        version) cannot have a directory and its client cannot name it: it is released.
+        """
+        held = {a.slice_id: a for a in self.ledger.allocations(self.node)}
+        for sid in [s for s in held if not is_slice_id(s)]:
+            with self._write_lock:
+                self.ledger.release(sid)
+            del held[sid]
+            self.counters.add("releases", "owner-gone")
+            log.warning("released slice %r: its id breaks the slice id rule", sid)
+        attrs = self.ledger.all_attrs()
+        for alloc in held.values():
+            self._prepare_slice(alloc, self._stored_identity(alloc, attrs.get(alloc.slice_id)))
+        for sid in self.tree.slice_ids():
+            if sid not in held:
+                self._drop_slice_dir(sid)
+        self._drop_legacy()
+
+    def _drop_legacy(self) -> None:
+        """Files of the flat layout of older versions: limits/<id>.limits (their slices now
+        have limits.conf in their own directory) and slices/slice-<id>.ledger once no
+        process maps it."""
+        shutil.rmtree(self.config.legacy_limits_dir, ignore_errors=True)
+        for path in self.tree.legacy_files():
+            led = read_ledger_file(path)
+            if led is None or not led.pids:
+                path.unlink(missing_ok=True)
+
+    def _drop_slice_dir(self, slice_id: str) -> None:
+        """Delete a released slice's directory once no live process uses its ledger."""
         led = read_slice_ledger(self.config.slices_dir, slice_id)
         if led is None or not led.pids:
-            ledger_path(self.config.slices_dir, slice_id).unlink(missing_ok=True)
+            self.tree.remove(slice_id)
 
     # -- reservations --------------------------------------------------------------------
 
     def _stripe(self, slice_id: str) -> threading.Lock:
         return self._stripes[hash(slice_id) % len(self._stripes)]
 
+    def _identity(self, owner: Owner, uid: int | None, gid: int | None) -> Identity:
+        """Who the slice's processes run as: as asked, else the owner's process, else us."""
+        pid = owner.id if owner.kind is OwnerKind.PID else owner.meta.get("pid")
+        of_pid = process_identity(int(pid)) if pid and pid.isdigit() else None
+        base = of_pid or Identity.current()
+        if uid is None:
+            return Identity(base.uid, base.gid if gid is None else gid)
+        if gid is None:
+            try:
+                gid = pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                gid = uid  # a uid without a passwd entry (containers): its own group id
+        return Identity(uid, gid)
+
+    def _stored_identity(self, alloc: Allocation, attrs: SliceAttrs | None) -> Identity:
+        if attrs is not None and attrs.uid is not None and attrs.gid is not None:
+            return Identity(attrs.uid, attrs.gid)
+        return self.tree.identity_of(alloc.slice_id) or Identity.current()
+
+    @staticmethod
+    def _expiry(expires_s: float | None) -> float | None:
+        return None if expires_s is None else time.time() + min(expires_s, MAX_LEASE_S)
+
     def reserve(self, body: ReserveRequest) -> Reservation:
         owner = self._checked_owner(body.owner)
         slice_id = body.slice_id or _new_id()
+        who = self._identity(owner, body.uid, body.gid)
+        attrs = SliceAttrs(expires_at=self._expiry(body.expires_s), uid=who.uid, gid=who.gid)
         with self._stripe(slice_id):
+            existed = self.ledger.get(slice_id) is not None
             with self._write_lock:
                 alloc = self.ledger.reserve(
                     body.request,
@@ -209,13 +303,10 @@ class Agent:
                     node=self.node,
                     policy=self.config.placement,
                     gpu_policy=self.config.gpu_placement,
+                    attrs=attrs,
                 )
-            try:
-                self._write_limits(alloc)
-            except BaseException:
-                with self._write_lock:
-                    self.ledger.release(alloc.slice_id)
-                raise
+                self._storage_error = None
+            self._prepare_or_undo(alloc, created=not existed)
         self.counters.add("reservations", "ok")
         log.info(
             "reserved %s on %s core=%d memory=%dGiB owner=%s:%s",
@@ -227,6 +318,18 @@ class Agent:
             alloc.owner.id,
         )
         return self.reservation(alloc)
+
+    def _prepare_or_undo(self, alloc: Allocation, *, created: bool) -> None:
+        """The slice's files (stripe lock held). A slice this call created whose files
+        cannot be made is not kept; a repeat only re-checks an older slice's files."""
+        stored = self.ledger.attrs(alloc.slice_id)
+        try:
+            self._prepare_slice(alloc, self._stored_identity(alloc, stored))
+        except BaseException:
+            if created:
+                with self._write_lock:
+                    self.ledger.release(alloc.slice_id)
+            raise
 
     def record(self, body: RecordRequest) -> Reservation:
         """Account for and enforce a placement decided elsewhere (checked by the ledger)."""
@@ -250,6 +353,7 @@ class Agent:
             if req.is_whole_gpu
             else req.memory_gib
         )
+        owner = self._checked_owner(body.owner)
         alloc = Allocation(
             slice_id=body.slice_id,
             node=self.node,
@@ -257,25 +361,24 @@ class Agent:
             core=req.core_per_gpu,
             memory_gib=memory or 1,
             isolation=req.effective_isolation(self.inventory.default_isolation),
-            owner=self._checked_owner(body.owner),
+            owner=owner,
         )
+        who = self._identity(owner, body.uid, body.gid)
+        attrs = SliceAttrs(expires_at=self._expiry(body.expires_s), uid=who.uid, gid=who.gid)
+        existed = self.ledger.get(alloc.slice_id) is not None
         try:
             with self._stripe(alloc.slice_id), self._write_lock:
-                alloc = self.ledger.record(alloc, req)
+                alloc = self.ledger.record(alloc, req, attrs)
         except OverCommit:
             # The placer (Ray, the extender) freed and re-used the GPU before this agent's
             # periodic reconcile saw the old owner die: reconcile now, then check again.
             if not self.reconcile():
                 raise
             with self._stripe(alloc.slice_id), self._write_lock:
-                alloc = self.ledger.record(alloc, req)
+                alloc = self.ledger.record(alloc, req, attrs)
+        self._storage_error = None
         with self._stripe(alloc.slice_id):
-            try:
-                self._write_limits(alloc)
-            except BaseException:
-                with self._write_lock:
-                    self.ledger.release(alloc.slice_id)
-                raise
+            self._prepare_or_undo(alloc, created=not existed)
         self.counters.add("reservations", "ok")
         log.info("recorded %s on %s (placed elsewhere)", alloc.slice_id, ",".join(alloc.gpu_uuids))
         return self.reservation(alloc)
@@ -298,7 +401,7 @@ class Agent:
             pid = int(owner.id)
         except ValueError:
             raise RuleViolation("owner.id", owner.id, "a pid owner's id must be a pid") from None
-        started = proc_start_time(pid) if pid > 0 else None
+        started = proc_start_time(pid) if 0 < pid < 2**22 else None
         if started is None:
             raise RuleViolation("owner.id", owner.id, "must be the pid of a running process")
         given = owner.meta.get("start_time")
@@ -322,11 +425,36 @@ class Agent:
         """Release with the slice's stripe lock held."""
         with self._write_lock:
             released = self.ledger.release(slice_id)
-        slice_env.remove_limits_file(self._limits_path(slice_id))
-        self._drop_slice_ledger(slice_id)
+            self._storage_error = None
+        if is_slice_id(slice_id):
+            self.tree.remove_limits(slice_id)
+            self._drop_slice_dir(slice_id)
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)
+        return released
+
+    def renew(self, slice_id: str, expires_s: float | None) -> Reservation:
+        """Renew a slice's lease for `expires_s` from now, or end it (None: kept)."""
+        with self._stripe(slice_id):
+            with self._write_lock:
+                found = self.ledger.set_expiry(slice_id, self._expiry(expires_s))
+            if not found:
+                raise NotFound("slice_id", slice_id, "no such slice on this node (released?)")
+            return self.get(slice_id)
+
+    def expire_leases(self) -> list[str]:
+        """Release every slice whose lease ran out (its holder did not renew it)."""
+        released = []
+        now = time.time()
+        for sid in self.ledger.expired(now):
+            with self._stripe(sid):
+                expires_at = self.ledger.attrs(sid).expires_at
+                if expires_at is None or expires_at > now:
+                    continue  # renewed meanwhile
+                if self._release_locked(sid, reason="lease-expired"):
+                    released.append(sid)
+                    log.info("lease of %s ran out: released", sid)
         return released
 
     def get(self, slice_id: str) -> Reservation:
@@ -338,7 +466,7 @@ class Agent:
     # -- environment and limits files ----------------------------------------------------
 
     def _limits_path(self, slice_id: str) -> Path:
-        return self.config.limits_dir / f"{slice_id}{slice_env.LIMITS_SUFFIX}"
+        return self.tree.files(slice_id).limits_file
 
     def _enforcement(self, alloc: Allocation) -> str:
         if alloc.is_whole_gpu:
@@ -354,21 +482,20 @@ class Agent:
             extra=self.backend.workload_env,
         )
 
-    def _write_limits(self, alloc: Allocation) -> None:
+    def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
+        """An interposer slice's directory, ledger and limits file (idempotent)."""
         if self._enforcement(alloc) != "interposer":
             return
+        self.tree.create(alloc.slice_id, who)
         # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
         # rewrites every limits file from it when it starts
-        write_limits_file(
-            self._limits_path(alloc.slice_id),
-            self._limits(alloc),
-            root_owned=not self.config.test_mode and os.geteuid() == 0,
-            fsync=False,
-        )
+        self.tree.write_limits(alloc.slice_id, self._limits(alloc), who)
 
-    def reservation(self, alloc: Allocation) -> Reservation:
+    def reservation(self, alloc: Allocation, attrs: SliceAttrs | None = None) -> Reservation:
+        attrs = self.ledger.attrs(alloc.slice_id) if attrs is None else attrs
         enforcement = self._enforcement(alloc)
         limits_file: str | None = None
+        slice_dir: str | None = None
         if enforcement == "none":
             env = slice_env.whole_gpu_env(alloc, self.backend.workload_env)
         elif enforcement == "mps":
@@ -381,6 +508,7 @@ class Agent:
                 alloc, self._limits(alloc), hook_path=hook, workload_env=self.backend.workload_env
             )
             limits_file = str(self._limits_path(alloc.slice_id))
+            slice_dir = str(self.tree.files(alloc.slice_id).dir)
         index = {g.uuid: g.index for g in self.inventory.gpus}
         return Reservation(
             slice_id=alloc.slice_id,
@@ -395,6 +523,10 @@ class Agent:
             enforcement=enforcement,  # type: ignore[arg-type]
             owner=alloc.owner,
             created_at=alloc.created_at,
+            expires_at=attrs.expires_at,
+            uid=attrs.uid,
+            gid=attrs.gid,
+            slice_dir=slice_dir,
             limits_file=limits_file,
             env=env,
         )
@@ -434,6 +566,7 @@ class Agent:
 
     def slices(self) -> SliceList:
         allocs = self.ledger.allocations(self.node)
+        attrs = self.ledger.all_attrs()
         procs = _safe(self.backend.processes, [])
         utils = _safe(self.backend.process_utilization, {})
         by_slice, _unowned = self.attribute(allocs, procs)
@@ -443,7 +576,7 @@ class Agent:
             mine = [p for p in by_slice.get(alloc.slice_id, []) if p.device_uuid in alloc.gpu_uuids]
             out.append(
                 SliceInfo(
-                    **self.reservation(alloc).model_dump(),
+                    **self.reservation(alloc, attrs.get(alloc.slice_id, SliceAttrs())).model_dump(),
                     usage=self._usage(alloc, mine, utils),
                 )
             )
@@ -455,7 +588,7 @@ class Agent:
         """The interposer's shared ledger when the slice has one, with NVML per process."""
         pids = {p.pid for p in mine}
         mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
-        if self._enforcement(alloc) == "interposer":
+        if self._enforcement(alloc) == "interposer" and is_slice_id(alloc.slice_id):
             led = read_slice_ledger(self.config.slices_dir, alloc.slice_id)
             if led is not None:
                 # NVML's per-process numbers also see memory that bypassed the interposer.
@@ -512,8 +645,41 @@ class Agent:
             hook_path=str(self.hook_path) if self.hook_path.exists() else None,
         )
 
+    # -- storage -------------------------------------------------------------------------
+
+    def storage_failed(self, exc: BaseException) -> str:
+        """Remember that a write of the state directory failed; the reason, as a sentence."""
+        reason = storage_reason(exc)
+        if self._storage_error != reason:
+            log.error("state directory %s: %s", self.config.state_dir, reason)
+        self._storage_error = reason
+        return reason
+
+    def storage_problem(self) -> str | None:
+        """Why the state directory cannot take a reservation now, or None."""
+        path = self.config.state_dir
+        try:
+            st = os.statvfs(path)
+        except OSError as exc:
+            return f"the state directory {path} cannot be read ({exc.strerror})"
+        if st.f_flag & os.ST_RDONLY:
+            return f"the state directory {path} is on a read-only file system"
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            return f"the state directory {path} is full ({free} bytes free)"
+        if self._storage_error is not None:
+            try:
+                _probe_write(path)
+            except OSError:
+                return self._storage_error
+            self._storage_error = None  # writes work again
+        return None
+
     def health(self) -> Health:
         problems = []
+        storage = self.storage_problem()
+        if storage is not None:
+            problems.append(f"{storage}: no slice can be reserved or released")
         unhealthy = [g.uuid for g in self.inventory.gpus if not g.healthy]
         for gpu in self.inventory.gpus:
             if not gpu.healthy:
@@ -530,7 +696,7 @@ class Agent:
             if gone:
                 problems.append(f"slice {alloc.slice_id} is on a GPU no longer present: {gone[0]}")
         return Health(
-            status="degraded" if problems else "ok",
+            status="failing" if storage else "degraded" if problems else "ok",
             node=self.node,
             backend=self.backend.kind,
             enforcement="mps" if self.mps is not None else "interposer",
@@ -549,6 +715,8 @@ class Agent:
         """Release the slices whose owner is dead; alive and unknown owners keep theirs."""
         released = []
         for alloc in self.ledger.allocations(self.node):
+            if not is_slice_id(alloc.slice_id):
+                continue
             if self.registry.check(alloc.owner) is not Liveness.DEAD:
                 continue
             # Re-check under the slice's lock: it may have been released and re-reserved.
@@ -600,4 +768,11 @@ def _safe(call, default):
         return default
 
 
-__all__ = ["Agent", "Counters", "NotFound", "default_hook_path"]
+__all__ = [
+    "Agent",
+    "Counters",
+    "NotFound",
+    "check_state_dir",
+    "default_hook_path",
+    "storage_reason",
+]

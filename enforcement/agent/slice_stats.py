@@ -1,4 +1,5 @@
-"""Reading the interposer's shared per-slice ledger (``<QGPU_STATE_DIR>/slice-<id>.ledger``).
+"""Reading the interposer's shared per-slice ledger
+(``<QGPU_STATE_DIR>/<id>/ledger/slice-<id>.ledger``, see `enforcement.state_tree`).
 
 The interposer (enforcement/native/hook/ledger.c) keeps, per slice and shared by all of the
 slice's processes, the memory charged (per process slot: pid, start time, bytes, device
@@ -19,6 +20,7 @@ both; a version-1 ledger (an older interposer) reports no counters (None).
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from enforcement.agent.reconcile import proc_start_time
+from enforcement.state_tree import slice_files
 
 LEDGER_MAGIC = 0x3144454C55504751
 _HEADER = struct.Struct("<QIIQQqqQ")
@@ -53,16 +56,27 @@ class SliceLedger:
 
 
 def ledger_path(state_dir: Path, slice_id: str) -> Path:
-    return state_dir / f"slice-{slice_id}.ledger"
+    """The ledger of `slice_id` under the slices root `state_dir` (QGPU_STATE_DIR)."""
+    return slice_files(state_dir, slice_id).ledger
 
 
 def read_slice_ledger(state_dir: Path, slice_id: str) -> SliceLedger | None:
     """The slice's shared ledger, or None when no process of the slice has used CUDA yet."""
     try:
-        with open(ledger_path(state_dir, slice_id), "rb") as f:
-            data = f.read(_SIZE)
+        path = ledger_path(state_dir, slice_id)
+    except ValueError:  # not a slice id
+        return None
+    return read_ledger_file(path)
+
+
+def read_ledger_file(path: Path) -> SliceLedger | None:
+    """A slice ledger file (never through a symlink), or None when missing or not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_SIZE)
     if len(data) < _SIZE:
         return None
     magic, version, max_slots, _limit, _used, _tokens, _refill, busy = _HEADER.unpack_from(data)
@@ -124,4 +138,4 @@ class BusyRate:
                 self._rate.pop(sid, None)
 
 
-__all__ = ["BusyRate", "SliceLedger", "ledger_path", "read_slice_ledger"]
+__all__ = ["BusyRate", "SliceLedger", "ledger_path", "read_ledger_file", "read_slice_ledger"]

@@ -4,27 +4,30 @@
 `ContainerAllocateResponse`. The limits themselves come from `enforcement.limits` (the
 interposer's contract: ``QGPU_SLICE_ID``, ``QGPU_DEVICE_UUID``, ``QGPU_MEMORY_LIMIT`` in
 bytes, ``QGPU_CORE_LIMIT``, ``QGPU_ISOLATION``, ``QGPU_STATE_DIR``, ``QGPU_LIMITS_FILE``,
-and in simulation ``QGPU_REAL_LIBCUDA`` / ``QGPU_SIM_CONFIG``); this module adds what only
-a container needs:
+and in simulation ``QGPU_REAL_LIBCUDA`` / ``QGPU_SIM_CONFIG``), the slice's files from
+`enforcement.state_tree` (one directory per slice); this module adds what only a container
+needs:
 
-- the limits file, written on the host by `enforcement.limits.write_limits_file` (mode
-  0444; root-owned as the plugin runs as root, which the interposer requires to trust it)
-  and bind-mounted read-only at ``/etc/qgpu/limits.conf``;
+- the slice's limits file (root-owned, mode 0440), bind-mounted read-only at
+  ``/etc/qgpu/limits.conf``, where the interposer trusts it whatever the environment says;
 - ``/etc/ld.so.preload`` bind-mounted read-only from a host file naming the interposer, and
   the interposer itself mounted read-only at ``/usr/local/qgpu/lib/libqgpu_hook.so``, so
   ``env -u LD_PRELOAD`` cannot escape the caps;
-- the per-slice ledger directory (``QGPU_STATE_DIR``) shared read-write;
+- of the state tree only the container's own slice's ``ledger/`` directory (read-write,
+  owned by the container's user: ``runAsUser``/``runAsGroup`` of the container, else of the
+  pod, else root) and its GPU's region file (read-write): nothing of another slice;
 - device selection: ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` = GPU UUID(s) and
   the ``/dev/nvidia*`` device nodes that exist on the host.
 
 Whole GPUs get the device(s) and the slice id only: nothing to cap.
 
 With a node agent (``qgpu device-plugin --agent-socket``), the slice is recorded with the
-agent instead (`enforcement.agent` ``POST /v1/slices/record``, owner = the pod): the agent
-checks it against everything else on the node (Ray, Dask, other pods), writes the limits
-file, and its reconcile and watchdog cover the pod. The agent's limits file and ledger
-directory are then mounted at their host paths, so the paths inside the file hold in the
-container too.
+agent instead (`enforcement.agent` ``POST /v1/slices/record``, owner = the pod, uid/gid =
+the container's): the agent checks it against everything else on the node (Ray, Dask,
+other pods), makes the slice's files in its own state tree, and its reconcile and watchdog
+cover the pod. The same three pieces of that tree are then mounted at their host paths (so
+the paths inside the limits file hold in the container too), and the limits file at
+``/etc/qgpu/limits.conf`` as well.
 """
 
 from __future__ import annotations
@@ -33,15 +36,14 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
-from enforcement.limits import (
-    allocation_env,
-    limits_for_allocation,
-    write_limits_file,
-)
+from enforcement.limits import allocation_env, limits_for_allocation
+from enforcement.state_tree import Identity, StateTree, region_file
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.protocol import ContainerAssignment, Kind
+from k8s_bridge.resources import PodModel
 from qgpu.errors import RuleViolation
 from qgpu.model import WHOLE_GPU_CORE, Allocation, GpuDevice, Owner, OwnerKind, SliceRequest
 
@@ -61,18 +63,29 @@ class AllocationPaths:
     dev_dir: Path = Path("/dev")
     workload_env: dict[str, str] = field(default_factory=dict)
     agent: AgentClient | None = None
-
-    @property
-    def limits_dir(self) -> Path:
-        return self.state_dir / "k8s" / "limits"
+    workload_gid: int = 0  # group that may use the GPUs' region files
 
     @property
     def slices_dir(self) -> Path:
+        """The plugin's own slice directories (when no agent records the slices)."""
+        return self.state_dir / "k8s" / "slices"
+
+    @property
+    def regions_dir(self) -> Path:
+        """The GPUs' region files, shared with the node agent's workloads."""
         return self.state_dir / "slices"
 
     @property
     def preload_file(self) -> Path:
         return self.state_dir / "k8s" / "ld.so.preload"
+
+    def tree(self) -> StateTree:
+        return StateTree(self.slices_dir, privileged=os.geteuid() == 0)
+
+    def regions(self) -> StateTree:
+        return StateTree(
+            self.regions_dir, privileged=os.geteuid() == 0, workload_gid=self.workload_gid
+        )
 
 
 class AllocationError(Exception):
@@ -80,7 +93,7 @@ class AllocationError(Exception):
 
 
 def k8s_slice_id(pod_uid: str, container: str) -> str:
-    """A slice id (``[A-Za-z0-9._-]{1,64}``) unique per pod container."""
+    """A slice id (``[A-Za-z0-9][A-Za-z0-9._-]{0,63}``) unique per pod container."""
     sid = f"{pod_uid}.{container}"
     if len(sid) <= 64:
         return sid
@@ -88,7 +101,22 @@ def k8s_slice_id(pod_uid: str, container: str) -> str:
 
 
 def limits_file_for(paths: AllocationPaths, slice_id: str) -> Path:
-    return paths.limits_dir / f"{slice_id}.limits"
+    return paths.tree().files(slice_id).limits_file
+
+
+def container_identity(pod: PodModel, container: str) -> Identity:
+    """The user a container runs as, as far as the pod says: ``runAsUser``/``runAsGroup``
+    of the container's securityContext, else of the pod's, else root (uid 0, gid 0)."""
+    pod_ctx = pod.spec.security_context or {}
+    own: dict[str, Any] = next(
+        (c.security_context or {} for c in pod.spec.containers if c.name == container), {}
+    )
+
+    def pick(key: str) -> int:
+        value = own.get(key, pod_ctx.get(key))
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+    return Identity(pick("runAsUser"), pick("runAsGroup"))
 
 
 def _device_specs(paths: AllocationPaths, gpus: list[GpuDevice]) -> list[pb.DeviceSpec]:
@@ -109,8 +137,10 @@ def container_response(
     ca: ContainerAssignment,
     gpus: list[GpuDevice],
     kind: Kind,
+    identity: Identity | None = None,
 ) -> pb.ContainerAllocateResponse:
-    """Env, mounts and devices of one container's slice (writes its limits file)."""
+    """Env, mounts and devices of one container's slice (makes its files)."""
+    who = identity or Identity(0, 0)
     sid = k8s_slice_id(pod_uid, container)
     alloc = Allocation(
         slice_id=sid,
@@ -122,7 +152,7 @@ def container_response(
         owner=Owner(kind=OwnerKind.POD, id=pod_uid, meta={"container": container}),
     )
     if paths.agent is not None:
-        return _recorded_by_agent(paths, paths.agent, alloc, ca, gpus, kind)
+        return _recorded_by_agent(paths, paths.agent, alloc, ca, gpus, kind, who)
     env = dict(paths.workload_env)
     env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ca.gpus)
     if ca.core >= 100:
@@ -135,7 +165,6 @@ def container_response(
             f"the interposer library is not available on this node ({paths.hook_library}); "
             "a share slice cannot be enforced without it"
         )
-    host_limits = limits_file_for(paths, sid)
     try:
         limits = replace(
             limits_for_allocation(alloc, state_dir=str(CONTAINER_STATE_DIR)),
@@ -152,24 +181,43 @@ def container_response(
         # Mounts and devices come once per container, with the core resource (kubelet
         # merges the two plugins' answers; a mount given twice would clash).
         return pb.ContainerAllocateResponse(envs=env)
+    tree = paths.tree()
     try:
-        write_limits_file(host_limits, values)
-        paths.slices_dir.mkdir(parents=True, exist_ok=True)
+        tree.prepare()
+        files = tree.create(sid, who)
+        tree.write_limits(sid, values, who)
+        regions = paths.regions()
+        regions.prepare()
+        region = regions.ensure_region(ca.gpus[0])
         preload = _preload_file(paths)
     except OSError as exc:
         raise AllocationError(f"cannot write the slice's files on the host: {exc}") from exc
     mounts = [
         pb.Mount(
-            container_path=str(CONTAINER_LIMITS_FILE), host_path=str(host_limits), read_only=True
+            container_path=str(CONTAINER_LIMITS_FILE),
+            host_path=str(files.limits_file),
+            read_only=True,
         ),
         *_preload_mounts(paths, preload),
-        pb.Mount(
-            container_path=str(CONTAINER_STATE_DIR),
-            host_path=str(paths.slices_dir),
-            read_only=False,
+        *_state_mounts(
+            CONTAINER_STATE_DIR / sid / files.ledger_dir.name,
+            files.ledger_dir,
+            region_file(CONTAINER_STATE_DIR, ca.gpus[0]),
+            region,
         ),
     ]
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=_device_specs(paths, gpus))
+
+
+def _state_mounts(
+    ledger_in: Path, ledger_host: Path, region_in: Path, region_host: Path
+) -> list[pb.Mount]:
+    """The container's own slice ledger directory and its GPU's region file, read-write:
+    of the node's state tree, nothing else."""
+    return [
+        pb.Mount(container_path=str(ledger_in), host_path=str(ledger_host), read_only=False),
+        pb.Mount(container_path=str(region_in), host_path=str(region_host), read_only=False),
+    ]
 
 
 def _preload_file(paths: AllocationPaths) -> Path:
@@ -201,6 +249,7 @@ def _recorded_by_agent(
     ca: ContainerAssignment,
     gpus: list[GpuDevice],
     kind: Kind,
+    who: Identity,
 ) -> pb.ContainerAllocateResponse:
     """The slice as the node agent records and enforces it (a repeat is a no-op there)."""
     whole = ca.core >= WHOLE_GPU_CORE
@@ -210,7 +259,9 @@ def _recorded_by_agent(
         isolation=ca.isolation,
     )
     try:
-        res = agent.record(alloc.slice_id, request, list(ca.gpus), alloc.owner)
+        res = agent.record(
+            alloc.slice_id, request, list(ca.gpus), alloc.owner, uid=who.uid, gid=who.gid
+        )
     except AgentUnavailable as exc:
         raise AllocationError(str(exc)) from exc
     except AgentError as exc:
@@ -235,10 +286,14 @@ def _recorded_by_agent(
         preload = _preload_file(paths)
     except OSError as exc:
         raise AllocationError(f"cannot write {paths.preload_file}: {exc}") from exc
-    state_dir = env["QGPU_STATE_DIR"]
+    state = StateTree(Path(env["QGPU_STATE_DIR"]), privileged=False)
+    files = state.files(alloc.slice_id)
+    region = region_file(state.root, ca.gpus[0])
+    limits = res.limits_file
     mounts = [
-        pb.Mount(container_path=res.limits_file, host_path=res.limits_file, read_only=True),
+        pb.Mount(container_path=str(CONTAINER_LIMITS_FILE), host_path=limits, read_only=True),
+        pb.Mount(container_path=limits, host_path=limits, read_only=True),
         *_preload_mounts(paths, preload),
-        pb.Mount(container_path=state_dir, host_path=state_dir, read_only=False),
+        *_state_mounts(files.ledger_dir, files.ledger_dir, region, region),
     ]
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=devices)

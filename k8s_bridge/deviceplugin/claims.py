@@ -106,6 +106,18 @@ def matching(
     return sorted(found, key=lambda c: _rank(c, kind))
 
 
+def claimed(candidates: list[Candidate], kind: Kind, size: int) -> list[Candidate]:
+    """Containers that already claimed `size` IDs of `kind` (GetPreferredAllocation of a
+    container whose Allocate answer was lost), best first."""
+    found = [
+        c
+        for c in candidates
+        if kind in c.allocated.claimed(c.container)
+        and sum((c.slice.devices.get(kind) or {}).values()) == size
+    ]
+    return sorted(found, key=lambda c: _rank(c, kind))
+
+
 def claimed_match(
     candidates: list[Candidate], kind: Kind, per_gpu: dict[str, int]
 ) -> Candidate | None:

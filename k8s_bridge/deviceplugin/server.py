@@ -34,11 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from k8s_bridge.deviceplugin.allocation import (
     AllocationError,
     AllocationPaths,
+    container_identity,
     container_response,
     k8s_slice_id,
     limits_file_for,
 )
-from k8s_bridge.deviceplugin.claims import claimed_match, matching, pending_pods
+from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from k8s_bridge.kube import Conflict, Kube, KubeError
@@ -50,7 +51,7 @@ from k8s_bridge.protocol import (
     ids_per_gpu,
     parse_device_id,
 )
-from qgpu.errors import QgpuError, RuleViolation
+from qgpu.errors import QgpuError, RuleViolation, safe_text
 from qgpu.model import NodeInventory
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
+MAX_MESSAGE = 1000  # characters of an error message sent back to kubelet
 
 
 class PluginConfig(BaseModel):
@@ -94,13 +96,15 @@ class _Servicer(pb_grpc.DevicePluginServicer):
     def _guard(self, context: grpc.ServicerContext, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
+        # Messages are cut short: a status message travels as a gRPC header (16 KiB at
+        # most), and one that echoes a long device ID would be lost for RESOURCE_EXHAUSTED.
         except PluginError as exc:
-            log.warning("%s: %s", self.kind, exc)
-            context.abort(exc.code, str(exc))
+            log.warning("%s: %s", self.kind, safe_text(str(exc), MAX_MESSAGE))
+            context.abort(exc.code, safe_text(str(exc), MAX_MESSAGE))
         except RuleViolation as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, safe_text(str(exc), MAX_MESSAGE))
         except (QgpuError, AllocationError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, safe_text(str(exc), MAX_MESSAGE))
 
     def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(
@@ -338,7 +342,11 @@ class QgpuDevicePlugin:
         must_by_gpu: dict[str, list[str]] = {}
         for dev in must:
             must_by_gpu.setdefault(parse_device_id(dev)[0], []).append(dev)
-        for cand in matching(self._candidates(), kind, None, size):
+        candidates = self._candidates()
+        # Containers waiting for this resource first; then containers that already claimed
+        # it: kubelet asks again when its Allocate got no answer (the plugin died after the
+        # claim reached the apiserver), and their IDs are then available again.
+        for cand in [*matching(candidates, kind, None, size), *claimed(candidates, kind, size)]:
             layout = cand.slice.devices[kind]
             if any(u not in layout or len(ids) > layout[u] for u, ids in must_by_gpu.items()):
                 continue
@@ -378,23 +386,14 @@ class QgpuDevicePlugin:
                     if again is not None:
                         # kubelet allocating a container again from its checkpoint (e.g.
                         # after a restart): the same devices, the same answer.
-                        return container_response(
-                            self.paths,
-                            again.uid,
-                            again.container,
-                            again.slice,
-                            self._gpus(again.slice.gpus),
-                            kind,
-                        )
+                        return self._response(again, kind)
                     raise PluginError(
                         grpc.StatusCode.NOT_FOUND,
                         f"no pod assigned to node {self.cfg.node_name} waits for {kind} IDs "
                         f"laid out as {per_gpu}",
                     )
                 c = found[0]
-                resp = container_response(
-                    self.paths, c.uid, c.container, c.slice, self._gpus(c.slice.gpus), kind
-                )
+                resp = self._response(c, kind)
                 claim = c.allocated.with_claim(c.container, kind)
                 body = {
                     "metadata": {
@@ -414,6 +413,18 @@ class QgpuDevicePlugin:
                 return resp
         raise PluginError(
             grpc.StatusCode.ABORTED, f"the claim kept conflicting ({self.cfg.claim_retries} tries)"
+        )
+
+    def _response(self, c: Any, kind: Kind) -> pb.ContainerAllocateResponse:
+        """The Allocate answer for candidate `c`'s container (makes its slice's files)."""
+        return container_response(
+            self.paths,
+            c.uid,
+            c.container,
+            c.slice,
+            self._gpus(c.slice.gpus),
+            kind,
+            container_identity(c.pod, c.container),
         )
 
     def pre_start(self, kind: Kind, ids: list[str]) -> None:

@@ -60,7 +60,8 @@ def test_reserve_returns_device_limits_and_environment(client: TestClient, agent
         assert env["LD_PRELOAD"] == str(agent.hook_path)
     # the limits file holds the same QGPU_* values, read-only
     path = Path(res["limits_file"])
-    assert stat.S_IMODE(path.stat().st_mode) == 0o444
+    assert path == agent.config.slices_dir / res["slice_id"] / "limits.conf"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o440
     if os.geteuid() == 0:
         assert is_trusted_limits_file(path)  # the interposer's own rule
     assert stat.S_IMODE(agent.config.ledger_path.stat().st_mode) == 0o600

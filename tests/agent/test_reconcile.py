@@ -36,7 +36,7 @@ def test_dead_pid_is_released_and_live_pid_kept(agent: Agent) -> None:
     try:
         dead_slice = reserve(agent, Owner(kind=OwnerKind.PID, id=str(child.pid)))
         live_slice = reserve(agent, Owner(kind=OwnerKind.PID, id=str(os.getpid())))
-        limits = agent.config.limits_dir / f"{dead_slice}.limits"
+        limits = agent.config.slices_dir / dead_slice / "limits.conf"
         assert limits.exists()
         assert agent.reconcile() == []  # both alive
         child.kill()

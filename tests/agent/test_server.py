@@ -243,12 +243,17 @@ def test_restart_repairs_limits_files(state_dir: Path) -> None:
     stop_agent(proc)
     assert kept.limits_file is not None
     Path(kept.limits_file).unlink()
-    stray = state_dir / "limits" / "s-gone.limits"
-    stray.write_text("QGPU_SLICE_ID=s-gone\n")
+    stray = state_dir / "slices" / "s-gone"  # a released slice's directory a crash left
+    (stray / "ledger").mkdir(parents=True)
+    (stray / "limits.conf").write_text("QGPU_SLICE_ID=s-gone\n")
+    legacy = state_dir / "limits" / "s-old.limits"  # the flat layout of older versions
+    legacy.parent.mkdir()
+    legacy.write_text("QGPU_SLICE_ID=s-old\n")
     proc = start_agent(state_dir, "--sim", "1xH100-80GB")
     try:
         assert read_limits_file(kept.limits_file)["QGPU_SLICE_ID"] == kept.slice_id
         assert not stray.exists()
+        assert not legacy.parent.exists()
     finally:
         stop_agent(proc)
 
@@ -286,7 +291,7 @@ def test_crash_during_a_burst_keeps_every_acknowledged_reservation(state_dir: Pa
             for d in client.devices().devices:
                 assert d.core_committed <= 100 and d.slices <= d.max_slices
                 assert d.memory_committed_gib <= d.memory_mib // 1024
-        files = {p.name.removesuffix(".limits") for p in (state_dir / "limits").iterdir()}
+        files = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
         assert files == held
         ledger = Ledger(state_dir / "ledger.sqlite")
         ledger.state().check_invariants()
@@ -421,7 +426,7 @@ def test_sigterm_shuts_down_cleanly(state_dir: Path) -> None:
     proc.terminate()
     assert proc.wait(timeout=20) == 0
     assert not (state_dir / "agent.sock").exists()
-    assert (state_dir / "limits" / f"{sid}.limits").exists()  # slices outlive the agent
+    assert (state_dir / "slices" / sid / "limits.conf").exists()  # slices outlive the agent
 
 
 _SPINNER = """

@@ -30,6 +30,7 @@ def write_ledger(
     throttled_ns: int = 0,
 ) -> None:
     """A slice ledger laid out as slice_ledger_t in enforcement/native/hook/ledger.c."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = bytearray(512 + 64 * 64)
     used = sum(m for _, _, m in slots)
     struct.pack_into("<QIIQQqqQ", data, 0, LEDGER_MAGIC, version, 64, 4 * GIB, used, 0, 0, busy_ns)
@@ -72,10 +73,20 @@ def test_oom_and_throttle_counters_from_version_2_only(tmp_path: Path) -> None:
 
 def test_missing_or_foreign_files_read_as_none(tmp_path: Path) -> None:
     assert read_slice_ledger(tmp_path, "s-none") is None
+    for sid in ("s-bad", "s-short"):
+        ledger_path(tmp_path, sid).parent.mkdir(parents=True)
     ledger_path(tmp_path, "s-bad").write_bytes(b"\0" * 5000)
     assert read_slice_ledger(tmp_path, "s-bad") is None
     ledger_path(tmp_path, "s-short").write_bytes(b"\0" * 10)
     assert read_slice_ledger(tmp_path, "s-short") is None
+    # never through a symlink (another slice's ledger, or any file of the node)
+    write_ledger(ledger_path(tmp_path, "s-real"), 0, [])
+    link = ledger_path(tmp_path, "s-link")
+    link.parent.mkdir(parents=True)
+    link.symlink_to(ledger_path(tmp_path, "s-real"))
+    assert read_slice_ledger(tmp_path, "s-real") is not None
+    assert read_slice_ledger(tmp_path, "s-link") is None
+    assert read_slice_ledger(tmp_path, "..") is None  # not a slice id: no path at all
 
 
 def test_busy_rate_is_busy_time_per_wall_second() -> None:
@@ -97,5 +108,6 @@ def test_release_drops_the_slice_ledger_once_its_processes_are_gone(agent: Agent
     write_ledger(ledger_path(agent.config.slices_dir, busy), 0, [(me, proc_start_time(me), GIB)])
     agent.release(idle)
     agent.release(busy)
-    assert not ledger_path(agent.config.slices_dir, idle).exists()
+    assert not (agent.config.slices_dir / idle).exists()  # the whole slice directory
     assert ledger_path(agent.config.slices_dir, busy).exists()  # a live process still maps it
+    assert not (agent.config.slices_dir / busy / "limits.conf").exists()  # no new process

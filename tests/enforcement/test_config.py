@@ -46,7 +46,9 @@ def assert_one_clear_line(err: str, *needles: str) -> None:
         ("QGPU_CORE_LIMIT", "0", "1..100"),
         ("QGPU_MEMORY_LIMIT", "4GiB", "integer number of bytes"),
         ("QGPU_MEMORY_LIMIT", "0", "> 0"),
-        ("QGPU_SLICE_ID", "bad/slice", "[A-Za-z0-9._-]{1,64}"),
+        ("QGPU_SLICE_ID", "bad/slice", "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
+        ("QGPU_SLICE_ID", "..", "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),  # names a directory
+        ("QGPU_SLICE_ID", ".hidden", "[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
         ("QGPU_DEVICE_UUID", "not-a-uuid", "GPU UUID"),
     ],
 )

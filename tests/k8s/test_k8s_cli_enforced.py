@@ -143,25 +143,38 @@ class Workload:
         # /etc/ld.so.preload, the limits file at a path we can reach without a new /etc.
         env["LD_PRELOAD"] = mounts["/usr/local/qgpu/lib/libqgpu_hook.so"]
         env["QGPU_LIMITS_FILE"] = mounts[envs["QGPU_LIMITS_FILE"]]
-        state = envs["QGPU_STATE_DIR"]  # its container path; mounted from the host below
-        script = ("mount -t tmpfs none /run && " if state.startswith("/run/") else "") + (
-            'mkdir -p "$2" && mount --bind "$1" "$2" && exec "$3" "$4" serve'
-        )
+        # Of the node's state tree the container gets what the plugin mounted under its
+        # QGPU_STATE_DIR (its own slice's ledger directory, its GPU's region file, with an
+        # agent its limits file): the same binds here, over an empty tmpfs, nothing else.
+        # The host paths may lie under the hidden directory, so they go through a stage.
+        state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
+        binds = [(h, c) for c, h in mounts.items() if c.startswith(state)]
+        assert binds, mounts
+        self.stage = Path(tempfile.mkdtemp(prefix="qs", dir="/tmp"))
+        script = ""
+        args: list[str] = [sys.executable, str(WORKER)]
+        for i, (host, _) in enumerate(binds):
+            staged = self.stage / str(i)
+            staged.mkdir() if Path(host).is_dir() else staged.touch()
+            args += [host, str(staged)]
+            script += f'mount --bind "${{{len(args) - 1}}}" "${{{len(args)}}}" && '
+        if state.startswith("/run/"):
+            script += "mount -t tmpfs none /run && "
+        args.append(state)
+        script += f'mkdir -p "${{{len(args)}}}" && mount -t tmpfs none "${{{len(args)}}}" && '
+        for i, (host, inside) in enumerate(binds):
+            staged = str(self.stage / str(i))
+            args += [staged, inside]
+            s, c = f'"${{{len(args) - 1}}}"', f'"${{{len(args)}}}"'
+            make = (
+                f"mkdir -p {c}"
+                if Path(host).is_dir()
+                else f'mkdir -p "$(dirname {c})" && touch {c}'
+            )
+            script += f"{make} && mount --bind {s} {c} && "
+        script += 'exec "$1" "$2" serve'
         self.proc = subprocess.Popen(
-            [
-                "unshare",
-                "-m",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                script,
-                "sh",
-                mounts[state],
-                state,
-                sys.executable,
-                str(WORKER),
-            ],
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *args],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -185,6 +198,7 @@ class Workload:
             assert self.proc.stdin
             self.proc.stdin.close()
             self.proc.wait(30)
+        shutil.rmtree(self.stage, ignore_errors=True)
 
 
 def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, stack) -> None:
@@ -223,5 +237,10 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
         assert (int(free), int(total)) == (GIB - CONTEXT_MEMORY, 4 * GIB)
     finally:
         w.close()
-    # the slice's shared ledger lives in the host directory that was mounted
-    assert any(Path(mounts[envs["QGPU_STATE_DIR"]]).iterdir())
+    # the slice's shared ledger lives in the host directory that was mounted, and that
+    # (with the GPU's region file) is all of the state tree the container was given
+    state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
+    under = sorted(c for c in mounts if c.startswith(state))
+    assert len(under) == (3 if stack["agent"] is not None else 2), under
+    (ledger,) = [mounts[c] for c in under if Path(mounts[c]).is_dir()]
+    assert any(Path(ledger).iterdir())

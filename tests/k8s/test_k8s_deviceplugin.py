@@ -164,14 +164,16 @@ def test_limits_file_is_read_only_and_matches(node: Node) -> None:
     res = node.kubelet.admit(pod)["c0"]
     mounts = {m.container_path: m for m in res.mounts}
     host = Path(mounts["/etc/qgpu/limits.conf"].host_path)
-    assert stat.S_IMODE(host.stat().st_mode) == 0o444
+    assert stat.S_IMODE(host.stat().st_mode) == 0o440
     text = host.read_text()
     assert "QGPU_MEMORY_LIMIT=4294967296\n" in text and f"QGPU_DEVICE_UUID={U('n0', 0)}\n" in text
     assert Path(mounts["/etc/ld.so.preload"].host_path).read_text().strip() == (
         "/usr/local/qgpu/lib/libqgpu_hook.so"
     )
     assert mounts["/usr/local/qgpu/lib/libqgpu_hook.so"].host_path == str(node.hook)
-    assert not mounts["/run/qgpu/slices"].read_only
+    sid = res.envs["QGPU_SLICE_ID"]
+    assert not mounts[f"/run/qgpu/slices/{sid}/ledger"].read_only
+    assert not mounts[f"/run/qgpu/slices/gpu-{U('n0', 0)}.region"].read_only
 
 
 def test_share_without_interposer_is_refused(apiserver: FakeApiserver) -> None:

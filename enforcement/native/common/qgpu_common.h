@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define QGPU_HIDDEN __attribute__((visibility("hidden")))
 #define QGPU_EXPORT __attribute__((visibility("default")))
@@ -34,6 +35,12 @@ QGPU_HIDDEN int qgpu_fstat(int fd, struct stat *st);
 typedef void (*qgpu_init_cb)(void *base, void *arg);
 QGPU_HIDDEN void *qgpu_map_state(const char *path, size_t size, uint64_t magic,
                                  size_t mutex_offset, qgpu_init_cb init_cb, void *arg);
+/* The same, but a file this call creates gets exactly `mode` (umask-proof), and an existing
+ * file's mode is never changed: the slice ledger (0600) and the GPU region (0600 when the
+ * hook creates it; the node agent pre-creates it group-shared) are never world-writable. */
+QGPU_HIDDEN void *qgpu_map_state_mode(const char *path, size_t size, uint64_t magic,
+                                      size_t mutex_offset, qgpu_init_cb init_cb, void *arg,
+                                      mode_t mode);
 
 /* Map an existing, initialised state file (NULL when missing, short or of another magic). */
 QGPU_HIDDEN void *qgpu_map_existing(const char *path, size_t size, uint64_t magic);
@@ -46,6 +53,9 @@ QGPU_HIDDEN void qgpu_unlock(pthread_mutex_t *m);
 
 /* mkdir -p with mode 01777 for the leaf (a sticky shared directory). */
 QGPU_HIDDEN int qgpu_mkdirs(const char *path);
+/* mkdir -p where every directory this call creates gets exactly `mode` (existing ones are
+ * left alone): private per-slice directories. */
+QGPU_HIDDEN int qgpu_mkdirs_mode(const char *path, mode_t mode);
 
 /* Format / parse "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx". */
 QGPU_HIDDEN void qgpu_uuid_format(const unsigned char bytes[16], char out[41]);

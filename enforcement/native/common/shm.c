@@ -22,7 +22,7 @@ int qgpu_stat(const char *path, struct stat *st) {
 
 int qgpu_fstat(int fd, struct stat *st) { return (int)syscall(SYS_fstat, fd, st); }
 
-int qgpu_mkdirs(const char *path) {
+static int mkdirs(const char *path, mode_t inner, mode_t leaf) {
     char tmp[PATH_MAX];
     size_t len = strlen(path);
     if (len == 0 || len >= sizeof tmp) {
@@ -33,16 +33,24 @@ int qgpu_mkdirs(const char *path) {
     for (char *p = tmp + 1; *p; p++) {
         if (*p != '/') continue;
         *p = 0;
-        if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
+        if (mkdir(tmp, inner) == 0)
+            chmod(tmp, inner);
+        else if (errno != EEXIST)
+            return -1;
         *p = '/';
     }
-    if (mkdir(tmp, 01777) == 0) {
-        chmod(tmp, 01777); /* umask-proof: every user of the GPU shares the directory */
+    if (mkdir(tmp, leaf) == 0) {
+        chmod(tmp, leaf); /* umask-proof */
     } else if (errno != EEXIST) {
         return -1;
     }
     return 0;
 }
+
+/* every user of the GPU shares the leaf directory (the simulator's device state) */
+int qgpu_mkdirs(const char *path) { return mkdirs(path, 0755, 01777); }
+
+int qgpu_mkdirs_mode(const char *path, mode_t mode) { return mkdirs(path, mode, mode); }
 
 static void init_mutex(pthread_mutex_t *m) {
     pthread_mutexattr_t attr;
@@ -53,11 +61,27 @@ static void init_mutex(pthread_mutex_t *m) {
     pthread_mutexattr_destroy(&attr);
 }
 
-void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex_offset,
-                     qgpu_init_cb init_cb, void *arg) {
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+/* widen: the shared simulator state (0666 for every user of the simulated GPU); otherwise
+ * a private file: never through a symlink, never widened, created with exactly `mode`. */
+static int open_state(const char *path, mode_t mode, int widen) {
+    int flags = O_RDWR | O_CLOEXEC | (widen ? 0 : O_NOFOLLOW);
+    int fd = open(path, flags);
+    if (fd >= 0 || errno != ENOENT) {
+        if (fd >= 0 && widen) fchmod(fd, mode); /* harmless when not the owner */
+        return fd;
+    }
+    fd = open(path, flags | O_CREAT | O_EXCL, mode);
+    if (fd >= 0) {
+        fchmod(fd, mode); /* ours and new: exactly `mode` whatever the umask */
+        return fd;
+    }
+    return errno == EEXIST ? open(path, flags) : -1;
+}
+
+static void *map_state(const char *path, size_t size, uint64_t magic, size_t mutex_offset,
+                       qgpu_init_cb init_cb, void *arg, mode_t mode, int widen) {
+    int fd = open_state(path, mode, widen);
     if (fd < 0) return NULL;
-    fchmod(fd, 0666); /* harmless when not the owner */
     if (flock(fd, LOCK_EX) != 0) {
         int e = errno;
         close(fd);
@@ -88,6 +112,16 @@ void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex
     flock(fd, LOCK_UN);
     close(fd);
     return base;
+}
+
+void *qgpu_map_state(const char *path, size_t size, uint64_t magic, size_t mutex_offset,
+                     qgpu_init_cb init_cb, void *arg) {
+    return map_state(path, size, magic, mutex_offset, init_cb, arg, 0666, 1);
+}
+
+void *qgpu_map_state_mode(const char *path, size_t size, uint64_t magic, size_t mutex_offset,
+                          qgpu_init_cb init_cb, void *arg, mode_t mode) {
+    return map_state(path, size, magic, mutex_offset, init_cb, arg, mode, 0);
 }
 
 void *qgpu_map_existing(const char *path, size_t size, uint64_t magic) {

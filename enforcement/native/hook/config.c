@@ -105,9 +105,10 @@ static int parse_u64(const char *s, uint64_t *out) {
     return 0;
 }
 
+/* [A-Za-z0-9][A-Za-z0-9._-]{0,63}: it names a directory, so never ".", ".." or ".x" */
 static int valid_slice_id(const char *s) {
     size_t n = strlen(s);
-    if (n < 1 || n > 64) return 0;
+    if (n < 1 || n > 64 || !isalnum((unsigned char)s[0])) return 0;
     for (const char *p = s; *p; p++)
         if (!isalnum((unsigned char)*p) && *p != '.' && *p != '_' && *p != '-') return 0;
     return 1;
@@ -180,7 +181,7 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
         return -1;                                                                            \
     } while (0)
 
-    if (!valid_slice_id(eff.val[K_SLICE])) BAD(K_SLICE, "must match [A-Za-z0-9._-]{1,64}");
+    if (!valid_slice_id(eff.val[K_SLICE])) BAD(K_SLICE, "must match [A-Za-z0-9][A-Za-z0-9._-]{0,63}");
     snprintf(out->slice_id, sizeof out->slice_id, "%s", eff.val[K_SLICE]);
     if (!eff.set[K_MEM]) {
         out->mem_limit = UINT64_MAX; /* whole-GPU slices: no memory cap (the card's size) */

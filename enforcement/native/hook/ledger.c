@@ -1,7 +1,7 @@
 /* Shared ledgers in QGPU_STATE_DIR.
  *
- * slice-<id>.ledger: one per slice, shared by all its processes: memory charged per process
- * slot (slots of dead processes are reclaimed: pid + start time, so kill -9 and pid reuse
+ * <id>/ledger/slice-<id>.ledger: one per slice, shared by all its processes: memory charged
+ * per process slot (slots of dead processes are reclaimed: pid + start time, so kill -9 and pid reuse
  * are handled) and the compute token bucket (device-ns of credit, refilled at the share).
  *
  * (The per-GPU region the slices of one GPU share is region.c.)
@@ -15,6 +15,7 @@
  * reports the two counters only from a version >= 2 ledger. They are updated with atomic
  * adds outside the lock (a refusal or a throttled launch only), and sit on their own cache
  * line, away from the lock and the bucket. */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -141,19 +142,24 @@ static ledger_slot_t *slot(void) {
     return my_slot = free_slot;
 }
 
+/* <QGPU_STATE_DIR>/<slice>/ledger/slice-<slice>.ledger: the node agent (or the device
+ * plugin) creates the slice's directories and its ledger owned by the slice's uid, mode
+ * 0700/0600; created here (no agent), they are private to this uid as well. */
 int ledger_open(const hook_limits_t *lim, char *err, size_t errlen) {
-    char path[1200];
-    if (qgpu_mkdirs(lim->state_dir) != 0) {
-        snprintf(err, errlen, "QGPU_STATE_DIR=%s: cannot create the directory", lim->state_dir);
+    char dir[1200], path[1400];
+    snprintf(dir, sizeof dir, "%s/%s/ledger", lim->state_dir, lim->slice_id);
+    if (qgpu_mkdirs_mode(dir, 0700) != 0) {
+        snprintf(err, errlen, "QGPU_STATE_DIR=%s: cannot create the slice's directory %s (%s)",
+                 lim->state_dir, dir, strerror(errno));
         return -1;
     }
     pthread_atfork(NULL, NULL, forget_pid);
-    snprintf(path, sizeof path, "%s/slice-%s.ledger", lim->state_dir, lim->slice_id);
-    L = qgpu_map_state(path, sizeof(slice_ledger_t), LEDGER_MAGIC,
-                       __builtin_offsetof(slice_ledger_t, lock_area), NULL, NULL);
+    snprintf(path, sizeof path, "%s/slice-%s.ledger", dir, lim->slice_id);
+    L = qgpu_map_state_mode(path, sizeof(slice_ledger_t), LEDGER_MAGIC,
+                            __builtin_offsetof(slice_ledger_t, lock_area), NULL, NULL, 0600);
     if (!L) {
-        snprintf(err, errlen, "QGPU_STATE_DIR=%s: cannot map the slice ledger %s", lim->state_dir,
-                 path);
+        snprintf(err, errlen, "QGPU_STATE_DIR=%s: cannot map the slice ledger %s (%s)",
+                 lim->state_dir, path, strerror(errno));
         return -1;
     }
     LLOCK();

@@ -87,8 +87,10 @@ static region_entry_t *entry(void) {
 int region_open(const char *state_dir, const char *uuid, const hook_limits_t *limits) {
     char path[1200];
     snprintf(path, sizeof path, "%s/gpu-%s.region", state_dir, uuid);
-    gpu_region_t *r = qgpu_map_state(path, sizeof(gpu_region_t), REGION_MAGIC,
-                                     __builtin_offsetof(gpu_region_t, lock_area), NULL, NULL);
+    /* the node agent pre-creates it, shared by the GPU's workload group (mode 0660) */
+    gpu_region_t *r = qgpu_map_state_mode(path, sizeof(gpu_region_t), REGION_MAGIC,
+                                          __builtin_offsetof(gpu_region_t, lock_area), NULL,
+                                          NULL, 0600);
     if (!r) return -1;
     r->version = REGION_VERSION;
     r->max_entries = MAX_REGION;

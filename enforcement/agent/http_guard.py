@@ -1,0 +1,212 @@
+"""What the agent's HTTP servers refuse before any route runs: slow or oversized requests,
+and bodies that are not plain JSON.
+
+- `guarded_h11` — uvicorn's h11 protocol with deadlines: a request head must arrive within
+  ``head_timeout_s`` of the connection opening (or of its first byte after a keep-alive
+  pause), its body within ``body_timeout_s`` of the head; otherwise the connection is
+  closed. uvicorn itself only times out idle keep-alive connections, so a client that sends
+  half a request would hold a connection (and its memory) for ever.
+- `BodyGuard` — an ASGI middleware: a body over ``max_body_bytes`` is answered 413 without
+  being read further (a ``Content-Length`` over the limit without being read at all); a
+  body that is not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, or that holds a lone
+  surrogate (``"\\ud800"``: valid JSON, but no Unicode text) is answered 422 naming the
+  field. Python's JSON parser accepts lone surrogates and would hand them to the routes,
+  where they break every encoder downstream (the answer, the ledger's JSON, logs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from enforcement.agent.errors import error_response
+from qgpu.errors import RuleViolation
+
+MAX_DEPTH = 32
+DEFAULT_MAX_BODY = 64 * 1024
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
+def guarded_h11(head_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
+    """An h11 protocol class for ``uvicorn.Config(http=...)`` with the two deadlines."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _phase: str | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._enter("head")
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                self._enter(None)
+                return
+            state = self.conn.their_state
+            self._enter("head" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._enter(None)  # uvicorn's keep-alive timer waits for the next request
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._enter(None)
+            super().connection_lost(exc)
+
+        def _enter(self, phase: str | None) -> None:
+            if phase == self._phase:
+                return  # the deadline runs from the start of the phase, not the last byte
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._phase = phase
+            if phase is not None:
+                delay = head_timeout_s if phase == "head" else body_timeout_s
+                self._timer = self.loop.call_later(delay, self._expired)
+
+        def _expired(self) -> None:
+            self._timer = None
+            if not self.transport.is_closing():
+                self.logger.info("closing a connection whose request %s is late", self._phase)
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def json_violation(body: bytes) -> RuleViolation | None:
+    """Why `body` is not acceptable JSON text, or None."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RuleViolation("body", f"byte {exc.start}", "must be JSON encoded as UTF-8")
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        return RuleViolation("body", None, f"must not nest deeper than {MAX_DEPTH} levels")
+    except ValueError as exc:
+        where = getattr(exc, "msg", None)
+        detail = f" ({where} at line {exc.lineno} column {exc.colno})" if where else ""  # type: ignore[attr-defined]
+        return RuleViolation("body", None, f"must be valid JSON{detail}")
+    return _walk(doc, "", 0)
+
+
+def _walk(node: Any, path: str, depth: int) -> RuleViolation | None:
+    if depth > MAX_DEPTH:
+        return RuleViolation(path or "body", None, f"must not nest deeper than {MAX_DEPTH} levels")
+    if isinstance(node, str):
+        return _text(node, path)
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else key
+            bad = _text(key, f"{where} (a key)") or _walk(value, where, depth + 1)
+            if bad is not None:
+                return bad
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            bad = _walk(value, f"{path}[{i}]" if path else f"[{i}]", depth + 1)
+            if bad is not None:
+                return bad
+    return None
+
+
+def _text(text: str, path: str) -> RuleViolation | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return RuleViolation(
+            _printable(path) or "body",
+            text,
+            "must be Unicode text: a lone surrogate escape such as \\ud800 is not a character",
+        )
+    return None
+
+
+def _printable(path: str) -> str:
+    return path.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class BodyGuard:
+    """ASGI middleware: size limit and JSON checks of request bodies (see the module)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+        self.app = app
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body:
+            await self._too_large(length, scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left (or its body was late): nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await self._too_large(size, scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body:
+            bad = json_violation(body)
+            if bad is not None:
+                await error_response(422, "invalid", [bad])(scope, receive, send)
+                return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _too_large(self, size: int, scope: Scope, receive: Receive, send: Send) -> None:
+        rule = f"a request body must be at most {self.max_body} bytes"
+        response = error_response(
+            413, "too-large", [RuleViolation("body", f"{size} bytes or more", rule)]
+        )
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # then the disconnect, when it comes
+
+    return replay
+
+
+__all__ = [
+    "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_HEAD_TIMEOUT_S",
+    "DEFAULT_MAX_BODY",
+    "MAX_DEPTH",
+    "BodyGuard",
+    "guarded_h11",
+    "json_violation",
+]
