@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -40,7 +40,25 @@ DEFAULT_MAX_SLICES_PER_GPU = 16
 MIN_GIB_PER_SLICE = 4
 WHOLE_GPU_CORE = 100
 
+_T = TypeVar("_T")
+
 CORE_RULE = "must be 1..99 (a share of one GPU) or a multiple of 100 (whole GPUs: 100, 200, ...)"
+
+
+def parse_choice(
+    value: Any, choices: Mapping[str, _T], field: str, names: str | None = None
+) -> _T:
+    """The one case rule for every enumerated value (isolation, placement, owner kinds, and
+    the command lines' --backend, --enforcement, --log-level...): a value is matched
+    ignoring case and surrounding whitespace against the lower-case names in `choices`
+    (``BinPack`` and `` binpack `` are ``binpack``); anything else raises `RuleViolation`
+    naming the field, the value and the accepted names (`names`, else the keys)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in choices:
+            return choices[key]
+    listed = names if names is not None else ", ".join(choices)
+    raise RuleViolation(field, value, f"must be one of {listed} (case does not matter)")
 
 
 class IsolationPolicy(StrEnum):
@@ -58,15 +76,9 @@ class IsolationPolicy(StrEnum):
     def parse(cls, value: Any, field: str = "isolation") -> IsolationPolicy:
         if isinstance(value, IsolationPolicy):
             return value
-        if isinstance(value, str):
-            key = value.strip().lower()
-            if key in _ISOLATION_ABBREVIATIONS:
-                return _ISOLATION_ABBREVIATIONS[key]
-            for member in cls:
-                if member.value == key:
-                    return member
+        table = {m.value: m for m in cls} | _ISOLATION_ABBREVIATIONS
         names = ", ".join(f"{m.value} ({m.abbreviation})" for m in cls)
-        raise RuleViolation(field, value, f"must be one of {names}")
+        return parse_choice(value, table, field, names)
 
 
 _ISOLATION_ABBREVIATIONS = {
@@ -88,13 +100,7 @@ class PlacementPolicy(StrEnum):
     def parse(cls, value: Any, field: str = "placement") -> PlacementPolicy:
         if isinstance(value, PlacementPolicy):
             return value
-        if isinstance(value, str):
-            key = value.strip().lower()
-            for member in cls:
-                if member.value == key:
-                    return member
-        names = ", ".join(m.value for m in cls)
-        raise RuleViolation(field, value, f"must be one of {names}")
+        return parse_choice(value, {m.value: m for m in cls}, field)
 
 
 DEFAULT_PLACEMENT = PlacementPolicy.FRAG  # measured best on the Alibaba trace (docs/placement.md)
@@ -238,12 +244,13 @@ class SliceRequest(BaseModel):
 
     def check_against(self, gpu: GpuDevice) -> None:
         """Raise RuleViolation when this request can never fit `gpu` (whatever its load)."""
-        if self.memory_gib is not None and self.memory_gib > gpu.memory_gib:
-            raise RuleViolation(
-                MEMORY_FIELD,
-                self.memory_gib,
-                f"must not exceed the card ({gpu.memory_gib} GiB on {gpu.model} {gpu.uuid})",
-            )
+        self.check_card_memory(gpu.memory_gib, f"{gpu.memory_gib} GiB on {gpu.model} {gpu.uuid}")
+
+    def check_card_memory(self, card_gib: int, card: str) -> None:
+        """Raise RuleViolation when this request asks more memory than a card of `card_gib`
+        GiB holds; `card` says which card that is, in the message's parentheses."""
+        if self.memory_gib is not None and self.memory_gib > card_gib:
+            raise RuleViolation(MEMORY_FIELD, self.memory_gib, f"must not exceed the card ({card})")
 
     def to_resources(self) -> dict[str, int]:
         """The request as resource-name amounts (qgpu-core, qgpu-memory)."""
@@ -336,6 +343,13 @@ class Owner(BaseModel):
     kind: OwnerKind = OwnerKind.MANUAL
     id: str = Field(default="", max_length=256)
     meta: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _kind(cls, value: Any) -> OwnerKind:
+        if isinstance(value, OwnerKind):
+            return value
+        return parse_choice(value, {k.value: k for k in OwnerKind}, "owner.kind")
 
 
 class Allocation(BaseModel):

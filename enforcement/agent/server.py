@@ -166,7 +166,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         if len(sockets) > 1
         else ""
     )
-    log.warning(
+    log.info(
         "qgpu agent on node %s (%s backend, %d GPUs, %d slices) listening on %s%s",
         agent.node,
         agent.backend.kind,
