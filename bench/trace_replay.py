@@ -64,7 +64,7 @@ from qgpu.placement import (  # noqa: E402
     make_policy,
 )
 
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "bench" / "traces"  # shipped with the repository; see its README
 DEFAULT_NODES = TRACES / "openb_node_list_gpu_node.csv"
 DEFAULT_PODS = TRACES / "openb_pod_list_default.csv"
 DEFAULT_SEEDS = tuple(range(42, 52))
