@@ -195,7 +195,8 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
         before = {s.slice_id: s for s in client.slices().slices}
         limits = {r.slice_id: Path(r.limits_file).read_text() for r in res if r.limits_file}
     capped = res[0]
-    running = workload(capped.env, 3)
+    # 2 GiB and the process's 512 MiB context of the 4 GiB slice
+    running = workload(capped.env, 2)
     assert running.stdout is not None and running.stdout.readline().split() == ["ok"]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -223,8 +224,10 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
             second = workload(capped.env, 1, 1)
             assert second.stdout is not None
             assert second.stdout.readline().split() == ["ok", "oom"]
-            second.kill()
+            # read while both hold their memory: a killed process's share is reaped
             usage = next(s for s in client.slices().slices if s.slice_id == capped.slice_id).usage
+            second.kill()
+            second.wait()
             assert usage.source == "interposer"
             assert usage.memory_used_bytes is not None and usage.memory_used_bytes >= 3 * GIB
             assert running.pid in usage.pids
@@ -474,7 +477,8 @@ def test_oom_refusals_come_from_the_interposer_ledger(state_dir: Path) -> None:
     try:
         with AgentClient(state_dir / "agent.sock") as client:
             res = client.reserve({"core": 20, "memory": 4, "isolation": "be"})
-            running = workload(res.env, 3, 2, 1)
+            # the 512 MiB context, 3 GiB, 2 GiB refused, then the last 0.5 GiB
+            running = workload(res.env, 3, 2, 0.5)
             assert running.stdout is not None
             assert running.stdout.readline().split() == ["ok", "oom", "ok"]
             assert running.stdin is not None
@@ -496,7 +500,8 @@ def test_oom_refusals_come_from_the_interposer_ledger(state_dir: Path) -> None:
 
 def test_throttled_seconds_come_from_the_interposer_ledger(state_dir: Path) -> None:
     """A saturating 30 % fixed-share slice is held back for a large part of each second; a
-    best-effort slice running the same loop next to it never is."""
+    best-effort slice running the same loop next to it is held only to what the guaranteed
+    slice leaves (70 %), so it waits much less; both counters come from the ledgers."""
     proc = start_agent(state_dir, "--sim", "1xH100-80GB")
     spinners: list[subprocess.Popen] = []
     try:
@@ -519,11 +524,13 @@ def test_throttled_seconds_come_from_the_interposer_ledger(state_dir: Path) -> N
             text = client.metrics()
             held = usage[capped.slice_id].throttled_seconds
             assert held is not None and held > 0.2, usage
-            assert usage[free.slice_id].throttled_seconds == 0.0, usage
+            unheld = usage[free.slice_id].throttled_seconds
+            assert unheld is not None and unheld < held / 2, usage
             assert usage[capped.slice_id].oom_refusals == 0
             counted = slice_counter(text, "qgpu_slice_throttled_seconds_total", capped.slice_id)
             assert counted is not None and counted >= held
-            assert slice_counter(text, "qgpu_slice_throttled_seconds_total", free.slice_id) == 0
+            counted = slice_counter(text, "qgpu_slice_throttled_seconds_total", free.slice_id)
+            assert counted is not None and counted >= unheld
     finally:
         for spinner in spinners:
             spinner.kill()

@@ -21,7 +21,9 @@ How the docs are read (the conventions a doc writer follows):
   where it needs the venv's fails here as it would for a reader.
 - A command must exit 0, unless its line ends with a comment ``# exit N`` (then it must exit
   N). Comment lines right after a command that start with ``#`` and two spaces are its
-  expected output: each must appear in what the command printed (spaces normalised).
+  expected output: each must appear in what the command printed (spaces normalised). In a
+  Python snippet, such lines (at the start of a line) must appear in what the snippet
+  printed, and it must exit 0.
 - Paths under ``/tmp/`` are moved into a private temporary directory, so runs never meet
   each other or a reader's files.
 
@@ -207,10 +209,17 @@ def _run_python(block: Block, tmp: Path, env: dict[str, str]) -> None:
         text=True,
         timeout=COMMAND_TIMEOUT,
     )
+    printed = proc.stdout + proc.stderr
     assert proc.returncode == 0, (
-        f"{block.where}: the Python snippet exited {proc.returncode}:\n"
-        f"{(proc.stdout + proc.stderr)[-4000:]}"
+        f"{block.where}: the Python snippet exited {proc.returncode}:\n{printed[-4000:]}"
     )
+    for line in block.text.splitlines():
+        expected = EXPECTED.match(line)
+        if expected:
+            assert _normalised(expected.group("text")) in _normalised(printed), (
+                f"{block.where}: the Python snippet did not print what the docs show:\n"
+                f"  expected: {expected.group('text')}\n  printed: {printed[-4000:]}"
+            )
 
 
 def _run_shell(block: Block, session: Session) -> None:

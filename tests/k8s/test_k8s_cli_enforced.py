@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from enforcement.sim import CONTEXT_MEMORY
 from tests.fakes.apiserver import FakeApiserver, node_object
 from tests.fakes.kubelet import FakeKubelet
 from tests.helpers import stop_processes
@@ -218,7 +219,8 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
         assert w.ask(f"alloc alloc {3 * GIB}")[0] == "ok"
         assert w.ask(f"alloc alloc {2 * GIB}") == ["err", str(OOM)]  # over the 4 GiB cap
         _, free, total = w.ask("meminfo")
-        assert (int(free), int(total)) == (GIB, 4 * GIB)
+        # 3 GiB and the process's context are charged to the slice
+        assert (int(free), int(total)) == (GIB - CONTEXT_MEMORY, 4 * GIB)
     finally:
         w.close()
     # the slice's shared ledger lives in the host directory that was mounted
