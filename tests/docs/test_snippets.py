@@ -250,6 +250,7 @@ def test_every_fenced_block_names_its_language() -> None:
 RUN_FILES = sorted({b.path for b in SNIPPETS if b.skip is None})
 
 
+@pytest.mark.slow  # the README's tour starts a Ray cluster; docs/dask.md a Dask one
 @pytest.mark.parametrize("path", RUN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_snippets_of_a_file_run_as_written(path: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="qgpu-doc-", dir="/tmp"))  # short: unix sockets
