@@ -424,7 +424,10 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--nodes", default=str(DEFAULT_NODES), help="node list CSV")
     p.add_argument("--pods", default=str(DEFAULT_PODS), help="pod list CSV")
     p.add_argument(
@@ -437,9 +440,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=f"{DEFAULT_SEEDS[0]}..{DEFAULT_SEEDS[-1]}",
         help="seeds: '42..51' or '42,43'",
     )
-    p.add_argument("--memory-mode", choices=("fraction", "ignore"), default="fraction")
+    p.add_argument(
+        "--memory-mode",
+        choices=("fraction", "ignore"),
+        default="fraction",
+        help="GPU memory of a pod (the trace has none): 'fraction' = the same fraction of the "
+        "card as of its compute; 'ignore' = not modelled, as in FGD's simulator",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "out"), help="output directory")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
     return p.parse_args(argv)
 
 
