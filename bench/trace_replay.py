@@ -444,8 +444,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--memory-mode",
         choices=("fraction", "ignore"),
         default="fraction",
-        help="GPU memory of a pod (the trace has none): 'fraction' = the same fraction of the "
-        "card as of its compute; 'ignore' = not modelled, as in FGD's simulator",
+        help="GPU memory of a pod (the trace has none): 'fraction' = its compute's fraction "
+        "of the smallest card it may run on, rounded up to whole GiB; 'ignore' = 1 GiB, so "
+        "memory never binds, as in FGD's simulator",
     )
     p.add_argument("--out", default=str(REPO / "bench" / "out"), help="output directory")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
