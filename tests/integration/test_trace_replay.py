@@ -97,7 +97,10 @@ def test_pod_to_request_mapping():
     assert (whole.core, whole.memory_gib, whole.model) == (200, None, "T4|G2")
 
 
-def test_command_line_writes_table_and_plot(tmp_path, slice_nodes):
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["with-plot", "without-matplotlib"])
+def test_command_line_writes_table_and_plot(tmp_path, slice_nodes, matplotlib, monkeypatch, capsys):
+    if not matplotlib:  # a venv made by `make demo` has no matplotlib
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
     nodes_csv = tmp_path / "nodes.csv"
     with open(NODES_CSV, newline="") as src, open(nodes_csv, "w", newline="") as dst:
         rows = list(csv.DictReader(src))
@@ -130,8 +133,12 @@ def test_command_line_writes_table_and_plot(tmp_path, slice_nodes):
         if line.startswith("| binpack") or line.startswith("| frag")
     ]
     assert len(rows) == 2 and all(line.rstrip().endswith("| 2 |") for line in rows)
-    png = (out / "replay-default-ignore.png").read_bytes()
-    assert png.startswith(b"\x89PNG")
+    png = out / "replay-default-ignore.png"
+    if matplotlib:
+        assert png.read_bytes().startswith(b"\x89PNG")
+    else:
+        assert not png.exists()
+        assert "no plot: matplotlib is not installed" in capsys.readouterr().err
 
 
 def _load_fetch():
