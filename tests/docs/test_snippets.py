@@ -68,7 +68,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        shown = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{shown}:{self.line}"
 
 
 def blocks(path: Path) -> list[Block]:
@@ -294,3 +295,14 @@ def test_the_parser_reads_the_conventions(tmp_path: Path) -> None:
     assert (validate.line, validate.expected_exit) == (8, 2)
     assert validate.expected_output == ["error: --core 150"]
     assert (echo.line, echo.text, echo.expected_exit) == (11, "echo 'two\nlines'", 0)
+
+
+def test_a_python_snippet_must_print_what_the_docs_show(tmp_path: Path) -> None:
+    doc = tmp_path / "y.md"
+    doc.write_text("```python\nprint('same GPU:', 1 == 1)\n#  same GPU: True\n```\n")
+    (block,) = blocks(doc)
+    _run_python(block, tmp_path, _environment(tmp_path))
+    doc.write_text("```python\nprint('same GPU:', 1 == 2)\n#  same GPU: True\n```\n")
+    (block,) = blocks(doc)
+    with pytest.raises(AssertionError, match="did not print what the docs show"):
+        _run_python(block, tmp_path, _environment(tmp_path))
