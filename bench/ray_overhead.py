@@ -1,15 +1,23 @@
 """Time to place and start N fractional actors: qgpu vs Ray's fractional ``num_gpus``.
 
-Side by side on the same local cluster (simulated GPUs, also advertised to Ray as plain
-GPUs so both paths have the same capacity), in one run, alternating rounds:
+Side by side on one local Ray cluster, in one run, alternating rounds. The cluster has a
+qgpu node (simulated GPUs) and a plain Ray node with as many GPUs (``ray.cluster_utils``
+``num_gpus``, no qgpu environment): the baseline runs there.
 
-- ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` — Ray places fractions, isolates nothing;
+- ``ray num_gpus``: ``Actor.options(num_gpus=0.3)`` on the plain node — Ray places
+  fractions, isolates nothing;
+- ``qgpu num_gpus``: the same unchanged call on the qgpu node — the worker binds to a capped
+  slice of the GPU Ray chose (holder group + caps);
 - ``qgpu sdk``: ``Actor.options(**qgpu_ray.options(core=30, memory=8))`` — placement by the
-  core engine, per-GPU accounting, interposer and caps in the worker's environment;
-- ``qgpu sdk/resources``: the same with ``via="resources"`` (no runtime_env; the worker
-  binds at its first CUDA call to the GPU named by its per-GPU resources);
-- ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})`` and the
-  actor's first ``cuInit`` binds it to a GPU (placement + holder group + caps).
+  core engine, per-GPU accounting; the default ``via="auto"`` is the resource form on qgpu
+  nodes (no runtime_env; the worker binds when Ray starts it, to the GPU named by its
+  per-GPU resources);
+- ``qgpu sdk/runtime_env``: the same with ``via="runtime_env"`` (interposer and caps in the
+  worker's environment: a dedicated worker process per slice);
+- ``qgpu plain``: ``Actor.options(resources={"qgpu-core": 30, "qgpu-memory": 8})``; the
+  worker binds to a GPU when Ray starts it (placement + holder group + caps).
+
+One untimed warm-up round per path comes first (Ray's worker pool, imports).
 
 Each round creates N actors, waits until every one answered a call that starts CUDA (on
 the qgpu paths that binds and caps the slice; on Ray's path it is the same driver call with
@@ -30,6 +38,11 @@ import time
 import ray
 
 import qgpu_ray
+from enforcement.sim import sim_environment
+from qgpu_ray.resources import LABEL_NODE
+
+PLAIN = {"bench.qgpu.io/node": "plain"}  # the plain Ray node of the baseline
+QGPU = {LABEL_NODE: "qgpu-node-0"}
 
 
 @ray.remote
@@ -60,11 +73,12 @@ def _wait_free(total_core: float) -> None:
 
 def run_round(path: str, n: int, total_core: float) -> float:
     t0 = time.perf_counter()
-    if path == "ray num_gpus":
-        actors = [Replica.options(num_gpus=0.3, num_cpus=0).remote() for _ in range(n)]
+    if path.endswith("num_gpus"):
+        where = {"label_selector": PLAIN if path.startswith("ray") else QGPU}
+        actors = [Replica.options(num_gpus=0.3, num_cpus=0, **where).remote() for _ in range(n)]
         ray.get([a.ready.remote(True) for a in actors], timeout=600)
     elif path.startswith("qgpu sdk"):
-        via = "resources" if path.endswith("resources") else "runtime_env"
+        via = "runtime_env" if path.endswith("runtime_env") else "auto"
         actors = [
             Replica.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0, via=via)).remote()
             for _ in range(n)
@@ -92,27 +106,31 @@ def main() -> None:
     if "RAY_TMPDIR" not in os.environ:
         own_tmp = os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="qgpu-raytmp-", dir="/tmp")
     spec = f"{args.gpus}xH100-80GB"
-    cluster = qgpu_ray.LocalCluster(
-        [spec], cpus_per_node=2, extra_node_args={"num_gpus": args.gpus}
-    )
-    paths = ["ray num_gpus", "qgpu sdk", "qgpu sdk/resources", "qgpu plain"]
+    cluster = qgpu_ray.LocalCluster([spec], cpus_per_node=2)
+    # the same simulated driver, without interposer or worker hook: nothing to enforce
+    sim = sim_environment(cluster.nodes[0].sim_config)
+    cluster.cluster.add_node(num_cpus=2, num_gpus=args.gpus, labels=PLAIN, env_vars=sim)
+    cluster.cluster.wait_for_nodes()
+    paths = ["ray num_gpus", "qgpu num_gpus", "qgpu sdk", "qgpu sdk/runtime_env", "qgpu plain"]
     times: dict[str, list[float]] = {p: [] for p in paths}
     try:
         total_core = 100.0 * args.gpus
+        for path in paths:
+            run_round(path, args.actors, total_core)  # warm-up, not counted
         for r in range(args.rounds):
             for path in paths:
                 t = run_round(path, args.actors, total_core)
                 times[path].append(t)
-                print(f"round {r + 1} {path:<19} {args.actors} actors in {t:6.2f} s", flush=True)
+                print(f"round {r + 1} {path:<20} {args.actors} actors in {t:6.2f} s", flush=True)
     finally:
         cluster.shutdown()
         if own_tmp:
             shutil.rmtree(own_tmp, ignore_errors=True)
     base = statistics.median(times["ray num_gpus"])
-    print(f"\n{'path':<20}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
+    print(f"\n{'path':<21}{'median s':>10}{'per actor ms':>14}{'ratio vs Ray':>14}")
     for path in paths:
         med = statistics.median(times[path])
-        print(f"{path:<20}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
+        print(f"{path:<21}{med:>10.2f}{1000 * med / args.actors:>14.1f}{med / base:>14.2f}")
 
 
 if __name__ == "__main__":

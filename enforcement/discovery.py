@@ -34,10 +34,12 @@ from enforcement.native import NativeLibraryMissing
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.model import (
     DEFAULT_MAX_SLICES_PER_GPU,
+    FLOOR_GIB,
     GpuDevice,
     GpuHealth,
     IsolationPolicy,
     NodeInventory,
+    SlicesPerGpu,
 )
 
 log = logging.getLogger("qgpu.discovery")
@@ -408,6 +410,33 @@ def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, st
     return {k: str(v) for k, v in env.items()}
 
 
+def node_slice_policy(
+    value: str | None,
+    override_file: str | Path | None,
+    floor_cap: int = DEFAULT_MAX_SLICES_PER_GPU,
+) -> SlicesPerGpu:
+    """The node's slices-per-GPU policy: the override file's text when the file exists
+    (Kubernetes: written by the chart's label-node step from the node label
+    ``<prefix>/qgpu-slices-per-gpu``), else `value` (a flag: ``floor-gib`` or 1..16).
+    ``floor-gib`` is capped at `floor_cap` (``--max-slices-per-gpu``)."""
+    policy = _slice_policy_text(value, override_file)
+    return policy if policy.fixed else SlicesPerGpu(limit=floor_cap)
+
+
+def _slice_policy_text(value: str | None, override_file: str | Path | None) -> SlicesPerGpu:
+    if override_file is not None:
+        path = Path(override_file)
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            text = None
+        except OSError as exc:
+            raise RuleViolation("slices_per_gpu_file", str(path), f"cannot be read: {exc}") from exc
+        if text is not None:
+            return SlicesPerGpu.parse(text, f"{path}")
+    return SlicesPerGpu.parse(value if value is not None else FLOOR_GIB, "--slices-per-gpu")
+
+
 def discover(
     backend: GpuBackend,
     node_name: str,
@@ -415,6 +444,7 @@ def discover(
     max_slices_per_gpu: int = DEFAULT_MAX_SLICES_PER_GPU,
     default_isolation: IsolationPolicy | str = IsolationPolicy.BEST_EFFORT,
     labels: dict[str, str] | None = None,
+    fixed_slices: bool = False,
 ) -> NodeInventory:
     """The node's inventory for the ledger and the placement engine."""
     gpus = backend.devices()
@@ -428,6 +458,7 @@ def discover(
         gpus=gpus,
         labels=out_labels,
         max_slices_per_gpu=max_slices_per_gpu,
+        fixed_slices=fixed_slices,
         default_isolation=IsolationPolicy.parse(default_isolation, "default_isolation"),
     )
 

@@ -3,7 +3,9 @@
 1. Starts a local Ray cluster of two qgpu nodes, each with its own node agent: this
    machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
 2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
-   ``qgpu_ray.options``), plus one actor through plain ``resources=``. Every actor starts
+   ``qgpu_ray.options``) next to one unchanged Ray actor that asks for ``num_gpus=0.25``
+   (capped at 25 % and 20 GiB of the GPU Ray gave it), plus one actor through plain
+   ``resources=``. Every actor starts
    CUDA through the interposer, loads its "weights" into GPU memory and runs inference
    kernels for a few seconds.
 3. Prints where each actor landed and the per-slice memory and core use reported by the
@@ -36,6 +38,7 @@ class Model:
     core: int
     memory: int
     isolation: str
+    num_gpus: float | None = None  # unchanged Ray code: .options(num_gpus=...) only
 
 
 MIX = [
@@ -44,6 +47,8 @@ MIX = [
     Model("llm-a", 40, 24, "burst-share"),
     Model("llm-b", 40, 24, "fixed-share"),
     Model("reranker", 10, 4, "best-effort"),
+    # floor(0.25 x 80 GiB) = 20 GiB, round(0.25 x 100) = 25 %, the node's isolation
+    Model("ray-app num_gpus=0.25", 25, 20, "best-effort", num_gpus=0.25),
 ]
 
 
@@ -109,6 +114,9 @@ def slice_usage(cluster: qgpu_ray.LocalCluster) -> dict[str, object]:
 def start_mix(policy: str) -> list[tuple[Model, object]]:
     actors = []
     for m in MIX:
+        if m.num_gpus is not None:
+            actors.append((m, InferenceActor.options(num_gpus=m.num_gpus).remote()))
+            continue
         opts = qgpu_ray.options(
             core=m.core,
             memory=m.memory,
@@ -215,7 +223,7 @@ How to read the tables:
 - node / GPU: the Ray node and the index of the GPU on it (qgpu-node-0 #1 is GPU 1 of node 0).
 - slice: the slice's id; r-... slices were placed by qgpu_ray.options (qgpu chose the GPU
   before Ray scheduled the actor), p-... slices by plain resources={"qgpu-core": ...} (the
-  actor's worker chose its GPU at its first CUDA call).
+  actor's worker chose its GPU when Ray started it, before the actor's code ran).
 - qgpu-core: the share of the GPU the actor asked for; placement never commits more than
   100 % of a GPU. compute cap: what the interposer holds the actor to, by isolation:
     fixed-share  never more than its qgpu-core;
@@ -284,7 +292,7 @@ def main() -> int:
             where = ray.get(plain.where.remote(), timeout=180)
         label = gpu_labels(cluster).get(where["device"], where["device"])
         console.print(
-            f"bound at its first CUDA call to {label} ({where['device']}) as slice "
+            f"bound when Ray started it to {label} ({where['device']}) as slice "
             f"{where['slice']}"
         )
         result = ray.get(plain.try_allocate.remote(12 * GIB), timeout=60)

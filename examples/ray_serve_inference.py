@@ -70,7 +70,7 @@ class Classifier:
 
         self.model = train_model()
         self.driver = simcuda.Driver()
-        self.driver.init()  # first cuInit: the worker binds to a GPU slice here
+        self.driver.init()  # first cuInit: the slice's caps apply (bound when Ray started it)
         self.driver.context(0)
         nbytes = sum(a.nbytes for a in self.model.values())
         self.weights = self.driver.mem_alloc(max(nbytes, 1 << 20))

@@ -21,7 +21,7 @@ from typing import Any
 
 from qgpu.cli_common import add_placement_options, choice
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy
+from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -136,7 +136,7 @@ def _wait_for_signal() -> None:
 
 
 def run_device_plugin(args: argparse.Namespace) -> int:
-    from enforcement.discovery import discover, open_backend
+    from enforcement.discovery import discover, node_slice_policy, open_backend
     from k8s_bridge.deviceplugin.allocation import AllocationPaths
     from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
 
@@ -149,7 +149,17 @@ def run_device_plugin(args: argparse.Namespace) -> int:
     kube = _kube(args)  # no cluster configuration fails here, before the GPUs are opened
     state_dir = Path(args.state_dir)
     backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
-    inventory = discover(backend, node, max_slices_per_gpu=args.max_slices)
+    if args.slices_per_gpu is None and args.slices_per_gpu_file is None:
+        slices = SlicesPerGpu(limit=args.max_slices)  # floor-gib, capped at --max-slices
+    else:
+        slices = node_slice_policy(args.slices_per_gpu, args.slices_per_gpu_file, args.max_slices)
+
+    def discovered() -> Any:
+        return discover(
+            backend, node, max_slices_per_gpu=slices.limit, fixed_slices=slices.fixed
+        )
+
+    inventory = discovered()
     paths = AllocationPaths(
         state_dir=state_dir,
         hook_library=_hook_library(args.hook_library),
@@ -164,7 +174,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
     def refresh() -> None:
         while not stop.wait(args.health_interval):
             try:
-                now = discover(backend, node, max_slices_per_gpu=args.max_slices)
+                now = discovered()
             except Exception as exc:  # keep serving the last inventory; say why
                 logging.warning("GPU re-discovery failed: %s", exc)
                 continue
@@ -243,8 +253,17 @@ def register_device_plugin(sub: Any) -> None:
         "--max-slices",
         type=int,
         default=DEFAULT_MAX_SLICES_PER_GPU,
-        metavar="N",
-        help="slices per GPU, also at most floor(card GiB / 4)",
+        help="cap of the floor-gib rule (see --slices-per-gpu)",
+    )
+    p.add_argument(
+        "--slices-per-gpu",
+        help="slices one GPU may hold: floor-gib (floor(GiB/4), at most 16) or a fixed "
+        "count 1..16; published in the node's inventory",
+    )
+    p.add_argument(
+        "--slices-per-gpu-file",
+        help="a file whose text, when the file exists, overrides --slices-per-gpu (the chart "
+        "writes the node label's value there)",
     )
     p.add_argument(
         "--health-interval",
@@ -280,6 +299,7 @@ def run_extender(args: argparse.Namespace) -> int:
         lock_ttl_s=args.lock_ttl,
         lock_linger_s=args.lock_linger,
         assume_ttl_s=args.assume_ttl,
+        compat=args.compat,
     )
     ext = Extender(kube, cfg)
     ext.start()
@@ -325,7 +345,17 @@ def register_extender(sub: Any) -> None:
         metavar="SECONDS",
         help="hold prioritize's best node until bind for this long (0: off)",
     )
+    _compat_flag(p)
     p.set_defaults(func=run_extender)
+
+
+def _compat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compat",
+        action="store_true",
+        help="compat mode: the webhook translates HAMi and Koordinator resource names and "
+        "annotations into qgpu slices (see docs/install.md 'Migrating')",
+    )
 
 
 # --- webhook -------------------------------------------------------------------------------
@@ -338,7 +368,7 @@ def run_webhook(args: argparse.Namespace) -> int:
 
     cert, key = tls_pair(args)
     _logging(args)
-    app = create_app(Names(args.prefix), args.scheduler_name)
+    app = create_app(Names(args.prefix), args.scheduler_name, compat_mode=args.compat)
     tls = {"ssl_certfile": cert, "ssl_keyfile": key} if cert else {}
     serve(app, host=args.host, port=args.port, **tls)
     return EXIT_OK
@@ -368,5 +398,6 @@ def register_webhook(sub: Any) -> None:
         action="store_true",
         help="serve plain HTTP without a certificate (tests; a TLS proxy in front)",
     )
+    _compat_flag(p)
     _log_level(p)
     p.set_defaults(func=run_webhook)

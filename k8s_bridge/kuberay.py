@@ -3,11 +3,17 @@
 In Kubernetes each Ray worker pod holds ONE slice (its ``<prefix>/qgpu-core`` and
 ``<prefix>/qgpu-memory`` limits). Ray then only needs to know how much of it the node has:
 `ray_resources_from_pod` turns the limits into ``{"qgpu-core": 30, "qgpu-memory": 8}``,
-`ray_start_params` into KubeRay's ``rayStartParams`` (``resources`` as the quoted JSON
-KubeRay passes to ``ray start --resources``, and ``num-gpus: "0"`` for a share so Ray never
-rewrites the slice's ``CUDA_VISIBLE_DEVICES``), and `patch_ray_cluster` does it for every
-group of a RayCluster manifest. Actors then ask for ``resources={"qgpu-core": 10,
-"qgpu-memory": 2}`` and share the pod's slice; the interposer caps the pod as a whole.
+`ray_start_params` into KubeRay's ``rayStartParams`` (``resources`` in KubeRay's documented
+form ``'"{\\"qgpu-core\\": 30}"'``: JSON wrapped in quotes, inner quotes escaped, which the
+operator passes to ``ray start --resources`` through a shell and the Ray autoscaler reads
+by dropping the outer quotes and the backslashes; and ``num-gpus: "0"`` for a share so Ray
+never rewrites the slice's ``CUDA_VISIBLE_DEVICES``), and `patch_ray_cluster` does it for
+every group of a RayCluster manifest. KubeRay 1.5 added a typed ``resources`` map to head
+and worker group specs; `crd_has_group_resources` tells from the installed CRD whether it
+is there, and ``patch_ray_cluster(..., typed_resources=True)`` then writes the map
+(quantity strings) instead of ``rayStartParams.resources``. Actors then ask for
+``resources={"qgpu-core": 10, "qgpu-memory": 2}`` and share the pod's slice; the
+interposer caps the pod as a whole.
 `ray_resources_from_env` reads the same figures inside the pod from the device plugin's
 environment (``QGPU_CORE_LIMIT``, ``QGPU_MEMORY_LIMIT``, ``CUDA_VISIBLE_DEVICES``).
 
@@ -68,8 +74,37 @@ def ray_start_params(
     return params
 
 
-def patch_ray_cluster(cluster: Mapping[str, Any], names: Names | None = None) -> dict[str, Any]:
-    """A copy of a RayCluster with every group's rayStartParams set from its qgpu limits."""
+def crd_has_group_resources(crd: Mapping[str, Any]) -> bool:
+    """Does this RayCluster CRD (``kubectl get crd rayclusters.ray.io -o yaml``) have the
+    typed ``resources`` map on head and worker group specs (KubeRay >= 1.5)?"""
+    for version in (crd.get("spec") or {}).get("versions") or []:
+        if version.get("name") != "v1":
+            continue
+        schema = (version.get("schema") or {}).get("openAPIV3Schema") or {}
+        spec = ((schema.get("properties") or {}).get("spec") or {}).get("properties") or {}
+        head = (spec.get("headGroupSpec") or {}).get("properties") or {}
+        worker = ((spec.get("workerGroupSpecs") or {}).get("items") or {}).get("properties") or {}
+        return "resources" in head and "resources" in worker
+    return False
+
+
+def _typed(group: dict[str, Any], names: Names | None) -> None:
+    """Move the group's qgpu resources from rayStartParams into the typed map."""
+    resources = ray_resources_from_pod(group.get("template") or {}, names)
+    if not resources:
+        return
+    typed = dict(group.get("resources") or {})
+    typed.update({k: str(v) for k, v in resources.items()})
+    group["resources"] = typed
+    group.get("rayStartParams", {}).pop("resources", None)
+
+
+def patch_ray_cluster(
+    cluster: Mapping[str, Any], names: Names | None = None, *, typed_resources: bool = False
+) -> dict[str, Any]:
+    """A copy of a RayCluster with every group's Ray resources set from its qgpu limits:
+    in ``rayStartParams`` (any KubeRay), or with `typed_resources` in the group's typed
+    ``resources`` map (KubeRay >= 1.5; ``num-gpus`` stays in rayStartParams)."""
     out = copy.deepcopy(dict(cluster))
     spec = out.get("spec") or {}
     groups = []
@@ -79,6 +114,8 @@ def patch_ray_cluster(cluster: Mapping[str, Any], names: Names | None = None) ->
     for group in groups:
         template = group.get("template") or {}
         group["rayStartParams"] = ray_start_params(template, names, group.get("rayStartParams"))
+        if typed_resources:
+            _typed(group, names)
     return out
 
 
@@ -99,20 +136,35 @@ def ray_resources_from_env(env: Mapping[str, str] | None = None) -> dict[str, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m k8s_bridge.kuberay raycluster.yaml [--prefix P]``: print it patched."""
+    """``python -m k8s_bridge.kuberay raycluster.yaml [--prefix P] [--crd CRD.yaml]``:
+    print it patched (with ``--crd``, the typed resources map where that CRD has it)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    prefix = None
-    if "--prefix" in args:
-        i = args.index("--prefix")
-        prefix = args[i + 1]
-        del args[i : i + 2]
+    options: dict[str, str] = {}
+    for flag in ("--prefix", "--crd"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                print(f"error: {flag} needs a value", file=sys.stderr)
+                return 2
+            options[flag] = args[i + 1]
+            del args[i : i + 2]
     if len(args) != 1:
-        print("usage: python -m k8s_bridge.kuberay RAYCLUSTER.yaml [--prefix P]", file=sys.stderr)
+        print(
+            "usage: python -m k8s_bridge.kuberay RAYCLUSTER.yaml [--prefix P] [--crd CRD.yaml]",
+            file=sys.stderr,
+        )
         return 2
     with open(args[0]) as f:
         cluster = yaml.safe_load(f)
+    typed = False
+    if "--crd" in options:
+        with open(options["--crd"]) as f:
+            typed = crd_has_group_resources(yaml.safe_load(f) or {})
+    prefix = options.get("--prefix")
     try:
-        patched = patch_ray_cluster(cluster, Names(prefix) if prefix else None)
+        patched = patch_ray_cluster(
+            cluster, Names(prefix) if prefix else None, typed_resources=typed
+        )
     except RuleViolation as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

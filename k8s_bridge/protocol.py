@@ -113,6 +113,9 @@ class Allocated(_Wire):
 class PublishedInventory(_Wire):
     gpus: list[GpuDevice]
     max_slices_per_gpu: int = Field(ge=1, le=64)
+    fixed_slices: bool = Field(
+        default=False, description="max_slices_per_gpu is the count (not floor(GiB/4))"
+    )
     published_at: float
 
 
@@ -154,7 +157,9 @@ def node_inventory(
     inventory_key: str,
     policy_label: str,
 ) -> NodeInventory | None:
-    """The NodeInventory a Node object publishes, or None when it publishes none."""
+    """The NodeInventory a Node object publishes, or None when it publishes none.
+
+    Raises RuleViolation naming the annotation or the label that is wrong."""
     text = annotations.get(inventory_key)
     if not text:
         return None
@@ -165,7 +170,8 @@ def node_inventory(
         gpus=inv.gpus,
         labels=dict(labels),
         max_slices_per_gpu=inv.max_slices_per_gpu,
-        default_isolation=IsolationPolicy.parse(policy, policy_label)
+        fixed_slices=inv.fixed_slices,
+        default_isolation=IsolationPolicy.parse(policy, f"node label {policy_label}")
         if policy
         else IsolationPolicy.BEST_EFFORT,
     )

@@ -51,6 +51,22 @@ class Names:
         return f"{self.prefix}/qgpu-memory"
 
     @property
+    def memory_percent(self) -> str:
+        """Memory as a percentage of the card: an extender-managed resource (no device IDs;
+        kube-scheduler and kubelet leave it to the extender)."""
+        return f"{self.prefix}/qgpu-memory-percentage"
+
+    @property
+    def slices_label(self) -> str:
+        """Node label: slices one GPU may hold (floor-gib or 1..16), overriding the chart."""
+        return f"{self.prefix}/qgpu-slices-per-gpu"
+
+    @property
+    def compat_annotation(self) -> str:
+        """Pod annotation set by the webhook in compat mode: what it translated, and from."""
+        return f"{self.prefix}/qgpu-compat-translation"
+
+    @property
     def policy_label(self) -> str:
         """Node label (and pod annotation override) for the isolation policy."""
         return f"{self.prefix}/qgpu-schedule-policy"
@@ -103,7 +119,11 @@ class Names:
         return f"{self.prefix}/qgpu-node-epoch"
 
     def is_qgpu(self, resource: str) -> bool:
-        return resource in (self.core, self.memory)
+        return resource in (self.core, self.memory, self.memory_percent)
+
+    @property
+    def resources(self) -> tuple[str, str, str]:
+        return (self.core, self.memory, self.memory_percent)
 
 
 # --- the v1.Pod subset we read -----------------------------------------------------------
@@ -272,16 +292,19 @@ def pod_slice_requests(names: Names, pod: PodModel) -> list[ContainerRequest]:
         if not amounts:
             continue
         if names.core not in amounts:
+            other = names.memory if names.memory in amounts else names.memory_percent
             raise RuleViolation(
                 f"{where}.resources.limits[{names.core}]",
                 None,
-                f"is required when {names.memory} is set",
+                f"is required when {other} is set",
             )
         if over is None:
             over = pod_overrides(names, pod)
         raw: dict[str, Any] = {"core": amounts[names.core]}
         if names.memory in amounts:
             raw["memory_gib"] = amounts[names.memory]
+        if names.memory_percent in amounts:
+            raw["memory_percent"] = amounts[names.memory_percent]
         for key in ("isolation", "placement", "gpu_placement", "model"):
             value = getattr(over, key)
             if value is not None:
@@ -290,18 +313,24 @@ def pod_slice_requests(names: Names, pod: PodModel) -> list[ContainerRequest]:
             raw["include_uuids"] = over.include_uuids
         if over.exclude_uuids:
             raw["exclude_uuids"] = over.exclude_uuids
+        fields = {
+            "qgpu-core": names.core,
+            "core": names.core,
+            "qgpu-memory": names.memory,
+            "memory_gib": names.memory,
+            "qgpu-memory-percentage": names.memory_percent,
+            "memory_percent": names.memory_percent,
+        }
         try:
-            req = SliceRequest.model_validate(raw)
-        except ValidationError as exc:
-            v = first_violation(exc)
-            field = v.field
-            if field in ("qgpu-core", "core"):
-                field = f"{where}.resources.limits[{names.core}]"
-            elif field in ("qgpu-memory", "memory_gib"):
-                field = f"{where}.resources.limits[{names.memory}]"
-            raise RuleViolation(field, v.value, v.rule) from exc
+            req = SliceRequest.parse(raw, where, multi_gpu_shares=True).require_single_gpu_share(
+                "Kubernetes (the device plugin hands a container one capped GPU)"
+            )
         except RuleViolation as v:
-            raise RuleViolation(f"{where}: {v.field}", v.value, v.rule) from v
+            if v.field in fields:
+                field = f"{where}.resources.limits[{fields[v.field]}]"
+            else:
+                field = f"{where}: {v.field}"
+            raise RuleViolation(field, v.value, v.rule) from v
         out.append(ContainerRequest(c.name, req))
     return out
 

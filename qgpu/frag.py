@@ -174,7 +174,7 @@ class FragPolicy(Policy):
         """Count one arrival of the request's type (the mix frag optimises for)."""
         self._count(
             request.core_per_gpu,
-            request.memory_gib or 0,
+            request.memory_gib_per_gpu or 0,
             request.gpu_count,
             request.model_names,
             request.cpu_milli,
@@ -434,7 +434,7 @@ class FragPolicy(Policy):
             self._version,
             view.core,
             req.gpu_count,
-            None if req.is_whole_gpu else req.memory_gib,
+            None if req.is_whole_gpu else (req.memory_gib_per_gpu, req.memory_percent),
             req.cpu_milli,
             req.host_memory_mib,
         )

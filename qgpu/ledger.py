@@ -197,6 +197,7 @@ class Ledger:
         """
         owner = owner or Owner()
         slice_id = slice_id or new_slice_id()
+        request.require_single_gpu_share("a reservation (its env names one GPU)")
         with self._tx() as db:
             existing = self._get(db, slice_id)
             if existing is not None:
@@ -293,7 +294,7 @@ class Ledger:
                         slices=count,
                         core_capacity=100,
                         memory_capacity_gib=gpu.memory_gib,
-                        max_slices=gpu.max_slices(inv.max_slices_per_gpu),
+                        max_slices=gpu.max_slices(inv.max_slices_per_gpu, inv.fixed_slices),
                     )
                 )
         return out
@@ -392,7 +393,7 @@ class Ledger:
         ).fetchall()
         for uuid_, core, mem, count in rows:
             gpu = by_uuid[uuid_]
-            limit = gpu.max_slices(inv.max_slices_per_gpu)
+            limit = gpu.max_slices(inv.max_slices_per_gpu, inv.fixed_slices)
             if core > 100 or mem > gpu.memory_gib or count > limit:
                 raise OverCommit(
                     f"GPU {uuid_} would hold core {core}/100, memory {mem}/{gpu.memory_gib} GiB, "

@@ -5,10 +5,19 @@ Kubernetes, the node agent, the CLI) validates through `SliceRequest` and the en
 every rejection is a `qgpu.errors.RuleViolation` naming the field, the value and the rule.
 
 Rules:
-- ``qgpu-core``: integer; 1..99 is a share of one GPU; 100, 200, ... are whole GPUs.
-- ``qgpu-memory``: whole GiB >= 1 of one GPU; required for a share; for whole GPUs it is
+- ``qgpu-core``: integer; 1..99 is a share of one GPU; 100, 200, ... are whole GPUs;
+  101..199 is a multi-GPU share (TKE's multi-card mode): split evenly over ceil(core/100) = 2
+  GPUs of one node, rounding down (160 -> 2 x 80; 121 -> 2 x 60), memory likewise
+  (60 GiB -> 2 x 30). Each GPU's part is its own slice. Adapters take requests through
+  `SliceRequest.parse`, which refuses multi-GPU shares unless the caller can enforce them.
+- ``qgpu-memory``: whole GiB >= 1 of one GPU (of each GPU for a multi-GPU share: the total is
+  split); required for a share unless ``qgpu-memory-percentage`` is given; for whole GPUs it is
   optional and, when given, the minimum card size.
-- slices per GPU: at most ``floor(card GiB / 4)`` and at most 16 (configurable per node).
+- ``qgpu-memory-percentage``: 1..100 percent of the card's memory, instead of
+  ``qgpu-memory`` (a share only): the cap on a card of G GiB is floor(G * pct / 100) GiB,
+  at least 1.
+- slices per GPU (`SlicesPerGpu`): ``floor-gib`` (the default: at most ``floor(card GiB / 4)``
+  and at most 16) or a fixed count 1..16 whatever the card's memory (MetaX sGPU's rule).
 - isolation: ``best-effort`` (``be``), ``fixed-share`` (``fs``), ``burst-share`` (``bs``).
 - placement: ``binpack``, ``spread``, ``frag`` (fragmentation-aware, `qgpu.frag`) at node
   level and GPU level.
@@ -37,12 +46,24 @@ from qgpu.errors import RuleViolation, first_violation
 from qgpu.units import CORE_FIELD, MEMORY_FIELD, mib_to_gib_floor, parse_core, parse_memory_gib
 
 DEFAULT_MAX_SLICES_PER_GPU = 16
+MAX_FIXED_SLICES_PER_GPU = 16
 MIN_GIB_PER_SLICE = 4
 WHOLE_GPU_CORE = 100
+MAX_SHARE_GPUS = 2  # a multi-GPU share spans at most this many GPUs (TKE's first version)
 
 _T = TypeVar("_T")
 
-CORE_RULE = "must be 1..99 (a share of one GPU) or a multiple of 100 (whole GPUs: 100, 200, ...)"
+CORE_RULE = (
+    "must be 1..99 (a share of one GPU), 101..199 (a share split evenly over 2 GPUs of one "
+    "node) or a multiple of 100 (whole GPUs: 100, 200, ...)"
+)
+MULTI_GPU_SHARE_RULE = (
+    "is a share split over 2 GPUs (qgpu-core 101..199), which {where} cannot enforce (the "
+    "interposer caps one GPU per process); use 1..99 (a share of one GPU) or a multiple of "
+    "100 (whole GPUs)"
+)
+MEMORY_PERCENT_FIELD = "qgpu-memory-percentage"
+MEMORY_PERCENT_RULE = "must be an integer percent of the card's memory, 1..100"
 
 
 def parse_choice(
@@ -120,9 +141,19 @@ def _placement(field: str):
 
 def _core(value: Any) -> int:
     core = parse_core(value)
-    if core < 1 or (core >= WHOLE_GPU_CORE and core % WHOLE_GPU_CORE):
+    multi_gpu_share = WHOLE_GPU_CORE < core < WHOLE_GPU_CORE * MAX_SHARE_GPUS
+    if core < 1 or (core >= WHOLE_GPU_CORE and core % WHOLE_GPU_CORE and not multi_gpu_share):
         raise RuleViolation(CORE_FIELD, value, CORE_RULE)
     return core
+
+
+def _memory_percent(value: Any) -> Any:
+    if value is None:
+        return None
+    pct = parse_core(value, MEMORY_PERCENT_FIELD)  # the same integer-percent syntax
+    if not 1 <= pct <= 100:
+        raise RuleViolation(MEMORY_PERCENT_FIELD, value, MEMORY_PERCENT_RULE)
+    return pct
 
 
 def _memory(value: Any) -> Any:
@@ -175,7 +206,13 @@ class SliceRequest(BaseModel):
     memory_gib: Annotated[int | None, BeforeValidator(_memory)] = Field(
         default=None,
         validation_alias=AliasChoices("memory_gib", "memory", MEMORY_FIELD),
-        description="qgpu-memory: GiB of one GPU (required for a share)",
+        description="qgpu-memory: GiB of one GPU (a multi-GPU share: in all, split evenly); "
+        "a share needs it or memory_percent",
+    )
+    memory_percent: Annotated[int | None, BeforeValidator(_memory_percent)] = Field(
+        default=None,
+        validation_alias=AliasChoices("memory_percent", MEMORY_PERCENT_FIELD),
+        description="qgpu-memory-percentage: percent of the card's memory (a share only)",
     )
     isolation: Annotated[IsolationPolicy | None, BeforeValidator(_isolation)] = Field(
         default=None, description="compute isolation; None = the node's default"
@@ -200,8 +237,35 @@ class SliceRequest(BaseModel):
 
     @model_validator(mode="after")
     def _memory_required_for_share(self) -> Self:
-        if not self.is_whole_gpu and self.memory_gib is None:
-            raise RuleViolation(MEMORY_FIELD, None, "is required for a share (qgpu-core 1..99)")
+        if self.memory_percent is not None:
+            if self.is_whole_gpu:
+                raise RuleViolation(
+                    MEMORY_PERCENT_FIELD,
+                    self.memory_percent,
+                    "applies to shares only (whole GPUs take the whole card's memory)",
+                )
+            if self.memory_gib is not None:
+                raise RuleViolation(
+                    MEMORY_PERCENT_FIELD,
+                    self.memory_percent,
+                    f"cannot be combined with {MEMORY_FIELD}={self.memory_gib} (one memory cap)",
+                )
+        elif not self.is_whole_gpu and self.memory_gib is None:
+            raise RuleViolation(
+                MEMORY_FIELD,
+                None,
+                f"is required for a share (qgpu-core 1..99 or 101..199), "
+                f"unless {MEMORY_PERCENT_FIELD} is given",
+            )
+        too_little = self.memory_gib is not None and self.memory_gib < self.gpu_count
+        if self.is_multi_gpu_share and too_little:
+            raise RuleViolation(
+                MEMORY_FIELD,
+                self.memory_gib,
+                f"must be at least {self.gpu_count} GiB for a share split over "
+                f"{self.gpu_count} GPUs (each GPU's part is memory/{self.gpu_count} "
+                "rounded down, at least 1 GiB)",
+            )
         overlap = set(self.include_uuids) & set(self.exclude_uuids)
         if overlap:
             raise RuleViolation(
@@ -210,30 +274,73 @@ class SliceRequest(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, value: SliceRequest | Mapping[str, Any], where: str = "request") -> SliceRequest:
+    def parse(
+        cls,
+        value: SliceRequest | Mapping[str, Any],
+        where: str = "request",
+        multi_gpu_shares: bool = False,
+    ) -> SliceRequest:
         """Validate a mapping (or pass a request through); a broken rule raises
         `RuleViolation` naming the field, the value and the rule — the one entry point
-        adapters use for requests that arrive as plain data."""
+        adapters use for requests that arrive as plain data. A multi-GPU share (qgpu-core
+        101..199) is refused unless the caller says it enforces one (`multi_gpu_shares`)."""
         if isinstance(value, SliceRequest):
-            return value
-        if not isinstance(value, Mapping):
+            req = value
+        elif not isinstance(value, Mapping):
             raise RuleViolation(where, value, "must be a mapping such as {'core': 30, 'memory': 8}")
-        try:
-            return cls.model_validate(dict(value))
-        except ValidationError as exc:
-            raise first_violation(exc) from exc
+        else:
+            try:
+                req = cls.model_validate(dict(value))
+            except ValidationError as exc:
+                raise first_violation(exc) from exc
+        if not multi_gpu_shares:
+            req.require_single_gpu_share(where)
+        return req
+
+    def require_single_gpu_share(self, where: str = "this adapter") -> Self:
+        """Refuse a multi-GPU share where it cannot be enforced (the rule names `where`)."""
+        if self.is_multi_gpu_share:
+            raise RuleViolation(CORE_FIELD, self.core, MULTI_GPU_SHARE_RULE.format(where=where))
+        return self
 
     @property
     def is_whole_gpu(self) -> bool:
-        return self.core >= WHOLE_GPU_CORE
+        return self.core >= WHOLE_GPU_CORE and self.core % WHOLE_GPU_CORE == 0
+
+    @property
+    def is_multi_gpu_share(self) -> bool:
+        """A share split evenly over 2 GPUs of one node (qgpu-core 101..199)."""
+        return self.core > WHOLE_GPU_CORE and not self.is_whole_gpu
 
     @property
     def gpu_count(self) -> int:
-        return self.core // WHOLE_GPU_CORE if self.is_whole_gpu else 1
+        if self.is_whole_gpu:
+            return self.core // WHOLE_GPU_CORE
+        return -(-self.core // WHOLE_GPU_CORE)  # ceil: 1 for 1..99, 2 for 101..199
 
     @property
     def core_per_gpu(self) -> int:
-        return WHOLE_GPU_CORE if self.is_whole_gpu else self.core
+        """Each GPU's core: 100 for whole GPUs, the share split evenly rounding down."""
+        return WHOLE_GPU_CORE if self.is_whole_gpu else self.core // self.gpu_count
+
+    @property
+    def memory_gib_per_gpu(self) -> int | None:
+        """Each GPU's memory cap in GiB when it does not depend on the card (a share asking
+        for qgpu-memory: split evenly rounding down); None for whole GPUs and percentages."""
+        if self.is_whole_gpu or self.memory_gib is None:
+            return None
+        return self.memory_gib // self.gpu_count
+
+    def memory_on(self, card_gib: int) -> int:
+        """The memory cap (GiB) this request takes on a card of `card_gib` GiB: the whole
+        card for whole GPUs, floor(card * pct / 100) for a percentage, else the per-GPU part
+        (0 when a percentage leaves less than 1 GiB: such a card cannot take it)."""
+        if self.is_whole_gpu:
+            return card_gib
+        if self.memory_percent is not None:
+            return card_gib * self.memory_percent // 100
+        assert self.memory_gib_per_gpu is not None
+        return self.memory_gib_per_gpu
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -249,14 +356,28 @@ class SliceRequest(BaseModel):
     def check_card_memory(self, card_gib: int, card: str) -> None:
         """Raise RuleViolation when this request asks more memory than a card of `card_gib`
         GiB holds; `card` says which card that is, in the message's parentheses."""
-        if self.memory_gib is not None and self.memory_gib > card_gib:
-            raise RuleViolation(MEMORY_FIELD, self.memory_gib, f"must not exceed the card ({card})")
+        if self.memory_percent is not None:
+            if self.memory_on(card_gib) < 1:
+                raise RuleViolation(
+                    MEMORY_PERCENT_FIELD,
+                    self.memory_percent,
+                    f"leaves less than 1 GiB of the card ({card})",
+                )
+            return
+        per_gpu = self.memory_gib if self.is_whole_gpu else self.memory_gib_per_gpu
+        if per_gpu is not None and per_gpu > card_gib:
+            part = " per GPU" if self.is_multi_gpu_share else ""
+            raise RuleViolation(
+                MEMORY_FIELD, self.memory_gib, f"must not exceed the card{part} ({card})"
+            )
 
     def to_resources(self) -> dict[str, int]:
-        """The request as resource-name amounts (qgpu-core, qgpu-memory)."""
+        """The request as resource-name amounts (qgpu-core, qgpu-memory, percentage)."""
         out = {CORE_FIELD: self.core}
         if self.memory_gib is not None:
             out[MEMORY_FIELD] = self.memory_gib
+        if self.memory_percent is not None:
+            out[MEMORY_PERCENT_FIELD] = self.memory_percent
         return out
 
 
@@ -287,8 +408,11 @@ class GpuDevice(BaseModel):
     def healthy(self) -> bool:
         return self.health is GpuHealth.HEALTHY
 
-    def max_slices(self, configured: int = DEFAULT_MAX_SLICES_PER_GPU) -> int:
-        """At most floor(card GiB / 4) slices, and at most `configured` (16 by default)."""
+    def max_slices(self, configured: int = DEFAULT_MAX_SLICES_PER_GPU, fixed: bool = False) -> int:
+        """At most floor(card GiB / 4) slices, and at most `configured` (16 by default); with
+        `fixed` (a `SlicesPerGpu` fixed count) exactly `configured`, whatever the memory."""
+        if fixed:
+            return configured
         return max(1, min(configured, self.memory_gib // MIN_GIB_PER_SLICE))
 
     def matches_model(self, names: tuple[str, ...]) -> bool:
@@ -309,6 +433,9 @@ class NodeInventory(BaseModel):
     memory_mib: int | None = Field(default=None, ge=0)
     labels: dict[str, str] = Field(default_factory=dict)
     max_slices_per_gpu: int = Field(default=DEFAULT_MAX_SLICES_PER_GPU, ge=1, le=64)
+    fixed_slices: bool = Field(
+        default=False, description="max_slices_per_gpu is the count itself (not floor(GiB/4))"
+    )
     default_isolation: IsolationPolicy = DEFAULT_ISOLATION
 
     @field_validator("default_isolation", mode="before")
@@ -324,6 +451,46 @@ class NodeInventory(BaseModel):
                 raise RuleViolation("gpus.uuid", gpu.uuid, "GPU UUIDs must be unique on a node")
             seen.add(gpu.uuid)
         return self
+
+
+SLICES_PER_GPU_RULE = (
+    "must be floor-gib (at most floor(card GiB / 4) slices per GPU, and at most 16) or a fixed "
+    f"count 1..{MAX_FIXED_SLICES_PER_GPU}"
+)
+FLOOR_GIB = "floor-gib"
+
+
+class SlicesPerGpu(BaseModel):
+    """How many slices one GPU may hold: ``floor-gib`` or a fixed count 1..16.
+
+    Written as text where it is configured (a chart value, a node label, CLI flags):
+    ``floor-gib`` or ``"8"``. `limit` and `fixed` are what `GpuDevice.max_slices` takes.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    limit: int = Field(default=DEFAULT_MAX_SLICES_PER_GPU, ge=1, le=64)
+    fixed: bool = False
+
+    @classmethod
+    def parse(cls, value: Any, field: str = "slices_per_gpu") -> SlicesPerGpu:
+        if isinstance(value, SlicesPerGpu):
+            return value
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text == FLOOR_GIB:
+            return cls()
+        if isinstance(text, bool):
+            raise RuleViolation(field, value, SLICES_PER_GPU_RULE)
+        if isinstance(text, int) or (isinstance(text, str) and text.isdigit()):
+            count = int(text)
+            if 1 <= count <= MAX_FIXED_SLICES_PER_GPU:
+                return cls(limit=count, fixed=True)
+        raise RuleViolation(field, value, SLICES_PER_GPU_RULE)
+
+    def __str__(self) -> str:
+        if self.fixed:
+            return str(self.limit)
+        return FLOOR_GIB if self.limit == DEFAULT_MAX_SLICES_PER_GPU else f"floor-gib<={self.limit}"
 
 
 class OwnerKind(StrEnum):

@@ -42,7 +42,7 @@ def shape_key(req: SliceRequest) -> ShapeKey:
     """What the per-GPU rules read of a request (`Engine._checks`, and the GPU count)."""
     return (
         req.core,
-        req.memory_gib,
+        req.memory_gib if req.memory_percent is None else -req.memory_percent,
         req.model_names,
         tuple(req.include_uuids),
         tuple(req.exclude_uuids),

@@ -74,7 +74,7 @@ class ClusterState:
             for gpu in node.gpus:
                 gpus.append(gpu)
                 gpu_node.append(i)
-                max_slices.append(gpu.max_slices(node.max_slices_per_gpu))
+                max_slices.append(gpu.max_slices(node.max_slices_per_gpu, node.fixed_slices))
         self.gpus = gpus
         self.uuid_index = {g.uuid: i for i, g in enumerate(gpus)}
         if len(self.uuid_index) != len(gpus):
@@ -485,8 +485,12 @@ class Engine:
             )
         else:
             yield "slice limit", s.slices[sub] < s.max_slices[sub]
-            yield "core", s.free_core[sub] >= req.core
-            yield "memory", s.free_mem[sub] >= req.memory_gib
+            yield "core", s.free_core[sub] >= req.core_per_gpu
+            if req.memory_percent is None:
+                yield "memory", s.free_mem[sub] >= req.memory_gib_per_gpu
+            else:  # a percentage of each card: at least 1 GiB of it, and that much free
+                need = s.cap_mem[sub] * req.memory_percent // 100
+                yield "memory", (need >= 1) & (s.free_mem[sub] >= need)
 
     def candidates(
         self, req: SliceRequest, explain: bool = True
@@ -519,7 +523,12 @@ class Engine:
                     if dropped:
                         reasons[name] = reasons.get(name, 0) + dropped
                 ok &= keep
-        memory = s.cap_mem if req.is_whole_gpu else np.full(n, req.memory_gib, dtype=np.int32)
+        if req.is_whole_gpu:
+            memory = s.cap_mem
+        elif req.memory_percent is not None:
+            memory = (s.cap_mem * req.memory_percent // 100).astype(np.int32)
+        else:
+            memory = np.full(n, req.memory_gib_per_gpu, dtype=np.int32)
         ok.flags.writeable = False  # shared with later callers through the memo
         if memory is not s.cap_mem:
             memory.flags.writeable = False
@@ -684,12 +693,28 @@ def _pick_gpus(s: ClusterState, local: np.ndarray, scores: np.ndarray, count: in
     return sorted(int(i) for i in ranked[:count])
 
 
-def _no_fit_message(req: SliceRequest, reasons: dict[str, int]) -> str:
-    what = (
-        f"{req.gpu_count} whole GPU(s)"
-        if req.is_whole_gpu
-        else f"qgpu-core={req.core} qgpu-memory={req.memory_gib}"
+def describe_share(req: SliceRequest) -> str:
+    """A share in the words of its resources, per GPU for a multi-GPU share."""
+    memory = (
+        f"qgpu-memory-percentage={req.memory_percent}"
+        if req.memory_percent is not None
+        else f"qgpu-memory={req.memory_gib}"
     )
+    if req.is_multi_gpu_share:
+        per = (
+            f"{req.memory_percent}% of each card"
+            if req.memory_percent is not None
+            else f"{req.memory_gib_per_gpu} GiB"
+        )
+        return (
+            f"qgpu-core={req.core} {memory} ({req.gpu_count} GPUs of one node, each "
+            f"{req.core_per_gpu} core and {per})"
+        )
+    return f"qgpu-core={req.core} {memory}"
+
+
+def _no_fit_message(req: SliceRequest, reasons: dict[str, int]) -> str:
+    what = f"{req.gpu_count} whole GPU(s)" if req.is_whole_gpu else describe_share(req)
     if not reasons:
         return f"no GPU can take {what}"
     detail = ", ".join(f"{k}: {v}" for k, v in reasons.items())

@@ -1,15 +1,18 @@
 """``qgpu-ray``: start Ray on a qgpu node, run the plain-path reaper, show what is advertised.
 
-    qgpu-ray start [--agent-socket PATH] [--placement binpack] [RAY START ARGS...]
+    qgpu-ray start [--agent-socket PATH] [--placement binpack] [--fraction-memory fraction|N]
+                   [--fraction-core fraction|N] [RAY START ARGS...]
     qgpu-ray resources [--agent-socket PATH]
     qgpu-ray reaper --address HOST:PORT [--interval 1]
 
-``start`` asks the node agent for the node's inventory and workload environment, then runs
-``ray start`` with the totals, the per-GPU resources and labels, and an environment that
-preloads the interposer in every worker and installs the bind hook of the plain
-``resources=`` path; after Ray is up it starts a detached reaper for the node's plain-path
-slices. Exit codes: 0 ok, 2 invalid input, 1 any other failure (the agent unreachable,
-``ray start`` failing...).
+``start`` checks that the installed Ray still has the hooks qgpu relies on
+(`qgpu_ray.compat`), asks the node agent for the node's inventory and workload environment,
+then runs ``ray start`` with the GPUs as Ray's ``GPU``, the totals, the per-GPU resources and
+labels, and an environment that preloads the interposer in every worker and installs the
+worker hook (`qgpu_ray.hook`); ``--fraction-memory``/``--fraction-core`` say what
+``num_gpus=f`` means on the node (`qgpu_ray.fraction`). After Ray is up it starts a
+detached reaper for the node's slices bound in workers. Exit codes: 0 ok, 2 invalid
+input, 1 any other failure (the agent unreachable, ``ray start`` failing...).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from pathlib import Path
 
 from qgpu.cli_common import Parser, add_placement_options, add_version, describe, exit_code_of
 from qgpu.errors import QgpuError, RuleViolation
+from qgpu_ray import compat
+from qgpu_ray.fraction import FractionRule
 from qgpu_ray.provider import ray_start_arguments, worker_environment
-from qgpu_ray.resources import node_labels, node_resources
+from qgpu_ray.resources import gpu_order, node_labels, node_resources
 
 
 def _node(args: argparse.Namespace):
@@ -40,6 +45,7 @@ def cmd_resources(args: argparse.Namespace) -> int:
     node = _node(args)
     out = {
         "node": node.inventory.name,
+        "num_gpus": len(gpu_order(node.inventory)),
         "resources": node_resources(node.inventory),
         "labels": node_labels(node.inventory),
     }
@@ -61,19 +67,30 @@ def cmd_start(args: argparse.Namespace) -> int:
     ray_bin = str(beside) if beside.exists() else shutil.which("ray")
     if ray_bin is None:
         raise QgpuError("the `ray` command is not installed (pip install 'qgpu[ray]')")
+    ray_args = list(args.ray_args)
+    if ray_args and ray_args[0] == "--":
+        ray_args = ray_args[1:]
+    for arg in ray_args:
+        if arg.split("=", 1)[0] in ("--num-gpus", "--resources", "--labels"):
+            raise RuleViolation(
+                arg.split("=", 1)[0],
+                arg,
+                "is set by qgpu-ray start from the node's GPUs (drop it)",
+            )
+    compat.check()
+    rule = FractionRule.parse(args.fraction_core, args.fraction_memory)
     node = _node(args)
     env = dict(os.environ)
     env.update(node.workload_env)
     env.update(
         worker_environment(
             node.workload_env.get("QGPU_STATE_DIR", args.state_dir),
+            inventory=node.inventory,
+            fraction=rule,
             policy=args.placement,
         )
     )
     env["QGPU_AGENT_SOCKET"] = str(args.agent_socket or "")
-    ray_args = list(args.ray_args)
-    if ray_args and ray_args[0] == "--":
-        ray_args = ray_args[1:]
     command = [ray_bin, "start", *ray_args, *ray_start_arguments(node.inventory)]
     print("+ " + " ".join(command), flush=True)
     code = subprocess.call(command, env=env)
@@ -146,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="/var/lib/qgpu/slices",
         help="interposer state dir when the agent does not name one",
     )
+    start.add_argument(
+        "--fraction-memory",
+        default="fraction",
+        help="num_gpus=f gets floor(f x card GiB) ('fraction', the default) or N GiB per 0.1",
+    )
+    start.add_argument(
+        "--fraction-core",
+        default="fraction",
+        help="num_gpus=f gets round(f x 100) %% ('fraction', the default) or N %% per 0.1",
+    )
     start.add_argument("--no-reaper", action="store_true", help="do not start the reaper")
     start.add_argument(
         "ray_args",
@@ -158,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent_opt(res)
     res.set_defaults(func=cmd_resources)
 
-    reaper = sub.add_parser("reaper", help="release plain-path slices of dead workers/nodes")
+    reaper = sub.add_parser("reaper", help="release worker-bound slices of dead workers/nodes")
     reaper.add_argument("--address", required=True, help="the Ray cluster, e.g. HEAD:6379")
     reaper.add_argument(
         "--interval", type=float, default=1.0, metavar="SECONDS", help="time between passes"

@@ -1,10 +1,10 @@
 """A Ray cluster on this machine with qgpu nodes: real GPUs, or simulated ones.
 
 `LocalCluster` starts ``ray.cluster_utils.Cluster`` nodes that each advertise their GPUs
-(totals, per-GPU resources, labels) and run their workers with the interposer, the bind
-hook and (on simulated GPUs) the simulated driver; it connects the driver and runs the
-plain-path reaper. It serves ``make demo``, the examples and the tests, and lets users try
-their Ray code on simulated GPUs.
+(totals, per-GPU resources, labels, and Ray's ``GPU``) and run their workers with the
+interposer, the worker hook and (on simulated GPUs) the simulated driver; it connects the
+driver and runs the reaper of slices bound in workers. It serves ``make demo``, the
+examples and the tests, and lets users try their Ray code on simulated GPUs.
 
 `init_local` is the one-node shortcut: ``qgpu_ray.init_local(sim="2xH100-80GB")``.
 """
@@ -22,9 +22,11 @@ from typing import Any
 
 from enforcement.agent.local import LocalAgent, default_gpus
 from qgpu.model import NodeInventory, PlacementPolicy
+from qgpu_ray import compat
+from qgpu_ray.fraction import FractionRule
 from qgpu_ray.provider import sim_node, worker_environment
 from qgpu_ray.reaper import Reaper
-from qgpu_ray.resources import node_labels, node_resources
+from qgpu_ray.resources import gpu_order, node_labels, node_resources
 
 
 @dataclass
@@ -42,7 +44,7 @@ class LocalNode:
 def _keep_ld_preload() -> Iterator[None]:
     """While Ray starts a node from this process, keep its jemalloc set-up from replacing the
     node's LD_PRELOAD (Ray swaps in jemalloc when the *starting* process has no LD_PRELOAD)."""
-    key = "RAY_JEMALLOC_LIB_PATH"
+    key = compat.RAY_JEMALLOC_ENV
     old = os.environ.get(key)
     os.environ[key] = ""
     try:
@@ -80,13 +82,19 @@ class LocalCluster:
         ray_init_kwargs: dict[str, Any] | None = None,
         extra_node_args: dict[str, Any] | None = None,
         agents: bool = True,
+        fraction: FractionRule | None = None,
     ) -> None:
         """`nodes` lists one simulated-GPU spec per node (``["2xH100-80GB", "T4"]``);
         the special spec ``"real"`` uses this machine's GPUs through NVML. With `agents`,
         each node gets its own `qgpu agent` (its GPUs, ledger, metrics) that records the
-        node's Ray slices; without, the nodes are configured directly."""
+        node's Ray slices; without, the nodes are configured directly. `fraction` is what
+        ``num_gpus=f`` means on the nodes (`qgpu_ray.fraction`; default: in proportion)."""
         from ray.cluster_utils import Cluster
 
+        compat.check()
+        if "num_gpus" in (extra_node_args or {}):
+            raise ValueError("extra_node_args: num_gpus is set from each node's GPUs")
+        self.fraction = fraction or FractionRule()
         self._own_root = root is None
         self.root = Path(root or tempfile.mkdtemp(prefix="qgpu-ray-", dir="/tmp"))
         self.policy = PlacementPolicy.parse(policy, "policy")
@@ -128,12 +136,19 @@ class LocalCluster:
             inventory, sim_config = sim_node(spec, name, node_root)
             state_dir = node_root / "state"
         state_dir.mkdir(parents=True, exist_ok=True)
-        env = worker_environment(state_dir, sim_config=sim_config, policy=self.policy)
+        env = worker_environment(
+            state_dir,
+            inventory=inventory,
+            fraction=self.fraction,
+            sim_config=sim_config,
+            policy=self.policy,
+        )
         if agent is not None:
             env["QGPU_AGENT_SOCKET"] = str(agent.socket)
         with _keep_ld_preload():
             ray_node = self.cluster.add_node(
                 num_cpus=self.cpus_per_node,
+                num_gpus=len(gpu_order(inventory)),
                 resources=node_resources(inventory),
                 labels=node_labels(inventory),
                 env_vars=env,

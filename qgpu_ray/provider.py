@@ -1,9 +1,12 @@
 """Node resource provider: what a qgpu node tells Ray, and the environment of its workers.
 
 `ray_start_arguments` turns a node inventory into ``ray start`` flags (totals, per-GPU
-resources, labels); `worker_environment` is the raylet environment that every worker on the
-node inherits: the interposer preloaded, the bind hook of the plain ``resources=`` path,
-the interposer's state directory and, on simulated GPUs, the simulated driver.
+resources, labels, and the GPUs as Ray's ``GPU``); `worker_environment` is the raylet
+environment that every worker on the node inherits: the interposer preloaded node-wide
+(its limits are read at ``cuInit``, so one preload serves every worker and no slice needs a
+runtime_env), the worker hook (`qgpu_ray.hook`), ``CUDA_VISIBLE_DEVICES`` listing the GPUs'
+UUIDs (so Ray's GPU ids are UUIDs), the node's inventory and ``num_gpus`` rule, the
+interposer's state directory and, on simulated GPUs, the simulated driver.
 `sim_node` builds a simulated node (config + inventory) for laptops, CI and tests.
 """
 
@@ -14,18 +17,26 @@ from pathlib import Path
 
 from qgpu.model import GpuDevice, IsolationPolicy, NodeInventory, PlacementPolicy
 from qgpu.units import MIB_PER_GIB
-from qgpu_ray.bind import BIND_ENV, POLICY_ENV
-from qgpu_ray.resources import node_labels, node_resources
+from qgpu_ray.compat import RAY_LD_PRELOAD_ENV, RAY_SETUP_HOOK_ENV
+from qgpu_ray.fraction import FractionRule
+from qgpu_ray.resources import (
+    BIND_ENV,
+    FRACTION_ENV,
+    NODE_ENV,
+    POLICY_ENV,
+    gpu_order,
+    node_labels,
+    node_resources,
+)
 
-SETUP_HOOK = "qgpu_ray.bind.install"
-# Ray reads this variable in every worker and runs the named function before any task
-# (the environment form of runtime_env["worker_process_setup_hook"]).
-RAY_SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+SETUP_HOOK = "qgpu_ray.hook.install"
 
 
 def worker_environment(
     state_dir: str | Path,
     *,
+    inventory: NodeInventory | None = None,
+    fraction: FractionRule | None = None,
     sim_config: str | Path | None = None,
     policy: PlacementPolicy | str = PlacementPolicy.BINPACK,
     preload: bool = True,
@@ -39,10 +50,21 @@ def worker_environment(
         POLICY_ENV: PlacementPolicy.parse(policy, "policy").value,
         BIND_ENV: "ray",
     }
+    if inventory is not None:
+        rule = fraction or FractionRule()
+        rule.check_cards([g.memory_gib for g in inventory.gpus if g.healthy])
+        healthy = inventory.model_copy(update={"gpus": [g for g in inventory.gpus if g.healthy]})
+        env[NODE_ENV] = healthy.model_dump_json(
+            include={"name", "gpus", "max_slices_per_gpu", "default_isolation"}
+        )
+        env[FRACTION_ENV] = rule.to_text()
+        # Ray's GPU ids on this node are these UUIDs (a num_gpus worker gets its GPU's UUID
+        # in CUDA_VISIBLE_DEVICES and from ray.get_gpu_ids(), like an SDK slice)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_order(inventory))
     if preload:
         env["LD_PRELOAD"] = str(hook_library_path())
         # the raylet strips LD_PRELOAD from its workers unless told to keep it
-        env["RAY_LD_PRELOAD_ON_WORKERS"] = "1"
+        env[RAY_LD_PRELOAD_ENV] = "1"
     if setup_hook_env:
         env[RAY_SETUP_HOOK_ENV] = SETUP_HOOK
     if sim_config is not None:
@@ -55,6 +77,7 @@ def worker_environment(
 def ray_start_arguments(inventory: NodeInventory) -> list[str]:
     """``ray start`` flags advertising the node's GPUs (append the user's own flags)."""
     return [
+        f"--num-gpus={len(gpu_order(inventory))}",
         "--resources=" + json.dumps(node_resources(inventory), sort_keys=True),
         "--labels=" + ",".join(f"{k}={v}" for k, v in sorted(node_labels(inventory).items())),
     ]

@@ -1,14 +1,16 @@
-"""Release plain-path slices whose worker or node is gone.
+"""Release slices bound in workers whose worker or node is gone.
 
-A plain ``resources=`` worker holds its GPU's per-GPU resources through a holder placement
-group named ``qgpu-hold:<slice>:<node_id>:<pid>:<start_time>`` (see `qgpu_ray.bind`). Ray
-ties such a group to the job, not to the worker, so this reaper removes it when the worker
-process has exited (killed, crashed or finished: checked by pid and start time, on the
-node where the reaper runs) or when its node is dead (checked cluster-wide).
+A plain ``resources=`` worker and a ``num_gpus`` worker hold their GPU's per-GPU resources
+through a holder placement group named ``qgpu-hold:<slice>:<node_id>:<pid>:<start_time>``
+(see `qgpu_ray.bind`). Ray ties such a group to the job, not to the worker, so this reaper
+removes it when the worker process has exited (killed, crashed or finished: checked by pid
+and start time, on the node where the reaper runs) or when its node is dead (checked
+cluster-wide).
 
 ``qgpu-ray start`` runs one reaper per node; `qgpu_ray.local.init_local` runs one as a
-thread of the driver. SDK-path slices need no reaper: they are plain Ray resources of the
-actor or task and Ray frees them itself.
+thread of the driver. A ``num_gpus`` *task* gets a fresh worker that exits after it (Ray's
+``max_calls=1`` for GPU tasks), so its slice ends with the task. SDK-path slices need no
+reaper: they are plain Ray resources of the actor or task and Ray frees them itself.
 """
 
 from __future__ import annotations

@@ -7,9 +7,18 @@ GiB) and, per physical GPU, a cluster-unique triple named after the GPU's UUID:
 own accounting never over-commits a GPU in core, memory or slice count. Each node also
 advertises ``qgpu-isolation/<policy>`` markers (see ISOLATION_PREFIX).
 
+The node's GPUs are also Ray's ``GPU`` resource (``--num-gpus``, with the raylet's
+``CUDA_VISIBLE_DEVICES`` listing their UUIDs in `gpu_order`), so unchanged ``num_gpus`` work
+runs there too and Ray's GPU ids are the UUIDs; `qgpu_ray.bind` books it in the same per-GPU
+resources.
+
 Labels: ``qgpu.io/node`` (the agent's node name), ``qgpu.io/gpu-model`` (the model, or
-``mixed``), ``qgpu.io/gpu-count``, ``qgpu.io/isolation`` (the node's default isolation)
-and, per GPU, ``qgpu.io/model.<uuid>``.
+``mixed``), ``qgpu.io/gpu-count``, ``qgpu.io/isolation`` (the node's default isolation),
+``qgpu.io/worker-hook`` (``ray``: its workers run the bind hook, see `qgpu_ray.hook`) and,
+per GPU, ``qgpu.io/model.<uuid>``.
+
+Environment of the node's raylet (its workers inherit it): ``QGPU_RAY_NODE`` (the node's
+inventory, JSON) and ``QGPU_RAY_FRACTION`` (`qgpu_ray.fraction.FractionRule`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,12 @@ LABEL_MODEL = "qgpu.io/gpu-model"
 LABEL_COUNT = "qgpu.io/gpu-count"
 LABEL_ISOLATION = "qgpu.io/isolation"
 LABEL_GPU_MODEL_PREFIX = "qgpu.io/model."
+LABEL_HOOK = "qgpu.io/worker-hook"
+
+NODE_ENV = "QGPU_RAY_NODE"
+FRACTION_ENV = "QGPU_RAY_FRACTION"
+POLICY_ENV = "QGPU_RAY_POLICY"  # the GPU choice of work that binds in the worker
+BIND_ENV = "QGPU_BIND"  # named in the interposer's message when a bind fails
 
 _LABEL_VALUE_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -59,6 +74,11 @@ def label_value(text: str) -> str:
     return _LABEL_VALUE_RE.sub("_", text)[:63]
 
 
+def gpu_order(inventory: NodeInventory) -> list[str]:
+    """UUIDs of the healthy GPUs in the order of Ray's GPU ids on the node (0, 1, ...)."""
+    return [g.uuid for g in sorted(inventory.gpus, key=lambda g: g.index) if g.healthy]
+
+
 def node_resources(inventory: NodeInventory) -> dict[str, float]:
     """The custom resources a node with these GPUs advertises to Ray (healthy GPUs only)."""
     gpus = [g for g in inventory.gpus if g.healthy]
@@ -76,7 +96,7 @@ def node_resources(inventory: NodeInventory) -> dict[str, float]:
     return out
 
 
-def node_labels(inventory: NodeInventory) -> dict[str, str]:
+def node_labels(inventory: NodeInventory, *, worker_hook: bool = True) -> dict[str, str]:
     """Labels describing the node's GPUs (usable in ``label_selector``)."""
     models = sorted({g.model for g in inventory.gpus})
     labels = {
@@ -85,6 +105,8 @@ def node_labels(inventory: NodeInventory) -> dict[str, str]:
         LABEL_COUNT: str(len(inventory.gpus)),
         LABEL_ISOLATION: inventory.default_isolation.value,
     }
+    if worker_hook:
+        labels[LABEL_HOOK] = "ray"
     for gpu in inventory.gpus:
         labels[LABEL_GPU_MODEL_PREFIX + label_value(gpu.uuid)] = label_value(gpu.model)
     return labels

@@ -3,8 +3,13 @@
 ``options(core=30, memory="8Gi", policy="binpack")`` validates the request with the core
 slice model, decides node and GPU with the core placement engine over Ray's live per-GPU
 resources, and returns kwargs for ``.options()``: the totals plus that GPU's per-GPU
-resources (so Ray's own accounting keeps each GPU exact) and ``runtime_env.env_vars`` with
-the device, the interposer and the caps, all known before the worker process starts.
+resources (so Ray's own accounting keeps each GPU exact). How the worker learns its slice
+(``via``): on nodes whose workers run the qgpu worker hook (label ``qgpu.io/worker-hook``,
+every node of ``qgpu-ray start`` / `LocalCluster`) the per-GPU resources and an isolation
+marker are all it needs — it binds when Ray starts it and Ray reuses pooled workers
+(``via="resources"``); elsewhere ``runtime_env.env_vars`` carry the device, the interposer
+and the caps, which costs a dedicated worker process per slice (``via="runtime_env"``).
+``via="auto"`` (the default) picks by the chosen node's label.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from qgpu_ray.env import slice_env
 from qgpu_ray.resources import (
     ISOLATION_AMOUNT,
     ISOLATION_PREFIX,
+    LABEL_HOOK,
     LABEL_ISOLATION,
     SLOTS,
     TOTAL_CORE,
@@ -100,6 +106,30 @@ def _no_fit(req: SliceRequest, exc: NoFit) -> NoFit:
     return NoFit(f"Ray cluster: {exc}", exc.reasons)
 
 
+VIAS = ("auto", "resources", "runtime_env")
+
+
+def _via(via: str, node: RayNode) -> str:
+    if via not in VIAS:
+        raise RuleViolation("via", via, "must be 'auto', 'resources' or 'runtime_env'")
+    if via == "auto":
+        return "resources" if node.labels.get(LABEL_HOOK) == "ray" else "runtime_env"
+    return via
+
+
+def _slice_options(
+    base: dict[str, Any], decision: Decision, alloc: Allocation, via: str
+) -> dict[str, Any]:
+    """Ray options for one slice: the decision's resources, plus the isolation marker
+    (resources form) or the slice's environment (runtime_env form)."""
+    resources = decision_resources(decision)
+    if via == "resources":
+        if decision.core_per_gpu < 100:
+            resources[ISOLATION_PREFIX + alloc.isolation.value] = ISOLATION_AMOUNT
+        return _merge(base, resources, {})
+    return _merge(base, resources, slice_env(alloc))
+
+
 def options(
     core: Any,
     memory: Any = None,
@@ -110,22 +140,23 @@ def options(
     model: str | None = None,
     include_uuids: list[str] | None = None,
     exclude_uuids: list[str] | None = None,
-    via: str = "runtime_env",
+    via: str = "auto",
     **ray_options: Any,
 ) -> dict[str, Any]:
     """kwargs for ``.options()`` that put the task or actor on one slice (see module doc).
 
     Extra keyword arguments (num_cpus, runtime_env, name, ...) are passed through;
-    ``runtime_env.env_vars`` is merged with the slice's variables.
+    ``runtime_env.env_vars`` is merged with the slice's variables (runtime_env form).
 
     ``via="resources"`` leaves the runtime_env out: the chosen GPU travels in the per-GPU
     resources alone (and the isolation in a ``qgpu-isolation/<policy>`` marker), and the
-    worker's bind hook applies device and caps at its first CUDA call. Workers are then
-    reused from Ray's pool instead of started per runtime_env (much faster start-up); it
-    needs nodes started by ``qgpu-ray start`` / `LocalCluster` (the bind hook installed).
+    worker hook applies device and caps when Ray starts the work. Workers are then reused
+    from Ray's pool instead of started per runtime_env (as fast as Ray's own ``num_gpus``);
+    it needs nodes started by ``qgpu-ray start`` / `LocalCluster`. ``via="runtime_env"``
+    works on any node that has the interposer. ``"auto"`` chooses by the node's label.
     """
-    if via not in ("runtime_env", "resources"):
-        raise RuleViolation("via", via, "must be 'runtime_env' or 'resources'")
+    if via not in VIAS:
+        raise RuleViolation("via", via, "must be 'auto', 'resources' or 'runtime_env'")
     req = build_request(
         core,
         memory,
@@ -142,15 +173,11 @@ def options(
         decision = engine.decide(req)
     except NoFit as exc:
         raise _no_fit(req, exc) from exc
-    alloc = _allocation(decision, req, view.nodes[decision.node])
-    resources = decision_resources(decision)
-    PENDING.add(_per_gpu(resources), view.effective)
+    node = view.nodes[decision.node]
+    alloc = _allocation(decision, req, node)
+    PENDING.add(_per_gpu(decision_resources(decision)), view.effective)
     ray_options.setdefault("num_gpus", 0)
-    if via == "resources":
-        if not decision.core_per_gpu >= 100:
-            resources[ISOLATION_PREFIX + alloc.isolation.value] = ISOLATION_AMOUNT
-        return _merge(ray_options, resources, {})
-    return _merge(ray_options, resources, slice_env(alloc))
+    return _slice_options(ray_options, decision, alloc, _via(via, node))
 
 
 class SliceRemote:
@@ -219,11 +246,15 @@ class SlicePlacementGroup:
         decisions: list[Decision],
         allocations: list[Allocation],
         pending: list[object] | None = None,
+        vias: list[str] | None = None,
+        cpus_per_bundle: float = 0,
     ):
         self.pg = pg
         self.decisions = decisions
         self.allocations = allocations
         self._pending = pending or []
+        self.vias = vias or ["runtime_env"] * len(decisions)
+        self.cpus_per_bundle = cpus_per_bundle
 
     def ready(self) -> Any:
         return self.pg.ready()
@@ -240,10 +271,11 @@ class SlicePlacementGroup:
 
         decision = self.decisions[index]
         ray_options.setdefault("num_gpus", 0)
+        ray_options.setdefault("num_cpus", self.cpus_per_bundle)
         ray_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=index
         )
-        return _merge(ray_options, decision_resources(decision), slice_env(self.allocations[index]))
+        return _slice_options(ray_options, decision, self.allocations[index], self.vias[index])
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -258,12 +290,17 @@ def placement_group(
     *,
     name: str = "",
     gpu_policy: PlacementPolicy | str | None = None,
+    via: str = "auto",
+    cpus_per_bundle: float = 0,
 ) -> SlicePlacementGroup:
     """Reserve a gang of slices at once (binpack -> PACK, spread -> SPREAD underneath).
 
     Each item of `slices` is ``{"core": ..., "memory": ..., "isolation": ...}``. GPUs are
     chosen by the core engine over a copy of the live state, one slice after the other, so
     the gang never over-commits a GPU; the placement group then reserves them atomically.
+    Each bundle also reserves `cpus_per_bundle` CPUs; `bundle_options(i)` asks for as many
+    (Ray's default of one CPU per actor would not fit a bundle without CPU). `via` as in
+    `options`.
     """
     from ray.util.placement_group import placement_group as ray_placement_group
 
@@ -281,7 +318,13 @@ def placement_group(
             raise NoFit(f"slice {i} of the gang does not fit: {exc}", exc.reasons) from exc
         decisions.append(decision)
         allocations.append(_allocation(decision, req, view.nodes[decision.node]))
+    vias = [_via(via, view.nodes[d.node]) for d in decisions]
     bundles = [decision_resources(d) for d in decisions]
+    for bundle, d, a, v in zip(bundles, decisions, allocations, vias, strict=True):
+        if v == "resources" and d.core_per_gpu < 100:
+            bundle[ISOLATION_PREFIX + a.isolation.value] = ISOLATION_AMOUNT
+        if cpus_per_bundle:
+            bundle["CPU"] = float(cpus_per_bundle)
     pg = ray_placement_group(bundles, strategy=strategy, name=name)
     tokens = [PENDING.add(_per_gpu(b), view.effective) for b in bundles]
-    return SlicePlacementGroup(pg, decisions, allocations, tokens)
+    return SlicePlacementGroup(pg, decisions, allocations, tokens, vias, cpus_per_bundle)

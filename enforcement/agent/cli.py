@@ -25,6 +25,7 @@ from rich.table import Table
 from enforcement.agent.client import AgentClient, AgentUnavailable, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
 from enforcement.agent.models import Health
+from enforcement.discovery import node_slice_policy
 from qgpu.cli_common import (
     ISOLATION_HELP,
     add_isolation_option,
@@ -99,6 +100,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "backend": args.backend or ("sim" if args.sim else os.environ.get("QGPU_BACKEND", "auto")),
         "sim_spec": args.sim,
         "max_slices_per_gpu": args.max_slices_per_gpu,
+        "metrics_host": args.metrics_host,
+        "metrics_port": args.metrics_port,
         "default_isolation": args.isolation,
         "reconcile_interval_s": args.reconcile_interval,
         "watchdog_interval_s": args.watchdog_interval,
@@ -116,6 +119,10 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     ):
         if value is not None:
             raw[key] = value
+    if args.slices_per_gpu is not None or args.slices_per_gpu_file is not None:
+        raw["slices_per_gpu"] = node_slice_policy(
+            args.slices_per_gpu, args.slices_per_gpu_file, args.max_slices_per_gpu
+        )
     if args.token_file:
         raw["token"] = read_token_file(args.token_file)
     elif args.tcp_port is not None:
@@ -203,8 +210,26 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "--max-slices-per-gpu",
         type=int,
         default=16,
-        metavar="N",
-        help="slices per GPU, also at most floor(card GiB / 4)",
+        help="cap of the floor-gib rule (see --slices-per-gpu)",
+    )
+    p.add_argument(
+        "--slices-per-gpu",
+        help="slices one GPU may hold: floor-gib (floor(GiB/4), at most 16; the default) "
+        "or a fixed count 1..16",
+    )
+    p.add_argument(
+        "--slices-per-gpu-file",
+        help="a file whose text, when the file exists, overrides --slices-per-gpu (the chart "
+        "writes the node label's value there)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="also serve GET /metrics, and nothing else, on this TCP port (for Prometheus; "
+        "read-only, no token)",
+    )
+    p.add_argument(
+        "--metrics-host", default="0.0.0.0", help="address for --metrics-port (default all)"
     )
     p.add_argument(
         "--reconcile-interval",

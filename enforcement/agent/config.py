@@ -10,12 +10,17 @@ from __future__ import annotations
 import ipaddress
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qgpu.errors import RuleViolation
-from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, IsolationPolicy, PlacementPolicy
+from qgpu.model import (
+    DEFAULT_MAX_SLICES_PER_GPU,
+    IsolationPolicy,
+    PlacementPolicy,
+    SlicesPerGpu,
+)
 
 DEFAULT_STATE_DIR = "/var/lib/qgpu"
 DEFAULT_SOCKET = "/run/qgpu/agent.sock"
@@ -39,6 +44,19 @@ class AgentConfig(BaseModel):
     backend: Literal["auto", "nvml", "sim"] = "auto"
     sim_spec: str | None = None
     max_slices_per_gpu: int = Field(default=DEFAULT_MAX_SLICES_PER_GPU, ge=1, le=64)
+    slices_per_gpu: SlicesPerGpu | None = Field(
+        default=None,
+        description="floor-gib or a fixed count 1..16; None: floor-gib capped at "
+        "max_slices_per_gpu",
+    )
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="also serve GET /metrics (and nothing else) on this TCP port, for "
+        "Prometheus; read-only, no token",
+    )
     default_isolation: IsolationPolicy = IsolationPolicy.BEST_EFFORT
     placement: PlacementPolicy | None = None
     gpu_placement: PlacementPolicy | None = None
@@ -59,6 +77,22 @@ class AgentConfig(BaseModel):
     def _isolation(cls, value: object) -> IsolationPolicy:
         return IsolationPolicy.parse(value, "default_isolation")
 
+    @field_validator("slices_per_gpu", mode="before")
+    @classmethod
+    def _slices(cls, value: object) -> SlicesPerGpu | None:
+        return None if value is None else SlicesPerGpu.parse(value, "slices_per_gpu")
+
+    @model_validator(mode="after")
+    def _slices_default(self) -> Self:
+        if self.slices_per_gpu is None:
+            self.slices_per_gpu = SlicesPerGpu(limit=self.max_slices_per_gpu)
+        return self
+
+    @property
+    def slice_policy(self) -> SlicesPerGpu:
+        assert self.slices_per_gpu is not None  # set by the validator
+        return self.slices_per_gpu
+
     @field_validator("tcp_host")
     @classmethod
     def _loopback_only(cls, value: str) -> str:
@@ -75,6 +109,17 @@ class AgentConfig(BaseModel):
                 "must be a loopback address (127.0.0.0/8 or ::1); "
                 "the agent never listens on a network interface",
             )
+        return value
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise RuleViolation(
+                "metrics_host", value, "must be an IP address, e.g. 0.0.0.0 (all) or 127.0.0.1"
+            ) from exc
         return value
 
     @field_validator("socket_path")

@@ -25,6 +25,7 @@ import uvicorn
 
 from enforcement.agent.app import TokenGuard, create_app
 from enforcement.agent.config import AgentConfig
+from enforcement.agent.metrics_http import MetricsListener
 from enforcement.agent.mps import MpsManager
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
@@ -150,6 +151,10 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     assert agent.watchdog is not None
     app = create_app(agent)
     asgi = TokenGuard(app, config.token) if config.token else app
+    metrics: MetricsListener | None = None
+    if config.metrics_port is not None:
+        registry = app.state.metrics_registry
+        metrics = MetricsListener(config.metrics_host, config.metrics_port, registry)
     maintenance = Maintenance(agent, agent.watchdog)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -166,6 +171,8 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         if len(sockets) > 1
         else ""
     )
+    if metrics is not None:
+        tcp += f"; metrics (read-only) on {metrics.address[0]}:{metrics.address[1]}"
     log.info(
         "qgpu agent on node %s (%s backend, %d GPUs, %d slices) listening on %s%s",
         agent.node,
@@ -189,6 +196,8 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         maintenance.stop()
+        if metrics is not None:
+            metrics.close()
         for sock in sockets:
             sock.close()
         with contextlib.suppress(FileNotFoundError):

@@ -149,7 +149,8 @@ class Agent:
         return discover(
             self.backend,
             self.node,
-            max_slices_per_gpu=self.config.max_slices_per_gpu,
+            max_slices_per_gpu=self.config.slice_policy.limit,
+            fixed_slices=self.config.slice_policy.fixed,
             default_isolation=self.config.default_isolation,
         )
 
@@ -490,7 +491,9 @@ class Agent:
                     memory_used_bytes=t.memory_used_bytes if t else None,
                     utilization_percent=t.utilization_percent if t else None,
                     slices=u.slices if u else 0,
-                    max_slices=gpu.max_slices(self.inventory.max_slices_per_gpu),
+                    max_slices=gpu.max_slices(
+                        self.inventory.max_slices_per_gpu, self.inventory.fixed_slices
+                    ),
                     core_committed=u.core_used if u else 0,
                     memory_committed_gib=u.memory_used_gib if u else 0,
                 )

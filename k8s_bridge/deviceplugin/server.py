@@ -283,7 +283,10 @@ class QgpuDevicePlugin:
     def publish(self) -> None:
         inv = self._inventory
         text = PublishedInventory(
-            gpus=inv.gpus, max_slices_per_gpu=inv.max_slices_per_gpu, published_at=time.time()
+            gpus=inv.gpus,
+            max_slices_per_gpu=inv.max_slices_per_gpu,
+            fixed_slices=inv.fixed_slices,
+            published_at=time.time(),
         ).model_dump_json()
         self.kube.publish_node_annotations(
             self.cfg.node_name, {self.names.inventory_annotation: text}

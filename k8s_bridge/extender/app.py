@@ -1,4 +1,5 @@
-"""The extender's FastAPI app: ``POST /filter``, ``/prioritize``, ``/bind`` and ``GET /healthz``.
+"""The extender's FastAPI app: ``POST /filter``, ``/prioritize``, ``/bind``, ``GET /healthz``
+and ``GET /metrics``.
 
 Bodies and replies use kube-scheduler's Go field names (`k8s_bridge.extender.models`). The
 three verbs are one function each (`Verbs`) taking the raw body and returning the status and
@@ -22,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -35,6 +37,7 @@ from k8s_bridge.extender.models import (
     ExtenderBindingArgs,
 )
 from k8s_bridge.extender.service import Extender
+from k8s_bridge.metrics import exposition
 from qgpu.errors import first_violation
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,9 @@ def _bad_request(exc: ValidationError) -> Reply:
 
 
 class Verbs:
-    """filter / prioritize / bind: raw JSON body in, (HTTP status, JSON body) out."""
+    """filter / prioritize / bind: raw JSON body in, (HTTP status, JSON body) out; each
+    call timed in ``qgpu_extender_request_duration_seconds`` (its outcome is counted by the
+    extender; a failure here as ``outcome="error"``)."""
 
     def __init__(self, extender: Extender, bind_threads: int = BIND_THREADS) -> None:
         self.extender = extender
@@ -64,29 +69,46 @@ class Verbs:
             bind_threads, thread_name_prefix="qgpu-bind", initializer=as_background_thread
         )
 
+    @contextmanager
+    def _observed(self, verb: str) -> Iterator[None]:
+        m = self.extender.metrics
+        with m.timed(verb):
+            try:
+                yield
+            except Exception:
+                m.requests.labels(verb, "error").inc()
+                raise
+
+    def _invalid(self, verb: str, exc: ValidationError) -> Reply:
+        self.extender.metrics.requests.labels(verb, "invalid").inc()
+        return _bad_request(exc)
+
     async def filter(self, body: bytes) -> Reply:
-        try:
-            args = ExtenderArgs.model_validate_json(body)
-        except ValidationError as exc:
-            return _bad_request(exc)
-        return 200, self.extender.filter(args).model_dump_json(by_alias=True).encode()
+        with self._observed("filter"):
+            try:
+                args = ExtenderArgs.model_validate_json(body)
+            except ValidationError as exc:
+                return self._invalid("filter", exc)
+            return 200, self.extender.filter(args).model_dump_json(by_alias=True).encode()
 
     async def prioritize(self, body: bytes) -> Reply:
-        try:
-            args = ExtenderArgs.model_validate_json(body)
-        except ValidationError as exc:
-            return _bad_request(exc)
-        names, scores = self.extender.prioritize_scores(args)
-        return 200, self.extender.state.priority_list_json(names, scores)
+        with self._observed("prioritize"):
+            try:
+                args = ExtenderArgs.model_validate_json(body)
+            except ValidationError as exc:
+                return self._invalid("prioritize", exc)
+            names, scores = self.extender.prioritize_scores(args)
+            return 200, self.extender.state.priority_list_json(names, scores)
 
     async def bind(self, body: bytes) -> Reply:
-        try:
-            args = ExtenderBindingArgs.model_validate_json(body)
-        except ValidationError as exc:
-            return _bad_request(exc)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self.binders, self.extender.bind, args)
-        return 200, result.model_dump_json(by_alias=True).encode()
+        with self._observed("bind"):
+            try:
+                args = ExtenderBindingArgs.model_validate_json(body)
+            except ValidationError as exc:
+                return self._invalid("bind", exc)
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self.binders, self.extender.bind, args)
+            return 200, result.model_dump_json(by_alias=True).encode()
 
     def routes(self) -> dict[str, Verb]:
         return {"/filter": self.filter, "/prioritize": self.prioritize, "/bind": self.bind}
@@ -157,6 +179,12 @@ def create_app(
 
     for path, verb in verbs.routes().items():
         app.add_api_route(path, route(verb), methods=["POST"], name=path.strip("/"))
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        """Prometheus metrics (text exposition format); see docs/metrics.md."""
+        body, content_type = exposition(extender.metrics.registry)
+        return Response(body, media_type=content_type)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, object]:

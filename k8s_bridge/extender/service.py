@@ -40,6 +40,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 from pydantic import BaseModel, ConfigDict, Field
 
+from k8s_bridge.compat import foreign_reason
 from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
     ExtenderArgs,
@@ -49,8 +50,9 @@ from k8s_bridge.extender.models import (
     HostPriority,
     NodeList,
 )
-from k8s_bridge.extender.state import ExtenderState
+from k8s_bridge.extender.state import ExtenderState, FilterResult
 from k8s_bridge.kube import Conflict, Kube, KubeError, LockHandle, NodeLocker
+from k8s_bridge.metrics import ExtenderMetrics
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import PlacementPolicy
@@ -96,6 +98,11 @@ class ExtenderConfig(BaseModel):
         default=10.0, ge=0, description="hold prioritize's best node until bind (0: never)"
     )
     holder: str = Field(default_factory=lambda: f"qgpu-extender-{uuid.uuid4().hex[:8]}")
+    compat: bool = Field(
+        default=False,
+        description="compat mode is on (the webhook translates HAMi/Koordinator names): only "
+        "changes the reason a qgpu node gives a pod that still asks for them",
+    )
     watch: bool = True
     watch_timeout_s: int = Field(default=300, ge=1)
 
@@ -110,6 +117,8 @@ class Extender:
         self.state = ExtenderState(
             self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s
         )
+        self.metrics = ExtenderMetrics()
+        self.metrics.state = self.state
         self.locker = NodeLocker(kube, self.cfg.holder, self.cfg.lock_ttl_s)
         self.epochs: dict[str, int] = {}
         self._node_locks: dict[str, threading.Lock] = {}
@@ -273,10 +282,45 @@ class Extender:
             pod, reqs = self._parse_pod(args.pod)
         except RuleViolation as exc:
             reason = f"pod rejected by qgpu: {exc}"
-            return self._filter_reply(args, [], {}, dict.fromkeys(names, reason))
+            res = FilterResult(unresolvable=dict.fromkeys(names, reason))
+            res.rules["pod rejected"] = len(names)
+            return self._filtered(args, res, "rejected")
         if not reqs:
-            return self._filter_reply(args, names, {}, {})
+            foreign = foreign_reason(self.names, args.pod, self.cfg.compat)
+            if foreign is None:
+                return self._filtered(args, FilterResult(nodes=names), "not-qgpu")
+            return self._filtered(args, self._refuse_qgpu_nodes(names, foreign), "foreign")
         res = self.state.filter_nodes(reqs, names, pod.metadata.uid)
+        return self._filtered(args, res, "schedulable" if res.nodes else "unschedulable")
+
+    def _refuse_qgpu_nodes(self, names: list[str], reason: str) -> FilterResult:
+        """A pod asking for HAMi/Koordinator names: nothing on a qgpu node would isolate it,
+        so those nodes refuse it (other nodes may run the project whose names it uses)."""
+        res = FilterResult()
+        with self.state.lock:
+            qgpu_nodes = set(self.state.inventories) | set(self.state.broken)
+        for name in names:
+            if name in qgpu_nodes:
+                res.unresolvable[name] = reason
+            else:
+                res.nodes.append(name)
+        res.rules["foreign resources"] = len(res.unresolvable)
+        return res
+
+    def _filtered(
+        self, args: ExtenderArgs, res: FilterResult, outcome: str
+    ) -> ExtenderFilterResult:
+        m = self.metrics
+        m.requests.labels("filter", outcome).inc()
+        for result, n in (
+            ("passed", len(res.nodes)),
+            ("failed", len(res.failed)),
+            ("unresolvable", len(res.unresolvable)),
+        ):
+            if n:
+                m.filter_nodes.labels(result).inc(n)
+        for rule, n in res.rules.items():
+            m.filter_refusals.labels(rule).inc(n)
         return self._filter_reply(args, res.nodes, res.failed, res.unresolvable)
 
     @staticmethod
@@ -310,6 +354,7 @@ class Extender:
         if pod is not None and pod.metadata.uid and reqs and names and self.cfg.assume_ttl_s > 0:
             best = int(np.argmax(scores))  # the first of the highest, as kube-scheduler's pick
             self.state.assume(pod.metadata.uid, reqs, names[best])
+        self.metrics.requests.labels("prioritize", "scored" if reqs else "not-qgpu").inc()
         return names, scores
 
     def _node_lock(self, node: str) -> threading.Lock:
@@ -326,7 +371,20 @@ class Extender:
             log.info(
                 "bind %s/%s -> %s failed: %s", args.pod_namespace, args.pod_name, args.node, exc
             )
+            result = (
+                "no-fit"
+                if isinstance(exc, NoFit)
+                else "conflict"
+                if isinstance(exc, Conflict)
+                else "invalid"
+                if isinstance(exc, RuleViolation)
+                else "error"
+            )
+            self.metrics.binds.labels(result).inc()
+            self.metrics.requests.labels("bind", "failed").inc()
             return ExtenderBindingResult(Error=str(exc))
+        self.metrics.binds.labels("bound").inc()
+        self.metrics.requests.labels("bind", "bound").inc()
         return ExtenderBindingResult()
 
     def _bind(self, args: ExtenderBindingArgs) -> None:
@@ -383,11 +441,21 @@ class Extender:
         lease = self._leases.pop(node, None)
         if lease is not None:
             if self._reusable(lease):
+                self.metrics.locks.labels("reused").inc()
                 return lease
             self._release_lock(lease.handle)
-        handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
+        start = time.perf_counter()
+        try:
+            handle, _ = self.locker.acquire(node, self.cfg.lock_timeout_s)
+        except QgpuError:
+            self.metrics.locks.labels("timeout").inc()
+            raise
+        finally:
+            self.metrics.lock_wait.observe(time.perf_counter() - start)
+        self.metrics.locks.labels("acquired").inc()
         try:
             if self.epochs.get(node) != handle.previous_epoch:
+                self.metrics.resyncs.inc()
                 on_node = self.kube.list_pods(field_selector=f"spec.nodeName={node}")[0]
                 self.state.resync_node(node, on_node)
         except BaseException:

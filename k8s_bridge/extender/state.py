@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import compress
 
@@ -46,6 +47,7 @@ from qgpu.model import (
     NodeInventory,
     PlacementPolicy,
     SliceRequest,
+    SlicesPerGpu,
 )
 from qgpu.placement import CandidateView, ClusterState, Engine, Policy
 
@@ -80,6 +82,10 @@ class FilterResult:
     nodes: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     unresolvable: dict[str, str] = field(default_factory=dict)
+    rules: Counter[str] = field(default_factory=Counter)  # refused nodes per rule (metrics)
+
+
+NO_INVENTORY = "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
 
 
 def _why(cr: ContainerRequest, rule: str | None) -> str:
@@ -89,6 +95,11 @@ def _why(cr: ContainerRequest, rule: str | None) -> str:
     req = cr.request
     n = req.gpu_count
     gpus = "no GPU" if n == 1 else f"fewer than {n} GPUs"
+    memory = (
+        f"qgpu-memory-percentage={req.memory_percent}"
+        if req.memory_percent is not None
+        else f"qgpu-memory={req.memory_gib} GiB"
+    )
     if rule == "GPU count":
         text = "node has no GPUs" if n == 1 else f"node has fewer than {n} GPUs"
     elif rule == "unhealthy":
@@ -105,8 +116,10 @@ def _why(cr: ContainerRequest, rule: str | None) -> str:
         text = "every GPU is at its slice limit"
     elif rule == "core":
         text = f"no GPU with qgpu-core={req.core} free"
+    elif rule == "memory" and req.memory_percent is not None:
+        text = f"no GPU with qgpu-core={req.core} and {req.memory_percent}% of its memory free"
     else:
-        text = f"no GPU with qgpu-core={req.core} and qgpu-memory={req.memory_gib} GiB free"
+        text = f"no GPU with qgpu-core={req.core} and {memory} free"
     return f"qgpu: container {cr.container}: {text}"
 
 
@@ -141,6 +154,7 @@ class ExtenderState:
         self.gpu_policy_name = PlacementPolicy.parse(gpu_policy) if gpu_policy else None
         self.lock = threading.RLock()
         self.inventories: dict[str, NodeInventory] = {}
+        self.broken: dict[str, str] = {}  # node -> why its inventory or qgpu labels are unusable
         self.pods: dict[str, PodRecord] = {}
         self._new_engine([])
         self._node_sources: dict[str, tuple[str | None, tuple[tuple[str, str], ...]]] = {}
@@ -158,12 +172,16 @@ class ExtenderState:
     def load_nodes(self, node_objs: list[dict]) -> None:
         """Replace the node set from Node objects (those publishing an inventory)."""
         invs: dict[str, NodeInventory] = {}
+        broken: dict[str, str] = {}
         for obj in node_objs:
-            inv = self._inventory_of(obj)
+            inv, problem = self._inventory_of(obj)
             if inv is not None:
                 invs[inv.name] = inv
+            elif problem is not None:
+                broken[obj["metadata"]["name"]] = problem
         with self.lock:
             self.inventories = invs
+            self.broken = broken
             self._node_sources = {}
             self._rebuild()
 
@@ -182,8 +200,12 @@ class ExtenderState:
         )
         if source is not None and self._node_sources.get(name) == source:
             return False
-        inv = None if deleted else self._inventory_of(obj)
+        inv, problem = (None, None) if deleted else self._inventory_of(obj)
         with self.lock:
+            if problem is None:
+                self.broken.pop(name, None)
+            else:
+                self.broken[name] = problem
             if source is None:
                 self._node_sources.pop(name, None)
             else:
@@ -198,19 +220,24 @@ class ExtenderState:
             self._rebuild()
             return True
 
-    def _inventory_of(self, obj: dict) -> NodeInventory | None:
+    def _inventory_of(self, obj: dict) -> tuple[NodeInventory | None, str | None]:
+        """The node's inventory, or None and why it cannot be used (None: it has none)."""
         meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
         try:
+            slices = labels.get(self.names.slices_label)
+            if slices:
+                SlicesPerGpu.parse(slices, f"node label {self.names.slices_label}")
             return node_inventory(
                 meta["name"],
-                meta.get("labels") or {},
+                labels,
                 meta.get("annotations") or {},
                 self.names.inventory_annotation,
                 self.names.policy_label,
-            )
+            ), None
         except QgpuError as exc:
             log.warning("node %s: ignoring its qgpu inventory: %s", meta.get("name"), exc)
-            return None
+            return None, f"qgpu cannot use this node: {exc}"
 
     def _rebuild(self) -> None:
         self._new_engine(list(self.inventories.values()))
@@ -380,9 +407,10 @@ class ExtenderState:
             pos = self._positions(node_names)
             known = pos >= 0
             for j in np.flatnonzero(~known):  # preemption cannot help here
-                out.unresolvable[node_names[int(j)]] = (
-                    "node publishes no qgpu GPU inventory (is the qgpu device plugin running?)"
-                )
+                name = node_names[int(j)]
+                problem = self.broken.get(name)
+                out.unresolvable[name] = problem or NO_INVENTORY
+                out.rules["broken node" if problem else "no inventory"] += 1
             if not known.any():
                 return out
             idx = pos[known]
@@ -397,6 +425,7 @@ class ExtenderState:
                     texts = {rule: _why(cr, rule) for rule in set(rules)}
                     for j, rule in zip(failing.tolist(), rules, strict=True):
                         why[j] = texts[rule]
+                    out.rules.update(rules)
                 ok &= fits
             if len(reqs) > 1:
                 for j in np.flatnonzero(ok):
@@ -404,6 +433,7 @@ class ExtenderState:
                     if problem:
                         ok[j] = False
                         why[int(j)] = problem
+                        out.rules["containers together"] += 1
             known_names = (
                 node_names if len(idx) == len(node_names) else list(compress(node_names, known))
             )
@@ -501,7 +531,7 @@ class ExtenderState:
     def _place(self, uid: str, reqs: list[ContainerRequest], node: str) -> Assignment:
         """Choose GPU(s) on `node` for every container and apply them (all or nothing)."""
         if node not in self.inventories:
-            raise NoFit(f"node {node} publishes no qgpu GPU inventory", {})
+            raise NoFit(f"node {node}: {self.broken.get(node) or NO_INVENTORY}", {})
         inv = self.inventories[node]
         containers: dict[str, ContainerAssignment] = {}
         placed: list[str] = []

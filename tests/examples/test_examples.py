@@ -24,7 +24,12 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from k8s_bridge.kuberay import patch_ray_cluster, ray_resources_from_env, ray_resources_from_pod
+from k8s_bridge.kuberay import (
+    crd_has_group_resources,
+    patch_ray_cluster,
+    ray_resources_from_env,
+    ray_resources_from_pod,
+)
 from k8s_bridge.resources import Names, parse_pod, pod_overrides, pod_slice_requests
 from k8s_bridge.webhook import AdmissionRequest, review
 from qgpu.model import Allocation, IsolationPolicy
@@ -130,6 +135,7 @@ class _KubeRay(BaseModel):
 
 class HeadGroupSpec(_KubeRay):
     ray_start_params: dict[str, str] = Field(alias="rayStartParams")
+    resources: dict[str, str] | None = None  # KubeRay >= 1.5: the typed Ray resources
     template: Obj
     service_type: str | None = Field(None, alias="serviceType")
     enable_ingress: bool | None = Field(None, alias="enableIngress")
@@ -141,6 +147,7 @@ class WorkerGroupSpec(_KubeRay):
     min_replicas: int = Field(alias="minReplicas", ge=0)
     max_replicas: int = Field(alias="maxReplicas", ge=0)
     ray_start_params: dict[str, str] = Field(alias="rayStartParams")
+    resources: dict[str, str] | None = None  # KubeRay >= 1.5: the typed Ray resources
     template: Obj
     num_of_hosts: int | None = Field(None, alias="numOfHosts")
 
@@ -208,6 +215,47 @@ def test_raycluster_advertises_exactly_what_the_pods_request(raycluster: Obj) ->
     assert _advertised(head) == {} and ray_resources_from_pod(head["template"]) == {}
     for group in raycluster["spec"]["workerGroupSpecs"]:
         assert _advertised(group) == ray_resources_from_pod(group["template"])
+
+
+def _kuberay_node_types(cluster: Obj) -> dict[str, dict]:
+    """The Ray resources each group gets, read the way the Ray autoscaler reads a KubeRay
+    RayCluster (Ray's own parser of rayStartParams and the typed resources map)."""
+    autoscaling = pytest.importorskip("ray.autoscaler._private.kuberay.autoscaling_config")
+    cr = copy.deepcopy(cluster)
+    cr["metadata"].setdefault("namespace", "default")
+    config = autoscaling._derive_autoscaling_config_from_ray_cr(cr)
+    types = config["available_node_types"]
+    types["head"] = types.pop(autoscaling._HEAD_GROUP_NAME)
+    return {name: t["resources"] for name, t in types.items()}
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["rayStartParams", "typed-map"])
+def test_raycluster_resources_parse_the_way_kuberay_reads_them(raycluster: Obj, typed) -> None:
+    cluster = patch_ray_cluster(raycluster, typed_resources=typed)
+    RayCluster.model_validate(cluster)
+    slice_group = cluster["spec"]["workerGroupSpecs"][0]
+    if typed:
+        assert slice_group["resources"] == {"qgpu-core": "30", "qgpu-memory": "8"}
+        assert "resources" not in slice_group["rayStartParams"]
+    types = _kuberay_node_types(cluster)
+    assert types["slice-30"]["qgpu-core"] == 30 and types["slice-30"]["qgpu-memory"] == 8
+    assert types["slice-30"]["GPU"] == 0  # num-gpus "0": Ray leaves the slice's device alone
+    assert types["whole-gpu"]["qgpu-core"] == 100
+    assert "qgpu-core" not in types["head"]
+
+
+def test_typed_resources_only_where_the_crd_has_them() -> None:
+    def crd(with_resources: bool) -> Obj:
+        group = {"type": "object", "properties": {"rayStartParams": {"type": "object"}}}
+        if with_resources:
+            group["properties"]["resources"] = {"type": "object"}
+        spec = {"headGroupSpec": group, "workerGroupSpecs": {"type": "array", "items": group}}
+        schema = {"properties": {"spec": {"type": "object", "properties": spec}}}
+        return {"spec": {"versions": [{"name": "v1", "schema": {"openAPIV3Schema": schema}}]}}
+
+    assert crd_has_group_resources(crd(True))
+    assert not crd_has_group_resources(crd(False))
+    assert not crd_has_group_resources({})
 
 
 def test_a_slice_worker_reads_the_same_resources_from_its_allocate_env(raycluster: Obj) -> None:

@@ -53,11 +53,15 @@ class Rendered:
 
     @property
     def manager(self) -> Obj:
-        return self.get("DaemonSet", "qgpu-manager")
+        """The qgpu-manager DaemonSet (named after the release and overrides)."""
+        (ds,) = self.of_kind("DaemonSet")
+        return ds
 
     @property
     def scheduler(self) -> Obj:
-        return self.get("Deployment", "qgpu-scheduler")
+        """The qgpu-scheduler Deployment (named after the release and overrides)."""
+        (dep,) = self.of_kind("Deployment")
+        return dep
 
     def scheduler_config(self) -> Obj:
         cm = self.get("ConfigMap", "qgpu-scheduler-config")
@@ -90,7 +94,7 @@ def validate_all(objects: Iterable[Obj], version: str) -> list[str]:
     """Validate against the Kubernetes schemas of `version`; returns the CRD kinds skipped."""
     skipped = []
     for o in objects:
-        if o["apiVersion"].startswith("cert-manager.io/"):
+        if o["apiVersion"].startswith(("cert-manager.io/", "monitoring.coreos.com/")):
             skipped.append(o["kind"])
             continue
         kubernetes_validate.validate(o, version, strict=True)

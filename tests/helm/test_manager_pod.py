@@ -53,6 +53,7 @@ def _start(argv: list[str], extra: list[str]) -> subprocess.Popen[str]:
 
 @pytest.fixture(scope="module")
 def manager() -> Iterator[dict[str, Any]]:
+    from tests.agent.conftest import free_port
     from tests.fakes.apiserver import FakeApiserver, node_object
     from tests.fakes.kubelet import FakeKubelet
     from tests.k8s.helpers import NAMES
@@ -69,13 +70,22 @@ def manager() -> Iterator[dict[str, Any]]:
             "kubeletPodsDir": str(tmp / "pods"),
         },
         "policies": {"isolation": "fixed-share"},
+        "metrics": {"port": free_port()},
     }
     rendered = render(values)
     init = containers(rendered.manager, init=True)["install-interposer"]
     init_env = {e["name"]: e["value"] for e in init["env"]}
     subprocess.run([sys.executable, *command(init)[1:]], env={**os.environ, **init_env}, check=True)
     srv = FakeApiserver().start()
-    srv.store.create("nodes", node_object(NODE, {NAMES.policy_label: "fixed-share"}))
+    labels = {NAMES.policy_label: "fixed-share", NAMES.slices_label: "6"}
+    srv.store.create("nodes", node_object(NODE, labels))
+    # label-node hands the node's slices-per-GPU label to both containers (a file)
+    label = containers(rendered.manager, init=True)["label-node"]
+    label_env = {e["name"]: e["value"] for e in label["env"] if "value" in e}
+    label_env.update(NODE_NAME=NODE, QGPU_APISERVER=srv.url)
+    subprocess.run(
+        [sys.executable, *command(label)[1:]], env={**os.environ, **label_env}, check=True
+    )
     kubelet = FakeKubelet(tmp / "dp").start()
     cs = containers(rendered.manager)
     procs = [
@@ -112,6 +122,31 @@ def test_device_plugin_registers_and_publishes_the_node(manager: dict[str, Any])
     node = manager["srv"].store.get("nodes", "", NODE)
     inv = load_inventory(node["metadata"]["annotations"][NAMES.inventory_annotation])
     assert [g.memory_mib // 1024 for g in inv.gpus] == [16, 16]
+    # the node label qgpu-slices-per-gpu=6 won over the chart's floor-gib (16 GiB: 4)
+    assert (inv.max_slices_per_gpu, inv.fixed_slices) == (6, True)
+
+
+def test_agent_metrics_port_of_the_chart_serves_metrics_only(manager: dict[str, Any]) -> None:
+    """The rendered agent's `metrics` container port answers GET /metrics; the slice API
+    is not reachable there."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (port,) = containers(manager["rendered"].manager)["agent"]["ports"]
+    assert port["name"] == "metrics"
+    with httpx.Client(base_url=f"http://127.0.0.1:{port['containerPort']}", timeout=10) as http:
+        got = http.get("/metrics")
+        assert got.status_code == 200
+        limits = [
+            s.value
+            for fam in text_string_to_metric_families(got.text)
+            for s in fam.samples
+            if s.name == "qgpu_device_max_slices"
+        ]
+        assert limits == [6.0, 6.0]  # the node label's fixed count, on both GPUs
+        assert (
+            http.post("/v1/slices", json={"request": {"core": 10, "memory": 1}}).status_code == 404
+        )
 
 
 def test_example_pod_gets_its_slice_recorded_by_the_agent(manager: dict[str, Any]) -> None:

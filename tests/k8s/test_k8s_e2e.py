@@ -163,7 +163,7 @@ def test_isolation_from_node_label_and_pod_annotation(make_cluster, apiserver) -
 def test_invalid_pods_are_denied_with_the_rule(make_cluster) -> None:
     cluster = make_cluster()
     with pytest.raises(PodDenied, match=r"must be 1\.\.99"):
-        cluster.submit(pod_object("x", [(150, 4)]))
+        cluster.submit(pod_object("x", [(250, 4)]))
     bad = pod_object("y", [(30, 4)])
     bad["spec"]["containers"][0]["resources"]["requests"][NAMES.memory] = "2"
     with pytest.raises(PodDenied, match="requests must equal limits"):

@@ -52,7 +52,8 @@ def test_valid_requests_map_onto_slice_requests(containers, core, memory) -> Non
     ("containers", "needle"),
     [
         ([(0, 4)], "must be 1..99"),
-        ([(150, 4)], "must be 1..99"),
+        ([(250, 4)], "must be 1..99"),
+        ([(150, 4)], "split over 2 GPUs"),
         ([(30, 0)], "GiB >= 1"),
         ([(30, None)], "is required for a share"),
     ],

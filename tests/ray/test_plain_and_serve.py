@@ -21,14 +21,16 @@ def plain_actor(actors, node=None, resources=PLAIN):
     return actor
 
 
-def test_plain_resources_bind_before_cuda_starts(cluster, _clean):
+def test_plain_resources_bind_before_user_code_runs(cluster, _clean):
     actor = plain_actor(_clean)
+    # bound when Ray started the actor (its GPU-id lookup), before any CUDA call
     before = ray.get(actor.env.remote(), timeout=60)
-    assert before["QGPU_SLICE_ID"] == ""  # not bound until CUDA starts
+    assert before["QGPU_SLICE_ID"].startswith("p-")
+    assert before["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
     out = ray.get(actor.cuda.remote(), timeout=60)
     assert out["init"] == 0, out.get("bind_error")
     env = out["env"]
-    assert env["QGPU_SLICE_ID"].startswith("p-")
+    assert env == before
     assert env["QGPU_CORE_LIMIT"] == "30"
     assert out["uuid"] == env["CUDA_VISIBLE_DEVICES"]
     assert out["total"] == 8 << 30

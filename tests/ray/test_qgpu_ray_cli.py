@@ -102,6 +102,22 @@ def test_resources_without_an_agent_is_a_clear_error():
     assert "cannot reach the qgpu agent" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["--num-gpus=1"], "--num-gpus"), (["--fraction-memory", "lots"], "fraction-memory")],
+)
+def test_start_refuses_bad_flags_in_one_line(args, field):
+    out = subprocess.run(
+        [str(BIN / "qgpu-ray"), "start", "--agent-socket", "/tmp/none.sock", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert field in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 DRIVER = textwrap.dedent(
     """
     import json, os, sys, ray, qgpu_ray
@@ -123,9 +139,11 @@ DRIVER = textwrap.dedent(
 
     sdk = Probe.options(**qgpu_ray.options(core=30, memory=8, num_cpus=0)).remote()
     plain = Probe.options(num_cpus=0, resources={"qgpu-core": 20, "qgpu-memory": 4}).remote()
+    unchanged = Probe.options(num_cpus=0, num_gpus=0.25).remote()
     node = [n for n in ray.nodes() if n["Alive"]][0]
     print(json.dumps({"sdk": ray.get(sdk.cuda.remote(), timeout=120),
                       "plain": ray.get(plain.cuda.remote(), timeout=120),
+                      "num_gpus": ray.get(unchanged.cuda.remote(), timeout=120),
                       "labels": node["Labels"], "resources": node["Resources"]}))
     """
 )
@@ -168,8 +186,8 @@ def test_start_runs_a_ray_node_that_places_and_enforces_slices(agent):
         _kill_processes_mentioning(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
     assert out["labels"]["qgpu.io/node"] == "cli-node"
-    assert out["resources"]["qgpu-core"] == 200
-    for path, gib in (("sdk", 8), ("plain", 4)):
+    assert out["resources"]["qgpu-core"] == 200 and out["resources"]["GPU"] == 2
+    for path, gib in (("sdk", 8), ("plain", 4), ("num_gpus", 10)):  # floor(0.25 x 40 GiB)
         got = out[path]
         assert got["init"] == 0, got
         assert got["total"] == gib << 30

@@ -129,7 +129,7 @@ def test_plan_table_shows_unplaced_reason(tmp_path, capsys):
 
 def test_plan_bad_request_file_names_the_entry(tmp_path, capsys):
     reqs = tmp_path / "r.yaml"
-    reqs.write_text("requests:\n  - {name: ok, core: 10, memory: 1}\n  - {core: 150, memory: 2}\n")
+    reqs.write_text("requests:\n  - {name: ok, core: 10, memory: 1}\n  - {core: 250, memory: 2}\n")
     assert main(["plan", "--nodes", str(EXAMPLES / "nodes.yaml"), "--requests", str(reqs)]) == 2
     err = capsys.readouterr().err
     assert f"--requests {reqs}: requests[1].qgpu-core=150: must be 1..99" in err

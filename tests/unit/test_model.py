@@ -22,12 +22,12 @@ def violation(**kw) -> RuleViolation:
     return first_violation(info.value)
 
 
-@pytest.mark.parametrize("core", [0, 150, 250, 101, 199, -5])
+@pytest.mark.parametrize("core", [0, 250, 201, 299, 350, -5])
 def test_core_out_of_rule_rejected(core):
     v = violation(core=core, memory=8)
     assert v.field == "qgpu-core"
     assert v.value == core
-    assert "1..99" in v.rule and "multiple of 100" in v.rule
+    assert "1..99" in v.rule and "101..199" in v.rule and "multiple of 100" in v.rule
 
 
 @pytest.mark.parametrize("core", [1, 30, 99, 100, 200, 800])
