@@ -132,7 +132,7 @@ def test_plan_bad_request_file_names_the_entry(tmp_path, capsys):
     reqs.write_text("requests:\n  - {name: ok, core: 10, memory: 1}\n  - {core: 250, memory: 2}\n")
     assert main(["plan", "--nodes", str(EXAMPLES / "nodes.yaml"), "--requests", str(reqs)]) == 2
     err = capsys.readouterr().err
-    assert f"--requests {reqs}: requests[1].qgpu-core=150: must be 1..99" in err
+    assert f"--requests {reqs}: requests[1].qgpu-core=250: must be 1..99" in err
 
 
 def test_plan_missing_file(capsys):
