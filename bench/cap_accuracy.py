@@ -4,7 +4,7 @@ CPU speed), on both device models side by side: `timesliced` (processes take tur
 device in 2 ms slices, as real GPUs do) and `fifo` (one queue in submission order). Every
 workload keeps 8 kernels of 5 ms in flight.
 
-    python bench/cap_accuracy.py [--window 2.0] [--models timesliced,fifo]
+    python bench/cap_accuracy.py [--window 2.0] [--models timesliced,fifo] [--only 'TEXT|TEXT']
 
 Scenarios: fixed-share alone at 10..90 %; fixed-share pairs under contention; burst-share
 alone and next to busy neighbours; best-effort pairs and triples; mixed policies on one GPU
@@ -126,19 +126,25 @@ def main() -> int:
         default=",".join(MODELS),
         help="device models, comma-separated (timesliced,fifo)",
     )
+    ap.add_argument(
+        "--only", default="", help="run only the scenarios whose title has one of TEXT|TEXT..."
+    )
     args = ap.parse_args()
+    scenarios = [sc for sc in SCENARIOS if any(t in sc[0] for t in args.only.split("|"))]
+    if not scenarios:
+        ap.error(f"--only {args.only!r}: no scenario title contains it")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     results: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="qgpu-acc-", dir="/tmp") as tmp:
         for model in models:
             cfg = write_sim_config(
                 Path(tmp) / f"{model}.conf",
-                f"{len(SCENARIOS)}xH100-80GB",
+                f"{len(scenarios)}xH100-80GB",
                 node=f"acc-{model}",
                 scheduler=model,
             )
             got: list[float] = []
-            for i, (_title, slices) in enumerate(SCENARIOS):
+            for i, (_title, slices) in enumerate(scenarios):
                 got += run_scenario(
                     cfg, i, Path(tmp) / f"ledgers-{model}", slices, f"{model}{i}", args.window
                 )
@@ -147,7 +153,7 @@ def main() -> int:
     print(f"{'scenario':36} {'slice':6} {'policy':12} {'core':>4} {'target %':>9}{head}")
     worst = dict.fromkeys(models, 0.0)
     k = 0
-    for title, slices in SCENARIOS:
+    for title, slices in scenarios:
         for sl in slices:
             cols = ""
             for m in models:

@@ -1,6 +1,7 @@
 """Interposer overhead on the simulated driver: the same launch and alloc/free loops (a C
 program, so Python does not drown the nanoseconds) with and without ``libqgpu_hook.so``
-preloaded, in one run. Prints ns per call and the median ns the hook adds.
+preloaded, in one run. Prints ns per call, the median ns the hook adds and the ratio to the
+run without an interposer.
 
     python bench/hook_overhead.py [--calls 200000] [--rounds 7]
 
@@ -137,13 +138,16 @@ def main() -> int:
     base_launch = statistics.median(r[0] for r in results["no interposer"])
     base_alloc = statistics.median(r[1] for r in results["no interposer"])
     print(f"simulated driver, {args.calls} launches x 9 batches, {args.rounds} rounds")
-    print(f"{'configuration':34} {'launch ns':>10} {'added':>8} {'alloc+free ns':>14} {'added':>8}")
+    print(
+        f"{'configuration':34} {'launch ns':>10} {'added':>8} {'ratio':>6} "
+        f"{'alloc+free ns':>14} {'added':>8} {'ratio':>6}"
+    )
     for name, rows in results.items():
         launch = statistics.median(r[0] for r in rows)
         alloc = statistics.median(r[1] for r in rows)
         print(
-            f"{name:34} {launch:10.1f} {launch - base_launch:8.1f} {alloc:14.1f} "
-            f"{alloc - base_alloc:8.1f}"
+            f"{name:34} {launch:10.1f} {launch - base_launch:8.1f} {launch / base_launch:6.2f} "
+            f"{alloc:14.1f} {alloc - base_alloc:8.1f} {alloc / base_alloc:6.2f}"
         )
     added = statistics.median(r[0] for r in results["hook, uncapped slice"]) - base_launch
     print(

@@ -100,7 +100,7 @@ def validate_request(core: str, memory: str | None, isolation: str | None) -> Sl
     if isolation is not None:
         raw["isolation"] = isolation
     try:
-        return SliceRequest.parse(raw)
+        return SliceRequest.parse(raw, "qgpu run")
     except RuleViolation as exc:
         raise flag_violation(exc, REQUEST_FLAGS) from exc
 

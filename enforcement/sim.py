@@ -15,6 +15,7 @@ import os
 import re
 import struct
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,23 @@ SCHEDULERS = ("timesliced", "fifo")
 PROCADDR_MODES = ("internal", "exported")
 # what one context costs on a simulated GPU (the interposer charges the same by default)
 CONTEXT_MEMORY = 512 << 20
+# The Linux driver each CUDA release shipped with (NVIDIA's CUDA release notes, "CUDA Toolkit
+# and Corresponding Driver Versions"): what the simulated driver and NVML report as their
+# driver version when the config names only the CUDA version.
+DRIVER_OF_CUDA = {
+    11080: "520.61.05",
+    12000: "525.60.13",
+    12010: "530.30.02",
+    12020: "535.54.03",
+    12030: "545.23.06",
+    12040: "550.54.14",
+    12050: "555.42.02",
+    12060: "560.28.03",
+    12080: "570.26",
+    12090: "575.51.03",
+    13000: "580.65.06",
+}
+_OLDEST_DRIVER = "450.51.05"  # CUDA 11.0's, for an 11.x version not listed
 
 
 class SimSpecError(ValueError):
@@ -105,10 +123,14 @@ class SimConfig:
     gpus: tuple[SimGpu, ...]
     scheduler: str = "timesliced"
     timeslice_us: int = 2000
+    cuda_version: int = 13000
+    driver_version: str = DRIVER_OF_CUDA[13000]
+    procaddr: str = "internal"
 
     def device_sharing_env(self) -> dict[str, str]:
         """How these GPUs share themselves between processes, in the interposer's terms
-        (QGPU_DEVICE_SHARING): what a slice's limits need on them."""
+        (QGPU_DEVICE_SHARING): what a slice's limits need on them. Real GPUs time-slice
+        (the interposer's default); ``serial`` exists only for the ``fifo`` model."""
         return {"QGPU_DEVICE_SHARING": "timesliced" if self.scheduler == "timesliced" else "serial"}
 
     def gpu(self, key: int | str) -> SimGpu:
@@ -158,18 +180,21 @@ def write_sim_config(
     scheduler: str = "timesliced",
     timeslice_us: int = 2000,
     cuda_version: int = 13000,
-    driver_version: str = "580.65.06",
+    driver_version: str | None = None,
     procaddr: str = "internal",
-    context_memory: int = CONTEXT_MEMORY,
+    context_memory: int | Mapping[str, int] = CONTEXT_MEMORY,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
     ``scheduler``: ``timesliced`` (processes take turns on the device in ``timeslice_us``
-    slices, as on a real GPU) or ``fifo`` (one queue in submission order). ``cuda_version`` /
-    ``driver_version``: what the simulated driver reports (and which entry points it has).
-    ``procaddr``: ``internal`` (cuGetProcAddress hands out entry points that are not the
-    exported symbols, as a real driver may) or ``exported``. ``context_memory``: bytes each
-    context costs on the device."""
+    slices, as on a real GPU) or ``fifo`` (one queue in submission order). ``cuda_version``:
+    the CUDA version the simulated driver reports (12.x or 13.x as ``12080``, ``13000``; it
+    also decides which entry points cuGetProcAddress serves); ``driver_version``: the driver
+    release NVML reports (default: the one that CUDA version shipped with). ``procaddr``:
+    ``internal`` (cuGetProcAddress hands out entry points that are not the exported symbols,
+    as a real driver may) or ``exported``. ``context_memory``: bytes each context costs on the
+    device, for every GPU, or per GPU model (``{"T4": 300 << 20}``; models not named cost
+    CONTEXT_MEMORY)."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -178,8 +203,17 @@ def write_sim_config(
         raise SimSpecError(f"procaddr {procaddr!r}: must be one of {', '.join(PROCADDR_MODES)}")
     if not 1 <= timeslice_us <= 1_000_000:
         raise SimSpecError(f"timeslice_us {timeslice_us!r}: must be 1..1000000")
-    if context_memory < 0:
-        raise SimSpecError(f"context_memory {context_memory!r}: must be >= 0 bytes")
+    if not (11000 <= cuda_version <= 13990 and cuda_version % 10 == 0):
+        raise SimSpecError(
+            f"cuda_version {cuda_version!r}: must be a CUDA 11.x-13.x version number such as "
+            "12080 or 13000"
+        )
+    if driver_version is None:
+        known = [v for v in DRIVER_OF_CUDA if v <= cuda_version]
+        driver_version = DRIVER_OF_CUDA[max(known)] if known else _OLDEST_DRIVER
+    if not re.fullmatch(r"\d+(\.\d+)+", driver_version):
+        raise SimSpecError(f"driver_version {driver_version!r}: must look like 580.65.06")
+    ctx_cost = _context_costs(models, context_memory)
     state = Path(state_dir) if state_dir else Path(f"{path}.state")
     lines = [
         "# qgpu simulated GPUs (enforcement/sim.py)",
@@ -202,7 +236,7 @@ def write_sim_config(
             m.sms,
             m.cc,
             m.threads_per_sm,
-            context_memory,
+            ctx_cost[m.key],
         )
         gpus.append(g)
         lines += [
@@ -219,7 +253,38 @@ def write_sim_config(
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
-    return SimConfig(path, node, state, tuple(gpus), scheduler, timeslice_us)
+    return SimConfig(
+        path,
+        node,
+        state,
+        tuple(gpus),
+        scheduler,
+        timeslice_us,
+        cuda_version,
+        driver_version,
+        procaddr,
+    )
+
+
+def _context_costs(
+    models: list[GpuModel], context_memory: int | Mapping[str, int]
+) -> dict[str, int]:
+    """Bytes a context costs on each model of ``models``: one number for all, or per model
+    (by model key or alias, case-insensitive)."""
+    if isinstance(context_memory, Mapping):
+        per_model: dict[str, int] = {}
+        for name, cost in context_memory.items():
+            key = _ALIASES.get(name.lower(), name.lower())
+            if key not in MODELS:
+                raise SimSpecError(f"context_memory model {name!r}: unknown model")
+            per_model[MODELS[key].key] = cost
+        costs = {m.key: per_model.get(m.key, CONTEXT_MEMORY) for m in models}
+    else:
+        costs = {m.key: context_memory for m in models}
+    for key, cost in costs.items():
+        if not isinstance(cost, int) or cost < 0:
+            raise SimSpecError(f"context_memory for {key} {cost!r}: must be >= 0 bytes")
+    return costs
 
 
 def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
@@ -257,6 +322,9 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
         tuple(gpus),
         values.get("scheduler", "timesliced"),
         int(values.get("timeslice_us", "2000")),
+        int(values.get("cuda_version", "13000")),
+        values.get("driver_version", DRIVER_OF_CUDA[13000]),
+        values.get("procaddr", "internal"),
     )
 
 
@@ -282,9 +350,11 @@ def load_sim_nvml(config_path: str | os.PathLike[str]) -> ctypes.CDLL:
 # --- reading the shared per-GPU state (layout: enforcement/native/sim/sim.h) ---
 
 _HEADER = struct.Struct("<QIIQQqQQq")  # magic .. created_ns, offsets 0..64
-_SCHED = struct.Struct("<I")  # scheduler, offset 388
+_SCHED = struct.Struct("<Iq")  # scheduler, slice_ns: offsets 388, 392
 _DONE_TOTAL = struct.Struct("<Q")  # done_total_ns, offset 424
 _PROC = struct.Struct("<iIQQQqQQQ")  # pid .. contexts, the first 64 bytes of sim_proc_t
+_USNAPS = 8  # per-process utilisation samples (SIM_USNAPS)
+_USNAP = struct.Struct(f"<{_USNAPS}q{_USNAPS}QI")  # usnap_t, usnap_done, usnap_head: 592
 _PROC_SIZE = 728 + 16 * 512
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
@@ -299,6 +369,7 @@ class SimProcess:
     done_ns: int  # device time of its work the device had run when the snapshot was taken
     launches: int
     contexts: int = 0
+    sm_util: int = 0  # percent of the last sampling period (~100 ms) spent on its work (NVML)
 
 
 @dataclass(frozen=True)
@@ -313,6 +384,7 @@ class SimGpuState:
     launches: int
     scheduler: str = "timesliced"
     processes: tuple[SimProcess, ...] = field(default=())
+    timeslice_ns: int = 0  # the time-sliced model's slice length
 
     @property
     def busy_completed_ns(self) -> int:
@@ -320,6 +392,19 @@ class SimGpuState:
 
     def process(self, pid: int) -> SimProcess | None:
         return next((p for p in self.processes if p.pid == pid), None)
+
+
+def _sm_util(data: bytes, offset: int) -> int:
+    """A process's latest utilisation sample, computed as the simulated NVML does
+    (nvmlDeviceGetProcessUtilization): busy time between its two newest samples."""
+    *vals, head = _USNAP.unpack_from(data, offset + 592)
+    times, done = vals[:_USNAPS], vals[_USNAPS:]
+    h = head % _USNAPS
+    prev = (h + _USNAPS - 1) % _USNAPS
+    span = times[h] - times[prev]
+    if not times[h] or not times[prev] or span <= 0:
+        return 0
+    return min(100, (100 * (done[h] - done[prev]) + span // 2) // span)
 
 
 _advance_lib: ctypes.CDLL | None = None
@@ -349,15 +434,14 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
     magic, _ver, _nprocs, total, used, _tail, busy, launches, _created = header
     if magic != _MAGIC:
         raise ValueError(f"{path} is not a simulated GPU state file")
-    (sched,) = _SCHED.unpack_from(data, 388)
+    sched, slice_ns = _SCHED.unpack_from(data, 388)
     (done_total,) = _DONE_TOTAL.unpack_from(data, 424)
     procs = []
     for i in range(_MAX_PROCS):
-        pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(
-            data, _PROCS_OFFSET + i * _PROC_SIZE
-        )
+        offset = _PROCS_OFFSET + i * _PROC_SIZE
+        pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(data, offset)
         if pid:
-            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs))
+            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, _sm_util(data, offset)))
     return SimGpuState(
         now,
         total,
@@ -367,6 +451,7 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         launches,
         SCHEDULERS[0] if sched == 1 else SCHEDULERS[1],
         tuple(procs),
+        slice_ns,
     )
 
 

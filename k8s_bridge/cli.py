@@ -21,6 +21,7 @@ from typing import Any
 
 from qgpu.cli_common import add_placement_options, choice
 from qgpu.errors import QgpuError, RuleViolation
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
 
 EXIT_OK = 0
@@ -289,6 +290,7 @@ def run_extender(args: argparse.Namespace) -> int:
     from k8s_bridge.http_serving import serve
 
     _logging(args)
+    use_prior(args.mix_prior)
     kube = _kube(args)
     cfg = ExtenderConfig(
         prefix=args.prefix,
@@ -327,6 +329,7 @@ def register_extender(sub: Any) -> None:
         old=["--node-policy"],
         old_gpu=["--gpu-policy"],
     )
+    add_prior_option(p)
     p.add_argument(
         "--lock-ttl", type=float, default=30.0, metavar="SECONDS", help="node lock expiry"
     )

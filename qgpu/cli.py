@@ -36,6 +36,7 @@ from qgpu.cli_common import (
     stdout_console,
 )
 from qgpu.errors import QgpuError, RuleViolation, first_violation
+from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import GpuDevice
 from qgpu.plan import PlanResult, load_nodes, load_requests, plan
 from qgpu.units import parse_memory_gib
@@ -97,6 +98,7 @@ def _from_file(load: Callable[[str], Any], path: str, flag: str) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    use_prior(args.mix_prior)
     nodes = _from_file(load_nodes, args.nodes, "--nodes")
     requests = _from_file(load_requests, args.requests, "--requests")
     result = plan(nodes, requests, args.placement, args.gpu_placement)
@@ -217,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         old=["--policy"],
         old_gpu=["--gpu-policy"],
     )
+    add_prior_option(plan_p)
     plan_p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     plan_p.add_argument(
         "--unplaced-exit",

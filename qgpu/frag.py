@@ -68,6 +68,7 @@ from typing import Literal
 import numpy as np
 
 from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps
+from qgpu.mix_prior import PriorSetting, configured_prior, resolve_prior
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
 from qgpu.placement import (
     CandidateView,
@@ -104,6 +105,9 @@ GAP_WEIGHT = 30.0
 # requests have arrived, by more than 1 / sqrt(arrivals), the proportions' own sampling
 # noise -- or a new size arrives
 REPRICE_DRIFT = 0.05
+# below this fill of the cluster's GPU core, a share never opens an empty GPU while a used
+# GPU can take it (fill measure only; see `FragPolicy.keep_empty`)
+KEEP_EMPTY_BELOW = 0.5
 
 
 class FragPolicy(Policy):
@@ -117,12 +121,16 @@ class FragPolicy(Policy):
         weight: Weight = "count",
         host_weight: float | None = None,
         gap_weight: float | None = None,
+        prior: PriorSetting | Literal["configured"] = "configured",
+        keep_empty: float | None = None,
     ) -> None:
         if measure not in ("fill", "fgd") or weight not in ("demand", "count", "gpus"):
             raise ValueError(f"unknown frag settings measure={measure!r} weight={weight!r}")
         for name, value in (("host_weight", host_weight), ("gap_weight", gap_weight)):
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if keep_empty is not None and not 0 <= keep_empty <= 1:
+            raise ValueError(f"keep_empty must be a fill between 0 and 1, got {keep_empty!r}")
         self.measure: Measure = measure
         self.weight: Weight = weight
         # the host term is part of frag's own measure; "fgd" stays the paper's
@@ -132,6 +140,19 @@ class FragPolicy(Policy):
         if gap_weight is None:
             gap_weight = GAP_WEIGHT if measure == "fill" else 0.0
         self.gap_weight = float(gap_weight)
+        # while the cluster's GPU core is filled less than this, a share goes into a used
+        # GPU whenever one can take it, and opens an empty GPU only when none can: the early
+        # decisions keep whole GPUs free like binpack's, whatever the mix seen so far says
+        if keep_empty is None:
+            keep_empty = KEEP_EMPTY_BELOW if measure == "fill" else 0.0
+        self.keep_empty = float(keep_empty)
+        # the request-mix prior (`qgpu.mix_prior`): counted as arrivals before the first
+        # decision; "configured" is QGPU_MIX_PRIOR (the paper's measure has none)
+        if prior == "configured":
+            prior = configured_prior() if measure == "fill" else None
+        self.prior: PriorSetting = prior
+        self._started = False
+        self._observed = 0  # real arrivals counted (not the prior)
         # the priced mix (gap values), and the mix and slice limit it was priced for
         self.prices: GapPrices | None = None
         self._priced_mix: dict[int, float] = {}
@@ -172,6 +193,10 @@ class FragPolicy(Policy):
 
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
+        self._observed += 1
+        self._count_request(request)
+
+    def _count_request(self, request: SliceRequest, arrivals: int = 1) -> None:
         self._count(
             request.core_per_gpu,
             request.memory_gib_per_gpu or 0,
@@ -179,10 +204,25 @@ class FragPolicy(Policy):
             request.model_names,
             request.cpu_milli,
             request.host_memory_mib,
+            arrivals,
         )
 
+    def _start(self, state: ClusterState) -> None:
+        """Before the first decision: count the prior's shapes, and with nothing observed
+        the live slices (see `_seed_from_live`)."""
+        if self._started:
+            return
+        self._started = True
+        prior = resolve_prior(self.prior, state.nodes)
+        if prior is not None:
+            for shape, arrivals in prior.counts():
+                self._count_request(shape.request(), arrivals)
+        if self._observed == 0:
+            self._seed_from_live(state)
+
     def _seed_from_live(self, state: ClusterState) -> None:
-        """With nothing observed, take the live slices as the mix seen so far.
+        """With nothing observed, take the live slices as the mix seen so far (beside the
+        prior).
 
         Engines made for a single decision (the ledger's `reserve`, the Ray SDK) never call
         `observe` before deciding; the slices already placed are then the best record of the
@@ -204,6 +244,7 @@ class FragPolicy(Policy):
         models: tuple[str, ...],
         cpu_milli: int,
         host_memory_mib: int,
+        arrivals: int = 1,
     ) -> None:
         ckey = (core, memory, count, models)
         k = self._class_index.get(ckey)
@@ -222,11 +263,11 @@ class FragPolicy(Policy):
             self._t_hostmem.append(host_memory_mib)
             self._t_weight.append(0)
         if self.weight == "demand":
-            self._t_weight[t] += core * count
+            self._t_weight[t] += core * count * arrivals
         elif self.weight == "gpus":
-            self._t_weight[t] += count
+            self._t_weight[t] += count * arrivals
         else:
-            self._t_weight[t] += 1
+            self._t_weight[t] += arrivals
         self._version += 1
 
     @property
@@ -421,8 +462,7 @@ class FragPolicy(Policy):
         cand = np.flatnonzero(view.gpu_mask & in_nodes[s.gpu_node])
         if len(cand) == 0:
             return out
-        if not self._k_core:
-            self._seed_from_live(s)
+        self._start(s)
         if not self._k_core:
             out[cand] = 0.0
             return out
@@ -488,12 +528,14 @@ class FragPolicy(Policy):
             lost += np.where(short < 0, np.maximum(short + d, 0.0), 0.0) @ values[tight]
         out[cand] = (host_only[at] - lost - before[at])[inverse]
         if self.gap_weight and view.core < WHOLE_GPU_CORE:
-            # gap values: what the GPU's gap is worth afterwards, less what it was worth
+            # gap values: what the GPU's gap is worth afterwards, less what it was worth (a
+            # gap holds at most as many more shares as the GPU has slices left)
             free = s.free_core[cand]
-            values = self.gap_values(s)
-            out[cand] += (
-                self.gap_weight * self.total_weight * (values[free - view.core] - values[free])
-            )
+            by_room = self.gap_by_room(s)
+            top = by_room.shape[0] - 1
+            room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
+            after = by_room[np.maximum(room - 1, 0), free - view.core]
+            out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
         self._score_memo = (s, depends, out)
         return out
 
@@ -530,6 +572,33 @@ class FragPolicy(Policy):
             self._priced_mix = mix
             self._priced_slots = slots
         return prices.values
+
+    def _keep_empty(self, view: CandidateView, per_gpu: np.ndarray) -> np.ndarray:
+        """Below `keep_empty` fill, for a share: `per_gpu` with every empty candidate GPU
+        ranked below every used one (a uniform shift, larger than any other difference of
+        the scores, the host term's at the node level included; the order among the empty
+        GPUs stays frag's). Applied to a copy, after the memoised scores (`_score`)."""
+        s = view.state
+        cap = float(s.cap_core.sum())
+        if not self.keep_empty or view.core >= WHOLE_GPU_CORE or cap <= 0:
+            return per_gpu
+        if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
+            return per_gpu
+        cand = np.flatnonzero(np.isfinite(per_gpu))
+        empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]
+        if len(empty) == 0 or len(empty) == len(cand):
+            return per_gpu
+        spread = float(np.ptp(per_gpu[cand]))
+        bound = (1.0 + self.host_weight + self.gap_weight) * self.total_weight * WHOLE_GPU_CORE
+        out = per_gpu.copy()
+        out[empty] -= 2.0 * (spread + bound) + 1.0
+        return out
+
+    def gap_by_room(self, state: ClusterState) -> np.ndarray:
+        """V[r, x]: `gap_values` for a gap with room for at most r more slices."""
+        self.gap_values(state)
+        assert self.prices is not None
+        return self.prices.by_room
 
     def _mix_by_size(self) -> tuple[dict[int, float], float]:
         """The mix's proportions by share core (> 0) and by whole-GPU count (as -count), and
@@ -591,7 +660,7 @@ class FragPolicy(Policy):
         return self._keys
 
     def node_scores(self, view: CandidateView) -> np.ndarray:
-        per_gpu = self._score(view)
+        per_gpu = self._keep_empty(view, self._score(view))
         self._last_view = view
         self._last_gpu_scores = per_gpu
         s = view.state
@@ -609,7 +678,10 @@ class FragPolicy(Policy):
         return best[view.node_ids] + host + _TIE_WEIGHT * _node_fill(view) / 2
 
     def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
-        per_gpu = self._last_gpu_scores if view is self._last_view else self._score(view)
+        if view is self._last_view:
+            per_gpu = self._last_gpu_scores
+        else:
+            per_gpu = self._keep_empty(view, self._score(view))
         # binpack's GPU preference (least left over) breaks ties between equal GPUs
         return per_gpu[gpu_ids] - _TIE_WEIGHT * _leftover(view, gpu_ids) / 2
 
@@ -617,8 +689,7 @@ class FragPolicy(Policy):
         """A host-only workload only changes how many copies of each type a node can feed."""
         s = view.state
         fill = _TIE_WEIGHT * _host_fill(view) / 2
-        if not self._k_core:
-            self._seed_from_live(s)
+        self._start(s)
         if not self._k_core:
             return fill
         self._refresh(s)

@@ -51,21 +51,25 @@ _EPS = 1e-7
 @dataclass(frozen=True)
 class GapPrices:
     """The priced mix: per share size its price and reduced value, the value of one GPU
-    (`gpu_value`, the dual ``mu``) and the value of every gap (`values[x]`, x = 0..100)."""
+    (`gpu_value`, the dual ``mu``), the value of every gap (`values[x]`, x = 0..100) and of
+    every gap with room for at most ``r`` more slices (`by_room[r, x]`, r = 0..max_items;
+    the last row is `values`)."""
 
     price: Mapping[int, float]
     reduced: Mapping[int, float]
     gpu_value: float
     values: np.ndarray
+    by_room: np.ndarray
     patterns: int  # how many patterns the column generation needed
     filled: float  # qgpu-core the optimum fills per GPU (the LP's objective / GPUs)
 
 
 def _unpriced() -> GapPrices:
     """Prices of a mix without shares: every gap is worth 0 (read-only, shared)."""
-    values = np.zeros(WHOLE_GPU_CORE + 1)
-    values.setflags(write=False)
-    return GapPrices(MappingProxyType({}), MappingProxyType({}), 0.0, values, 0, 0.0)
+    by_room = np.zeros((1, WHOLE_GPU_CORE + 1))
+    by_room.setflags(write=False)
+    values = by_room[-1]
+    return GapPrices(MappingProxyType({}), MappingProxyType({}), 0.0, values, by_room, 0, 0.0)
 
 
 NO_PRICES = _unpriced()
@@ -137,13 +141,14 @@ def _priced(
         seen.add(tuple(pattern))
     price = np.round(price, _DECIMALS)
     reduced = np.round(size_arr - price, _DECIMALS)
-    values = _gap_values(reduced, size_arr, max_items)
-    values.setflags(write=False)  # shared by every caller of the same mix
+    by_room = _gap_values(reduced, size_arr, max_items)
+    by_room.setflags(write=False)  # shared by every caller of the same mix
     return GapPrices(
         price=MappingProxyType({c: float(p) for c, p in zip(sizes, price, strict=True)}),
         reduced=MappingProxyType({c: float(r) for c, r in zip(sizes, reduced, strict=True)}),
         gpu_value=round(gpu_value, _DECIMALS),
-        values=values,
+        values=by_room[-1],
+        by_room=by_room,
         patterns=len(columns),
         filled=filled / gpus,
     )
@@ -222,10 +227,11 @@ def _best_pattern(
 
 
 def _gap_values(reduced: np.ndarray, sizes: np.ndarray, max_items: int) -> np.ndarray:
-    """V[x], x = 0..100: the best sum of reduced values of at most `max_items` shares that
-    fit into x free qgpu-core."""
+    """V[r, x], r = 0..max_items, x = 0..100: the best sum of reduced values of at most r
+    shares that fit into x free qgpu-core."""
     value, _ = _knapsack(reduced, sizes, max_items)
-    return np.maximum.accumulate(value.max(axis=0))
+    at_most = np.maximum.accumulate(value, axis=0)  # at most r shares
+    return np.maximum.accumulate(np.maximum(at_most, 0.0), axis=1)
 
 
 __all__ = ["BEYOND", "NO_PRICES", "GapPrices", "price_gaps"]

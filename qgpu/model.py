@@ -294,7 +294,7 @@ class SliceRequest(BaseModel):
             except ValidationError as exc:
                 raise first_violation(exc) from exc
         if not multi_gpu_shares:
-            req.require_single_gpu_share(where)
+            req.require_single_gpu_share("qgpu" if where == "request" else where)
         return req
 
     def require_single_gpu_share(self, where: str = "this adapter") -> Self:

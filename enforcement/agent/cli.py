@@ -35,6 +35,7 @@ from qgpu.cli_common import (
     stdout_console,
 )
 from qgpu.errors import QgpuError, RuleViolation, first_violation
+from qgpu.mix_prior import add_prior_option, use_prior
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -92,6 +93,7 @@ CONFIG_FLAGS = {
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    use_prior(args.mix_prior)
     raw: dict[str, object] = {
         "state_dir": args.state_dir or DEFAULT_STATE_DIR,
         "socket_path": _socket_for(args),
@@ -106,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "reconcile_interval_s": args.reconcile_interval,
         "watchdog_interval_s": args.watchdog_interval,
         "watchdog_kill": args.watchdog_kill,
+        "watchdog_grace_s": args.watchdog_grace,
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
@@ -206,6 +209,7 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         help="GPU choice of the core engine for slices that name none: frag, binpack or "
         "spread (default: frag)",
     )
+    add_prior_option(p)
     p.add_argument(
         "--max-slices-per-gpu",
         type=int,
@@ -246,7 +250,20 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         help="how often GPU processes are checked against their slice's memory cap",
     )
     p.add_argument(
-        "--watchdog-kill", action="store_true", help="kill processes found over their cap"
+        "--watchdog-kill",
+        nargs="?",
+        const="all",
+        default="share",
+        choices=("off", "share", "all"),
+        help="kill processes of slices over their memory cap: off, share (fixed-share and "
+        "burst-share slices; the default) or all (best-effort too; the bare flag)",
+    )
+    p.add_argument(
+        "--watchdog-grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long a slice may stay over its cap before the watchdog kills",
     )
     p.add_argument(
         "--enforcement",

@@ -28,6 +28,9 @@ SOCKET_ENV = "QGPU_AGENT_SOCKET"
 MAX_UNIX_PATH = 100
 
 Enforcement = Literal["interposer", "mps"]
+# Which slices' over-cap processes the watchdog kills: none, fixed-share and burst-share
+# slices (the default), or every share slice (best-effort too).
+WatchdogKill = Literal["off", "share", "all"]
 
 
 class AgentConfig(BaseModel):
@@ -62,7 +65,10 @@ class AgentConfig(BaseModel):
     gpu_placement: PlacementPolicy | None = None
     reconcile_interval_s: float = Field(default=10.0, gt=0)
     watchdog_interval_s: float = Field(default=5.0, gt=0)
-    watchdog_kill: bool = False
+    watchdog_kill: WatchdogKill = "share"
+    watchdog_grace_s: float = Field(
+        default=10.0, ge=0, description="how long a slice may stay over its cap before a kill"
+    )
     enforcement: Enforcement = "interposer"
     mps_control: str = "nvidia-cuda-mps-control"
     hook_path: Path | None = None

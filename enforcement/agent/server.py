@@ -129,7 +129,7 @@ def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent
         )
     mps = MpsManager(config.mps_control, config.mps_dir) if config.enforcement == "mps" else None
     agent = Agent(config, backend, mps=mps)
-    agent.watchdog = Watchdog(agent, kill=config.watchdog_kill)
+    agent.watchdog = Watchdog(agent, kill=config.watchdog_kill, grace_s=config.watchdog_grace_s)
     return agent
 
 

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from enforcement.agent.config import WatchdogKill
 from enforcement.discovery import GpuProcess
+from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
 
 if TYPE_CHECKING:
@@ -56,15 +58,27 @@ class Watchdog:
         self,
         agent: Agent,
         *,
-        kill: bool = False,
+        kill: WatchdogKill = "off",
+        grace_s: float = 0.0,
         killer: Callable[[int, int], None] = os.kill,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent = agent
         self.kill = kill
+        self.grace_s = grace_s
         self._killer = killer
+        self._clock = clock
         self._seen_unowned: set[tuple[str, int]] = set()
         self._seen_over: set[tuple[str, int]] = set()
+        self._over_since: dict[str, float] = {}  # slice -> when a scan first saw it over
         self.last: WatchdogReport | None = None
+
+    def kills_for(self, alloc: Allocation) -> bool:
+        """Whether this node kills over-cap processes of `alloc`'s policy."""
+        if self.kill == "all":
+            return True
+        shares = (IsolationPolicy.FIXED_SHARE, IsolationPolicy.BURST_SHARE)
+        return self.kill == "share" and alloc.isolation in shares
 
     def scan(self) -> WatchdogReport:
         agent = self.agent
@@ -72,6 +86,8 @@ class Watchdog:
         procs = agent.backend.processes()
         by_slice, unowned = agent.attribute(allocs, procs)
         report = WatchdogReport(at=time.time(), unowned=unowned)
+        now = self._clock()
+        over_now: set[str] = set()
         for alloc in allocs:
             if alloc.is_whole_gpu:
                 continue
@@ -85,10 +101,13 @@ class Watchdog:
             total = sum(p.used_memory_bytes or 0 for p in mine)
             if total <= limit:
                 continue
+            over_now.add(alloc.slice_id)
+            since = self._over_since.setdefault(alloc.slice_id, now)
+            kill = self.kills_for(alloc) and now - since >= self.grace_s
             remaining = total
             for proc in sorted(mine, key=lambda p: p.used_memory_bytes or 0, reverse=True):
                 action = "reported"
-                if self.kill and remaining > limit:
+                if kill and remaining > limit:
                     action = self._kill(proc.pid)
                     if action == "killed":
                         remaining -= proc.used_memory_bytes or 0
@@ -125,6 +144,7 @@ class Watchdog:
                     )
                 )
         self._seen_over = {(e.slice_id, e.pid) for e in report.over_cap if e.action == "reported"}
+        self._over_since = {k: v for k, v in self._over_since.items() if k in over_now}
         current = {(p.device_uuid, p.pid) for p in unowned}
         for proc in unowned:
             if (proc.device_uuid, proc.pid) not in self._seen_unowned:

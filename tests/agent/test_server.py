@@ -382,6 +382,8 @@ def test_live_agent_reconciles_and_watchdog_kills_a_bypass(state_dir: Path) -> N
         "--watchdog-interval",
         "0.3",
         "--watchdog-kill",
+        "--watchdog-grace",
+        "0",
     )
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     bypass: subprocess.Popen | None = None

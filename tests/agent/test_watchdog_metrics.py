@@ -94,13 +94,74 @@ def test_kill_removes_the_largest_until_under_the_cap(
     uuid = agent.ledger.get(sid).gpu_uuids[0]
     small, big = spawn(children, sid), spawn(children, sid)
     backend.procs = [GpuProcess(uuid, small, 2 * GIB), GpuProcess(uuid, big, 3 * GIB)]
-    report = Watchdog(agent, kill=True).scan()
+    report = Watchdog(agent, kill="all").scan()
     actions = {e.pid: e.action for e in report.over_cap}
     assert actions == {big: "killed", small: "reported"}
     children[1].wait(timeout=10)
     assert children[1].returncode == -9
     assert children[0].poll() is None
     assert agent.counters.watchdog_kills[(uuid, sid)] == 1
+
+
+def test_by_default_share_slices_are_killed_after_the_grace_period(
+    agent: Agent, backend: FakeBackend, children: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    fixed = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="fs"))
+    ).slice_id
+    best = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="be"))
+    ).slice_id
+    uuid = agent.ledger.get(fixed).gpu_uuids[0]
+    assert agent.ledger.get(best).gpu_uuids[0] == uuid
+    hostile, bypass = spawn(children, fixed), spawn(children, best)
+    backend.procs = [GpuProcess(uuid, hostile, 5 * GIB), GpuProcess(uuid, bypass, 5 * GIB)]
+    now = [100.0]
+    wd = Watchdog(agent, kill=agent.config.watchdog_kill, grace_s=10, clock=lambda: now[0])
+    assert agent.config.watchdog_kill == "share"  # the node's default
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        first = {e.pid: e.action for e in wd.scan().over_cap}
+        now[0] += 9.9
+        within = {e.pid: e.action for e in wd.scan().over_cap}
+        now[0] += 0.1
+        after = {e.pid: e.action for e in wd.scan().over_cap}
+    assert first == within == {hostile: "reported", bypass: "reported"}
+    assert after == {hostile: "killed", bypass: "reported"}  # best-effort: reported only
+    children[0].wait(timeout=10)
+    assert children[0].returncode == -9 and children[1].poll() is None
+    events = [json.loads(r.getMessage()) for r in caplog.records]
+    kills = [e for e in events if e["action"] == "killed"]
+    assert [(e["pid"], e["slice"]) for e in kills] == [(hostile, fixed)]
+    assert value(samples(agent), "qgpu_watchdog_kills_total", slice=fixed) == 1
+
+
+def test_the_grace_period_restarts_when_a_slice_comes_back_under_its_cap(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    sid = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="bs"))
+    ).slice_id
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    pid = spawn(children, sid)
+    now = [0.0]
+    wd = Watchdog(agent, kill="share", grace_s=5, clock=lambda: now[0])
+    seen = []
+    for used, at in ((5, 0.0), (3, 4.0), (5, 8.0), (5, 12.0), (5, 13.0)):
+        now[0] = at
+        backend.procs = [GpuProcess(uuid, pid, used * GIB)]
+        seen.append([e.action for e in wd.scan().over_cap])
+    # over at 0, under at 4: the 5 s are counted again from 8, so the kill comes at 13
+    assert seen == [["reported"], [], ["reported"], ["reported"], ["killed"]]
+    children[0].wait(timeout=10)
+
+
+def test_kill_off_only_reports(agent: Agent, backend: FakeBackend, children: list) -> None:
+    sid = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="fs"))
+    ).slice_id
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    backend.procs = [GpuProcess(uuid, spawn(children, sid), 5 * GIB)]
+    assert [e.action for e in Watchdog(agent, kill="off").scan().over_cap] == ["reported"]
 
 
 def test_processes_within_cap_and_owner_pid_attribution(

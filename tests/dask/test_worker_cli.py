@@ -131,7 +131,7 @@ def test_sigkill_leaves_the_release_to_the_agents_reconcile(scheduler, client, a
 @pytest.mark.parametrize(
     ("args", "code", "needles"),
     [
-        (["--core", "150", "--memory", "8"], 2, ["--core 150: ", "multiple of 100"]),
+        (["--core", "150", "--memory", "8"], 2, ["--core 150: ", "2 GPUs", "multiple of 100"]),
         (["--core", "30", "--memory", "90"], 2, ["--memory 90: ", "must not exceed the card"]),
         (["--core", "30", "--memory", "8", "--isolation", "hard"], 2, ["--isolation: 'hard'"]),
     ],

@@ -4,6 +4,7 @@ environments for the real compiled interposer, and workload processes (worker.py
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -13,9 +14,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import enforcement.native
 from enforcement.native import hook_library_path, sim_library_dir
 from enforcement.sim import (
     CONTEXT_MEMORY,
@@ -24,6 +27,12 @@ from enforcement.sim import (
     read_gpu_state,
     write_sim_config,
 )
+
+# Proving that a test catches an old simulator: QGPU_TEST_SIM_LIB_DIR names the directory of
+# another build of the simulated libcuda.so.1 / libnvidia-ml.so.1 (e.g. one built from an
+# older commit) for the tests' processes to load instead of this checkout's. Never set in CI.
+if os.environ.get("QGPU_TEST_SIM_LIB_DIR"):
+    enforcement.native.SIM_DIR = Path(os.environ["QGPU_TEST_SIM_LIB_DIR"]).resolve()
 
 GIB = 1 << 30
 CTX = CONTEXT_MEMORY  # what each process's CUDA context costs on a simulated GPU
@@ -248,6 +257,20 @@ def measure_shares(
     time.sleep(window)
     after = {g: read_gpu_state(sim.config, g) for g in gpus}
     return [100 * busy_share(before[g], after[g], p.pid) for g, p in placements]
+
+
+def run_json(env: dict[str, str], script: str, *args: str, timeout: float = 60) -> Any:
+    """Run a Python snippet in a fresh process with ``env`` and parse the JSON it prints last
+    (a fresh process: the driver reads its config once per process)."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def finish(procs: list[subprocess.Popen[str]]) -> None:

@@ -84,7 +84,7 @@ def test_device_choice_and_preload_chain(
     ("argv", "message"),
     [
         (["--core", "0", "--memory", "4"], "--core 0: must be 1..99"),
-        (["--core", "150", "--memory", "4"], "--core 150: must be 1..99"),
+        (["--core", "150", "--memory", "4"], "--core 150: is a share split over 2 GPUs"),
         (["--core", "30"], "--memory: is required for a share"),
         (["--core", "30", "--memory", "40"], "--memory 40: must not exceed the card"),
         (["--core", "30", "--memory", "4", "--device", "GPU-nope"], "--device GPU-nope: must be"),

@@ -122,8 +122,10 @@ def test_keeps_the_last_whole_gpu_for_the_whole_gpu_requests_it_has_seen():
 def test_avoids_leaving_a_gap_that_the_requests_it_has_seen_cannot_use():
     # GPU a has 70% free, GPU b is empty. The mix is 60% and 30% slices. binpack puts a 30%
     # slice on a (least left over) and leaves a 40% gap no 60% slice fits; frag puts it on b:
-    # both GPUs then still take a 60% slice (a: 70 free, b: 70 free).
-    binpack, frag = _two_engines([node("n", 2)])
+    # both GPUs then still take a 60% slice (a: 70 free, b: 70 free). (The measure alone:
+    # below half fill the keep-empty rule keeps b empty, as binpack does; test_mix_prior.)
+    binpack, _ = _two_engines([node("n", 2)])
+    frag = Engine(ClusterState([node("n", 2)]), FragPolicy(keep_empty=0))
     for engine in (binpack, frag):
         s = engine.state
         s.apply("pre", [gpu_of(s, "n-g0")], 30, [4])
@@ -188,7 +190,8 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
     placed = {}
     for host_weight in (0.0, None):
         nodes = [node("poor", 2, cpu_milli=16000), node("rich", 2, cpu_milli=64000)]
-        engine = Engine(ClusterState(nodes), FragPolicy(host_weight=host_weight))
+        policy = FragPolicy(host_weight=host_weight, prior=None, keep_empty=0)
+        engine = Engine(ClusterState(nodes), policy)
         engine.observe(whole(4000))
         first = engine.place("first", share(50, cpu=8000)).node
         later = [whole(4000), whole(4000), whole(4000), share(50, cpu=8000)]
@@ -235,7 +238,7 @@ def test_gap_values_keep_the_gap_a_larger_share_closes():
     for gap_weight in (0.0, None):
         state = ClusterState([node("n", 2)])
         state.apply("pre", [gpu_of(state, "n-g1")], 32, [1])
-        policy = FragPolicy(gap_weight=gap_weight)
+        policy = FragPolicy(gap_weight=gap_weight, prior=None, keep_empty=0)
         engine = Engine(state, policy)
         for core in (65, 32, 81):
             engine.observe(slice_of(core))
@@ -325,7 +328,8 @@ def test_a_mix_that_cannot_be_priced_places_without_gap_values(monkeypatch, capl
     assert policy.gap_values(state)[100] > 0
 
 
-def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack():
+def test_in_an_empty_cluster_with_nothing_observed_frag_chooses_like_binpack(monkeypatch):
+    monkeypatch.setenv("QGPU_MIX_PRIOR", "none")  # nothing observed, no prior either
     rng = random.Random(3)
     for _ in range(20):
         nodes = [node(f"n{i}", rng.choice([1, 2, 4])) for i in range(4)]
@@ -343,7 +347,7 @@ def test_a_fresh_engine_learns_the_mix_from_the_live_slices():
     state.apply("y-0", [gpu_of(state, "y-g0")], 30, [4])
     state.apply("y-1", [gpu_of(state, "y-g1")], 30, [4])
     assert Engine(state, "binpack").decide(share(30)).node == "x"
-    policy = FragPolicy()
+    policy = FragPolicy(prior=None)
     assert Engine(state, policy).decide(share(30)).node == "y"
     assert policy.mix() == {(100, 1, 0, 0): 1 / 3, (30, 1, 0, 0): 2 / 3}
 
@@ -384,13 +388,17 @@ def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
     return total
 
 
-def _naive_gap_values(policy: FragPolicy, state: ClusterState) -> list[float]:
-    """V[x]: the best sum of the priced shares' reduced values, at most the typical slice
-    limit of them, whose core fits into x -- by enumerating every multiset."""
+def _naive_gap_values(
+    policy: FragPolicy, state: ClusterState, slots: int | None = None
+) -> list[float]:
+    """V[x]: the best sum of the priced shares' reduced values, at most `slots` of them
+    (default the typical slice limit), whose core fits into x -- by enumerating every
+    multiset."""
     policy.gap_values(state)
     assert policy.prices is not None
     reduced = policy.prices.reduced
-    slots = int(np.median(state.max_slices))
+    if slots is None:
+        slots = int(np.median(state.max_slices))
     values = [0.0] * 101
     for n in range(1, slots + 1):
         for combo in itertools.combinations_with_replacement(sorted(reduced), n):
@@ -423,8 +431,14 @@ def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
         if hostmem:
             usable = min(usable, int(state.node_free_hostmem[n]) / (hostmem / core))
         aggregate += usable
-    gap = _naive_gap_values(policy, state)
-    gap_value = sum(gap[int(f)] for f in state.free_core)
+    # a GPU's gap holds at most as many more shares as it has slices left (and at most the
+    # typical slice limit the mix was priced for)
+    typical = int(np.median(state.max_slices))
+    by_room = {r: _naive_gap_values(policy, state, r) for r in range(typical + 1)}
+    gap_value = sum(
+        by_room[min(int(state.max_slices[g] - state.slices[g]), typical)][int(f)]
+        for g, f in enumerate(state.free_core)
+    )
     return (
         _naive_usable(state, policy)
         + policy.host_weight * weight * aggregate
@@ -440,7 +454,7 @@ def test_choice_maximises_expected_usable_capacity(seed):
         for i in range(5)
     ]
     state = ClusterState(nodes)
-    policy = FragPolicy()
+    policy = FragPolicy(keep_empty=0)  # its own rule, tested below
     engine = Engine(state, policy)
     pool = [share(c, cpu=rng.choice([0, 2000, 4000])) for c in (10, 25, 30, 45, 60, 80)]
     pool += [WHOLE, SliceRequest(core=200, cpu_milli=4000)]

@@ -253,7 +253,8 @@ def test_every_change_of_the_state_bumps_its_version(two_nodes):
     assert state.version == seen[-1]
 
 
-def test_place_can_leave_counting_to_the_caller(two_nodes):
+def test_place_can_leave_counting_to_the_caller(two_nodes, monkeypatch):
+    monkeypatch.setenv("QGPU_MIX_PRIOR", "none")  # only what is counted here
     state = ClusterState(two_nodes)
     engine = Engine(state, "frag")
     engine.observe(share(50))

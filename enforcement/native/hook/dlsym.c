@@ -5,6 +5,11 @@
  *  - dlopen with RTLD_DEEPBIND: a library opened that way would resolve its own libcuda
  *    first and call the driver directly; the flag is dropped, so its CUDA calls resolve to
  *    the hook like everyone's (docs/enforcement.md).
+ *  - dlmopen into a new link-map namespace: LD_PRELOAD is never applied there, so code
+ *    loaded into it (a plugin linked against libcuda, or libcuda itself) would call the
+ *    driver around the hook. In a process with a slice it is refused (NULL, errno EPERM,
+ *    one line on stderr); glibc refuses RTLD_GLOBAL in such namespaces, so the hook cannot
+ *    be put first there instead. dlmopen into the base namespace is dlopen.
  *  - cuGetProcAddress / cuGetProcAddress_v2 (how CUDA >= 11.3 runtimes find the driver):
  *    resolved by NVIDIA's rules (the requested name, version and flags -> the exported
  *    symbol, from the toolkit's headers), so the wrapper handed out always has the ABI the
@@ -12,7 +17,9 @@
  *    function's is swapped too (identity as a second check). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <link.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -24,6 +31,7 @@ static int interesting(const char *name) {
 
 QGPU_EXPORT void *dlsym(void *handle, const char *name);
 QGPU_EXPORT void *dlvsym(void *handle, const char *name, const char *version);
+QGPU_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int flags);
 
 /* The resolvers themselves: whoever asks for them gets ours. */
 static void *own_resolver(const char *name, int *refuse) {
@@ -37,6 +45,7 @@ static void *own_resolver(const char *name, int *refuse) {
     if (strcmp(name, "dlsym") == 0) return (void *)dlsym;
     if (strcmp(name, "dlvsym") == 0) return (void *)dlvsym;
     if (strcmp(name, "dlopen") == 0) return (void *)dlopen;
+    if (strcmp(name, "dlmopen") == 0) return (void *)dlmopen;
     return NULL;
 }
 
@@ -90,6 +99,17 @@ QGPU_EXPORT void *dlvsym(void *handle, const char *name, const char *version) {
 
 QGPU_EXPORT void *dlopen(const char *file, int flags) {
     return hook_libc_dlopen(file, flags & ~RTLD_DEEPBIND);
+}
+
+QGPU_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int flags) {
+    if (lmid != LM_ID_BASE && hook_state() == HOOK_ACTIVE) {
+        fprintf(stderr, "qgpu: dlmopen of %s into a new link-map namespace refused (slice %s): "
+                        "code loaded there would call the CUDA driver around the slice's caps\n",
+                file ? file : "(null)", g_lim.slice_id);
+        errno = EPERM;
+        return NULL;
+    }
+    return hook_libc_dlmopen(lmid, file, flags & ~RTLD_DEEPBIND);
 }
 
 /* The wrapper for (symbol, version, flags) by NVIDIA's table, else by the pointer. */

@@ -2,10 +2,10 @@
  * (Ubuntu 20.04 has 2.31, RHEL 8 2.28, RHEL 7 2.17; glibc 2.34 moved dlsym/dlopen and the
  * pthread functions into libc under new versions, which a plain link would require).
  * Every libc symbol the hook references is pinned here to the oldest version that has it;
- * tests/enforcement/test_glibc_compat.py checks that the built .so asks for nothing newer
+ * tests/enforcement/adversarial/test_visibility.py checks that the built .so asks for nothing newer
  * than 2.17 (stat/fstat, libc functions only since 2.33, are system calls: qgpu_stat in
- * common/). dlsym, dlvsym and dlopen are not pinned: the hook exports its own, and reaches
- * libc's through its symbol table (libc_sym.c). setup.py includes this file first in every
+ * common/). dlsym, dlvsym, dlopen and dlmopen are not pinned: the hook exports its own, and
+ * reaches libc's through its symbol table (libc_sym.c). setup.py includes this file first in every
  * source of the hook. */
 #ifndef QGPU_GLIBC_COMPAT_H
 #define QGPU_GLIBC_COMPAT_H
@@ -24,19 +24,21 @@ QGPU_SYMVER(dlerror, QGPU_GLIBC_BASE);
 QGPU_SYMVER(dladdr, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_once, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_atfork, QGPU_GLIBC_BASE);
+QGPU_SYMVER(pthread_create, QGPU_GLIBC_BASE);
+QGPU_SYMVER(pthread_attr_setstacksize, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_setpshared, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_init, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_destroy, QGPU_GLIBC_BASE);
 #if defined(__x86_64__)
 QGPU_SYMVER(dladdr1, "GLIBC_2.3.3");
-QGPU_SYMVER(dlmopen, "GLIBC_2.3.4");
+QGPU_SYMVER(dlinfo, "GLIBC_2.3.3");
 QGPU_SYMVER(pthread_mutexattr_setrobust, "GLIBC_2.12");
 QGPU_SYMVER(pthread_mutex_consistent, "GLIBC_2.12");
 QGPU_SYMVER(clock_gettime, "GLIBC_2.17");
 QGPU_SYMVER(clock_nanosleep, "GLIBC_2.17");
 #else
 QGPU_SYMVER(dladdr1, QGPU_GLIBC_BASE);
-QGPU_SYMVER(dlmopen, QGPU_GLIBC_BASE);
+QGPU_SYMVER(dlinfo, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_setrobust, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutex_consistent, QGPU_GLIBC_BASE);
 QGPU_SYMVER(clock_gettime, QGPU_GLIBC_BASE);

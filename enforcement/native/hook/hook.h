@@ -54,10 +54,12 @@
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
-    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2) X(cuDeviceGetCount) \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
+    X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute) X(cuDeviceGetMemPool)          \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
-    X(nvmlDeviceGetUUID)
+    X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
+    X(nvmlDeviceGetHandleByIndex_v2)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
@@ -69,10 +71,11 @@ enum {
 extern QGPU_HIDDEN void *hook_real_fn[HIDX_COUNT];
 extern QGPU_HIDDEN const char *const hook_fn_names[HIDX_COUNT];
 
-/* libc_sym.c: libc's dlsym/dlvsym/dlopen, read from its symbol table */
+/* libc_sym.c: libc's dlsym/dlvsym/dlopen/dlmopen, read from its symbol table */
 QGPU_HIDDEN void *hook_libc_dlsym(void *handle, const char *name);
 QGPU_HIDDEN void *hook_libc_dlvsym(void *handle, const char *name, const char *version);
 QGPU_HIDDEN void *hook_libc_dlopen(const char *file, int flags);
+QGPU_HIDDEN void *hook_libc_dlmopen(long lmid, const char *file, int flags);
 
 /* real.c */
 QGPU_HIDDEN void *hook_real_dlsym(void *handle, const char *name);

@@ -20,11 +20,19 @@
  * while the process has timed work queued; every gated process publishes until when it
  * expects work queued, region.c). QGPU_TIMESLICE_US is the slice length (2000 by default);
  * QGPU_DEVICE_SHARING=serial (one queue for all processes, the simulator's fifo model) turns
- * the correction off. What remains of the estimate's error (other processes ending their
- * turns early) is calibrated away by the node agent, which compares the slice's debits with
- * the driver's per-process accounting and publishes a scale in the slice ledger
- * (ledger_debit). */
+ * the correction off. The estimate assumes every other process with work queued uses its
+ * whole slice; one that ends its turn early (its queue drained) makes the pair span less of
+ * the others' time than assumed, so the debit is too small (on a fully subscribed GPU a
+ * gated slice then took up to +2.3 points and a burst-share neighbour lost 5). That error is
+ * calibrated with the driver's own per-process accounting: while the process has timed work
+ * queued on a time-sliced device, the sampler reads NVML's per-process utilisation samples
+ * (nvmlDeviceGetProcessUtilization) for its own pid every CAL_PERIOD_NS, and later debits
+ * are scaled by (device time NVML's samples give) / (device time the estimate gave) over the
+ * same span, older windows weighted down by CAL_DECAY and the scale clamped to
+ * CAL_MIN..CAL_MAX (calibrate()). Where NVML or its per-process samples are missing, or the
+ * process's pid is not the one NVML reports (another pid namespace), the scale stays 1. */
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "hook.h"
 
@@ -54,6 +62,22 @@ static int npending;
 static spare_event_t spare[2 * MAX_FREE]; /* events to reuse, with their context */
 static int nspare;
 static int64_t mean_ns; /* moving average of measured intervals */
+
+/* Calibration against NVML's per-process accounting (time-sliced devices) */
+#define CAL_PERIOD_NS 100000000LL    /* how often the sampler reads NVML's samples */
+#define CAL_MIN_EST_NS 20000000LL    /* estimated device time needed before scaling */
+#define CAL_DECAY 0.85              /* weight of the history at each new sample */
+#define CAL_NEW_US 1000ULL           /* a sample this close to the last one is the same one */
+#define CAL_MIN 0.5
+#define CAL_MAX 2.0
+static double cal_scale = 1.0;         /* what own_time estimates are multiplied by */
+static int64_t cal_est_ns;             /* estimated own device time in the span (unscaled) */
+static double cal_nvml_ns;             /* device time NVML's samples gave in the span */
+static int64_t cal_est_since_read;     /* estimate accumulated since the last new sample */
+static int64_t cal_at;                 /* when NVML was last read (0: never) */
+static unsigned long long cal_seen;    /* NVML timestamp of the newest own sample */
+static int cal_state;                  /* 0 not tried, 1 ready, -1 no NVML */
+static nvmlDevice_t cal_dev;
 
 static double csum;     /* sum of 1/(1+n) over every contention sample */
 static uint64_t ccount;
@@ -157,13 +181,76 @@ static void poll_locked(int64_t now) {
                 if (sample < 0) sample = contention_sample(now);
                 n = sample;
             }
-            ledger_debit(own_time(w, n, g_lim.timeslice_ns));
+            int64_t own = own_time(w, n, g_lim.timeslice_ns);
+            cal_est_since_read += own;
+            ledger_debit((int64_t)((double)own * cal_scale));
             mean_ns = mean_ns ? (mean_ns * 7 + w) / 8 : w;
         }
         recycle_locked(p);
     }
     npending = j;
     publish_pending_locked(now);
+}
+
+/* NVML for the slice's GPU, once (not locked: NVML calls take the driver's own locks). */
+static int cal_open(void) {
+    if (cal_state) return cal_state;
+    cal_state = -1;
+    hook_load_nvml();
+    if (!HAVE_REAL(nvmlInit_v2) || !HAVE_REAL(nvmlDeviceGetProcessUtilization) ||
+        REAL(nvmlInit_v2)() != 0)
+        return cal_state;
+    nvmlReturn_t r = -1;
+    if (g_lim.device_uuid[0] && HAVE_REAL(nvmlDeviceGetHandleByUUID))
+        r = REAL(nvmlDeviceGetHandleByUUID)(g_lim.device_uuid, &cal_dev);
+    else if (HAVE_REAL(nvmlDeviceGetHandleByIndex_v2))
+        r = REAL(nvmlDeviceGetHandleByIndex_v2)(0, &cal_dev);
+    if (r == 0) cal_state = 1;
+    return cal_state;
+}
+
+/* The device time NVML's samples newer than cal_seen give this process: each sample is its
+ * share of the period since the sample before it (the first only sets the start). Returns
+ * -1 when NVML has no new sample of this process. */
+static double nvml_own_ns(void) {
+    nvmlProcessUtilizationSample_t buf[64];
+    unsigned n = 64;
+    if (REAL(nvmlDeviceGetProcessUtilization)(cal_dev, buf, &n, cal_seen) != 0) return -1;
+    unsigned pid = (unsigned)getpid();
+    double got = -1;
+    for (unsigned i = 0; i < n && i < 64; i++) {
+        if (buf[i].pid != pid || buf[i].timeStamp <= cal_seen + CAL_NEW_US) continue;
+        if (cal_seen) {
+            double period_ns = (double)(buf[i].timeStamp - cal_seen) * 1e3;
+            if (period_ns < 1e9) got = (got < 0 ? 0 : got) + period_ns * buf[i].smUtil / 100.0;
+        }
+        cal_seen = buf[i].timeStamp;
+    }
+    return got;
+}
+
+/* Sampler thread, not locked: every CAL_PERIOD_NS compare NVML's account of this process's
+ * device time with the estimate's over the same span, and scale later debits by it. */
+static void calibrate(int64_t now) {
+    if (!g_lim.timesliced || (cal_at && now - cal_at < CAL_PERIOD_NS)) return;
+    cal_at = now;
+    if (cal_open() != 1) return;
+    int started = cal_seen != 0;
+    double seen = nvml_own_ns();
+    pthread_mutex_lock(&gate_lock);
+    int64_t est = cal_est_since_read;
+    /* no new sample: the next one covers this time too, so the estimate waits for it (until
+     * the first sample has set the start, what came before it is not compared) */
+    if (seen >= 0 || !started) cal_est_since_read = 0;
+    if (seen >= 0) {
+        cal_est_ns = (int64_t)((double)cal_est_ns * CAL_DECAY) + est;
+        cal_nvml_ns = cal_nvml_ns * CAL_DECAY + seen;
+        if (cal_est_ns >= CAL_MIN_EST_NS) {
+            double k = cal_nvml_ns / (double)cal_est_ns;
+            cal_scale = k < CAL_MIN ? CAL_MIN : k > CAL_MAX ? CAL_MAX : k;
+        }
+    }
+    pthread_mutex_unlock(&gate_lock);
 }
 
 /* While this process has timed work queued, a thread samples the contention every
@@ -182,6 +269,9 @@ static void *sampler_main(void *arg) {
         csum += sample;
         ccount++;
         poll_locked(now);
+        pthread_mutex_unlock(&gate_lock);
+        calibrate(now);
+        pthread_mutex_lock(&gate_lock);
     }
     return NULL;
 }

@@ -69,10 +69,13 @@ static ledger_slot_t *my_slot;
 #define LLOCK() ledger_lock()
 #define LUNLOCK() qgpu_unlock((pthread_mutex_t *)L->lock_area)
 
+static uint64_t add_sat(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+
+/* the slice total is the sum of the slots (saturating: slots are in a shared file) */
 static void repair(void) {
     uint64_t used = 0;
     for (int i = 0; i < MAX_SLOTS; i++)
-        if (L->slots[i].pid) used += L->slots[i].mem_used;
+        if (L->slots[i].pid) used = add_sat(used, L->slots[i].mem_used);
     L->mem_used = used;
 }
 
@@ -85,16 +88,25 @@ static int reclaim_dead(void) {
     for (int i = 0; i < MAX_SLOTS; i++) {
         ledger_slot_t *s = &L->slots[i];
         if (!s->pid || qgpu_proc_alive(s->pid, s->start_time)) continue;
-        L->mem_used = L->mem_used >= s->mem_used ? L->mem_used - s->mem_used : 0;
         memset(s, 0, sizeof *s);
         freed++;
     }
+    if (freed) repair(); /* the total is the sum of the live slots */
     return freed;
 }
 
+/* What this process holds, counted in its own memory (under the ledger lock): a second
+ * check that a tampered ledger cannot reset (the file is shared and writable by the slice's
+ * processes; a process can also replace its own mapping of it). A fork child holds nothing. */
+static uint64_t local_used;
+static int warned_release;
+
 /* getpid() is a system call: cache it, and reset the cache in fork children. */
 static int cached_pid;
-static void forget_pid(void) { cached_pid = 0; }
+static void forget_pid(void) {
+    cached_pid = 0;
+    local_used = 0;
+}
 
 static int current_pid(void) {
     int pid = __atomic_load_n(&cached_pid, __ATOMIC_RELAXED);
@@ -163,8 +175,8 @@ int ledger_open(const hook_limits_t *lim, char *err, size_t errlen) {
 }
 
 static int fits(uint64_t bytes) {
-    uint64_t lim = g_lim.mem_limit;
-    return bytes <= lim && L->mem_used <= lim - bytes; /* never `used + bytes`: it can wrap */
+    uint64_t lim = g_lim.mem_limit; /* never `used + bytes`: it can wrap */
+    return bytes <= lim && L->mem_used <= lim - bytes && local_used <= lim - bytes;
 }
 
 int ledger_reserve(uint64_t bytes) {
@@ -185,6 +197,7 @@ int ledger_reserve(uint64_t bytes) {
     }
     s->mem_used += bytes;
     L->mem_used += bytes;
+    local_used += bytes;
     LUNLOCK();
     return 0;
 }
@@ -193,8 +206,9 @@ void ledger_force(uint64_t bytes) {
     if (bytes == 0) return;
     LLOCK();
     ledger_slot_t *s = slot();
-    if (s) s->mem_used = s->mem_used > UINT64_MAX - bytes ? UINT64_MAX : s->mem_used + bytes;
-    L->mem_used = L->mem_used > UINT64_MAX - bytes ? UINT64_MAX : L->mem_used + bytes;
+    if (s) s->mem_used = add_sat(s->mem_used, bytes);
+    L->mem_used = add_sat(L->mem_used, bytes);
+    local_used = add_sat(local_used, bytes);
     LUNLOCK();
 }
 
@@ -209,13 +223,27 @@ int ledger_has_pid(int pid) {
     return found;
 }
 
+/* A process gives back only what it holds: what its slot says (never another process's
+ * charge, so a fork child freeing its parent's pointers or a release after tampering cannot
+ * lower the slice's count below what the others hold), and the slice total by the same
+ * amount. Giving back more than this process holds means the books were tampered with or
+ * are wrong: said once on stderr, never wrapped. */
 void ledger_release(uint64_t bytes) {
     if (bytes == 0) return;
     LLOCK();
     ledger_slot_t *s = slot();
-    if (s) s->mem_used = s->mem_used >= bytes ? s->mem_used - bytes : 0;
-    L->mem_used = L->mem_used >= bytes ? L->mem_used - bytes : 0;
+    uint64_t give = s ? (s->mem_used < bytes ? s->mem_used : bytes) : 0;
+    if (s) s->mem_used -= give;
+    if (L->mem_used >= give)
+        L->mem_used -= give;
+    else
+        repair(); /* the total was lowered behind our back: re-sum the slots */
+    int over = bytes > local_used;
+    local_used = over ? 0 : local_used - bytes;
     LUNLOCK();
+    if (over && !__atomic_exchange_n(&warned_release, 1, __ATOMIC_RELAXED))
+        fprintf(stderr, "qgpu: slice %s: released %llu bytes more than this process held; the "
+                        "excess is ignored\n", g_lim.slice_id, (unsigned long long)bytes);
 }
 
 uint64_t ledger_used(void) {

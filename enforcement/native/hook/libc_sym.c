@@ -1,6 +1,7 @@
-/* libc's own loader functions (dlsym, dlvsym, dlopen), found without asking the loader.
+/* libc's own loader functions (dlsym, dlvsym, dlopen, dlmopen), found without asking the
+ * loader.
  *
- * The hook exports wrappers named dlsym, dlvsym and dlopen. The dynamic linker lets an
+ * The hook exports wrappers named dlsym, dlvsym, dlopen and dlmopen. The dynamic linker lets an
  * unversioned definition satisfy a versioned reference, so even `dlvsym@GLIBC_2.2.5` or
  * dlvsym(RTLD_NEXT, ...) can come back to the hook itself. Instead, the hook reads the
  * dynamic symbol table of the loaded libc (glibc >= 2.34) or libdl (older glibc) directly,
@@ -84,15 +85,18 @@ static void *libc_symbol(const char *name) {
 typedef void *(*dlsym_fn)(void *, const char *);
 typedef void *(*dlvsym_fn)(void *, const char *, const char *);
 typedef void *(*dlopen_fn)(const char *, int);
+typedef void *(*dlmopen_fn)(long, const char *, int);
 static dlsym_fn libc_dlsym;
 static dlvsym_fn libc_dlvsym;
 static dlopen_fn libc_dlopen;
+static dlmopen_fn libc_dlmopen;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
 static void find(void) {
     libc_dlsym = (dlsym_fn)libc_symbol("dlsym");
     libc_dlvsym = (dlvsym_fn)libc_symbol("dlvsym");
     libc_dlopen = (dlopen_fn)libc_symbol("dlopen");
+    libc_dlmopen = (dlmopen_fn)libc_symbol("dlmopen");
 }
 
 /* These tail-call libc, so libc sees the hook's caller (our wrappers) for RTLD_NEXT. */
@@ -109,4 +113,9 @@ void *hook_libc_dlvsym(void *handle, const char *name, const char *version) {
 void *hook_libc_dlopen(const char *file, int flags) {
     pthread_once(&once, find);
     return libc_dlopen ? libc_dlopen(file, flags) : NULL;
+}
+
+void *hook_libc_dlmopen(long lmid, const char *file, int flags) {
+    pthread_once(&once, find);
+    return libc_dlmopen ? libc_dlmopen(lmid, file, flags) : NULL;
 }

@@ -3,8 +3,9 @@
  *    holds, never above the cap, free = the rest), so nvidia-smi-like tools and frameworks
  *    that size themselves from NVML see the slice, not the card;
  *  - the process lists (compute, graphics, MPS; v1, v2, v3) and per-process utilisation show
- *    only the slice's own processes (those holding a slot in its ledger): other tenants'
- *    processes and their memory are not visible. Counts and NVML_ERROR_INSUFFICIENT_SIZE keep
+ *    only the slice's own processes (those holding a slot in its ledger), on every GPU of the
+ *    node (NVML ignores CUDA_VISIBLE_DEVICES; a slice has one GPU, so the lists of the others
+ *    are empty): other tenants' processes and their memory are not visible. Counts and NVML_ERROR_INSUFFICIENT_SIZE keep
  *    NVML's two-call protocol. */
 #include <stdlib.h>
 #include <string.h>
@@ -66,7 +67,7 @@ typedef nvmlReturn_t (*list_fn)(nvmlDevice_t, unsigned int *, void *);
 static nvmlReturn_t filtered(list_fn real, nvmlDevice_t dev, unsigned int *count, void *infos,
                              size_t size) {
     if (!real) return NVML_ERROR_FUNCTION_NOT_FOUND;
-    if (!slice_device(dev)) return real(dev, count, infos);
+    if (hook_state() != HOOK_ACTIVE) return real(dev, count, infos);
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = 0;
     nvmlReturn_t r = real(dev, &n, NULL);
@@ -128,7 +129,8 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t dev,
                                                          unsigned long long last_seen) {
     hook_load_nvml();
     if (!HAVE_REAL(nvmlDeviceGetProcessUtilization)) return NVML_ERROR_FUNCTION_NOT_FOUND;
-    if (!slice_device(dev)) return REAL(nvmlDeviceGetProcessUtilization)(dev, out, count, last_seen);
+    if (hook_state() != HOOK_ACTIVE)
+        return REAL(nvmlDeviceGetProcessUtilization)(dev, out, count, last_seen);
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = 0;
     nvmlReturn_t r = REAL(nvmlDeviceGetProcessUtilization)(dev, NULL, &n, last_seen);

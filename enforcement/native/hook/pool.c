@@ -110,17 +110,22 @@ static int capturing(CUstream s) {
 }
 
 /* While a stream is captured, an allocation is a node of the graph being built: it takes
- * memory when the graph is uploaded or launched. */
-static void count_captured(CUstream s, uint64_t size) {
+ * memory when the graph is uploaded or launched, so it is added to that graph's sum. -1 when
+ * the driver cannot say which graph is being captured. */
+static int count_captured(CUstream s, uint64_t size) {
     CUgraph g = NULL;
     int status = 0;
     cuuint64_t id = 0;
-    if (!HAVE_REAL(cuStreamGetCaptureInfo_v2) ||
-        REAL(cuStreamGetCaptureInfo_v2)(s, &status, &id, &g, NULL, NULL) != CUDA_SUCCESS || !g)
-        return;
+    CUresult r = CUDA_ERROR_NOT_FOUND;
+    if (HAVE_REAL(cuStreamGetCaptureInfo_v3))
+        r = REAL(cuStreamGetCaptureInfo_v3)(s, &status, &id, &g, NULL, NULL, NULL);
+    else if (HAVE_REAL(cuStreamGetCaptureInfo_v2))
+        r = REAL(cuStreamGetCaptureInfo_v2)(s, &status, &id, &g, NULL, NULL);
+    if (r != CUDA_SUCCESS || !g) return -1;
     uint64_t have = 0;
     qgpu_table_get(&graph_bytes, (uintptr_t)g, &have, NULL);
     qgpu_table_put(&graph_bytes, (uintptr_t)g, have > UINT64_MAX - size ? UINT64_MAX : have + size, 0);
+    return 0;
 }
 
 typedef CUresult (*alloc_call_t)(void *real, CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
@@ -140,8 +145,13 @@ static CUresult call_from_pool(void *real, CUdeviceptr *dptr, size_t size, CUmem
 static CUresult alloc_stream_ordered(void *real, alloc_call_t call, CUdeviceptr *dptr,
                                      size_t size, CUmemoryPool pool, CUstream s, CUstream eff) {
     if (capturing(eff)) {
+        /* Charged now, for good, if the graph cannot be known: the driver gives no way to
+         * see when a graph's memory is freed without it. */
+        int known = count_captured(eff, 0) == 0;
+        if (!known && size && ledger_reserve(size) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
         CUresult r = call(real, dptr, size, pool, s);
-        if (r == CUDA_SUCCESS) count_captured(eff, size);
+        if (r == CUDA_SUCCESS && known) count_captured(eff, size);
+        if (r != CUDA_SUCCESS && !known) ledger_release(size);
         return r;
     }
     if (!pool) {

@@ -159,6 +159,7 @@ typedef struct {
 } CUctxCreateParams;
 
 #define CU_DEV_RESOURCE_TYPE_SM 1
+#define CU_GREEN_CTX_DEFAULT_STREAM 0x1
 typedef struct {
     int type; /* CUdevResourceType */
     unsigned char _internal_padding[92];

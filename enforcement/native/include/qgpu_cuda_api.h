@@ -82,6 +82,8 @@ CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value);
 CUresult cuStreamGetCaptureInfo(CUstream hStream, int *status, cuuint64_t *id);
 CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
                                    const CUgraphNode **deps, size_t *ndeps);
+CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
+                                   const CUgraphNode **deps, const void **edges, size_t *ndeps);
 
 /* contexts */
 CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev);
@@ -194,6 +196,9 @@ nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t d, unsigned
                                                         nvmlProcessInfo_t *infos);
 nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *n,
                                                         nvmlProcessInfo_t *infos);
+nvmlReturn_t nvmlInit_v2(void);
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *d);
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *d);
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                              unsigned int *n, unsigned long long lastSeen);
 

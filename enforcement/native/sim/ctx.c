@@ -3,8 +3,11 @@
  * `context_memory`), charged when it is created and given back when it is destroyed, and a
  * context's limits (stack, printf FIFO, malloc heap) reserve device memory too. Destroying a
  * context frees the memory allocated in it. */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "driver.h"
 
@@ -13,27 +16,111 @@
 #define MALLOC_HEAP_DEFAULT (8ULL << 20)
 #define CTX_STACK_DEPTH 32
 
-static __thread struct CUctx_st *tl_stack[CTX_STACK_DEPTH];
-static __thread int tl_depth; /* tl_stack[tl_depth - 1] is current; 0 = none */
 static struct CUctx_st primary[SIM_MAX_GPUS];
 static int primary_refs[SIM_MAX_GPUS];
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 
-struct CUctx_st *sim_current_ctx(void) { return tl_depth > 0 ? tl_stack[tl_depth - 1] : NULL; }
+/* Each thread's stack of current contexts lives in a block of a process-wide registry; the
+ * thread finds its block through one initial-exec TLS pointer. No general-dynamic TLS: a
+ * statically linked program that dlopens the driver has no __tls_get_addr that works for
+ * it (it crashed there), while initial-exec TLS is served from glibc's static TLS surplus in
+ * both kinds of program. A block whose thread has exited is reused by the next new thread,
+ * and a destroyed context is taken off every thread's stack. */
+typedef struct tl_ctx {
+    struct tl_ctx *next;
+    pid_t tid; /* the owning thread (kernel tid) */
+    int depth; /* stack[depth - 1] is current; 0 = none */
+    struct CUctx_st *stack[CTX_STACK_DEPTH];
+} tl_ctx_t;
 
-void sim_set_current_ctx(struct CUctx_st *ctx) {
-    if (tl_depth == 0) {
-        if (!ctx) return;
-        tl_depth = 1;
-    }
-    tl_stack[tl_depth - 1] = ctx;
-    if (!ctx) tl_depth--;
+static __thread tl_ctx_t *tl __attribute__((tls_model("initial-exec")));
+static tl_ctx_t *registry;
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static pid_t my_tid(void) { return (pid_t)syscall(SYS_gettid); }
+
+static int thread_gone(pid_t tid) {
+    return syscall(SYS_tgkill, getpid(), tid, 0) != 0 && errno == ESRCH;
 }
 
+/* the forking thread keeps its block in the child, under its new tid */
+static void tl_after_fork(void) {
+    if (tl) tl->tid = my_tid();
+}
+
+/* registry_lock held: this thread's block, made (or taken over from an exited thread) */
+static tl_ctx_t *tl_claim_locked(void) {
+    if (tl) return tl;
+    static int atfork_done;
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, tl_after_fork);
+        atfork_done = 1;
+    }
+    pid_t tid = my_tid();
+    tl_ctx_t *b = NULL;
+    for (tl_ctx_t *r = registry; r && !b; r = r->next)
+        if (r->tid == tid || thread_gone(r->tid)) b = r;
+    if (!b) {
+        b = calloc(1, sizeof *b);
+        if (!b) return NULL;
+        b->next = registry;
+        registry = b;
+    }
+    b->tid = tid;
+    b->depth = 0;
+    tl = b;
+    return b;
+}
+
+struct CUctx_st *sim_current_ctx(void) {
+    tl_ctx_t *b = tl;
+    if (!b) return NULL;
+    int d = __atomic_load_n(&b->depth, __ATOMIC_ACQUIRE);
+    return d > 0 ? __atomic_load_n(&b->stack[d - 1], __ATOMIC_ACQUIRE) : NULL;
+}
+
+void sim_set_current_ctx(struct CUctx_st *ctx) {
+    pthread_mutex_lock(&registry_lock);
+    tl_ctx_t *b = ctx ? tl_claim_locked() : tl;
+    if (b) {
+        if (b->depth == 0 && ctx) b->depth = 1;
+        if (b->depth > 0) {
+            b->stack[b->depth - 1] = ctx;
+            if (!ctx) b->depth--;
+        }
+    }
+    pthread_mutex_unlock(&registry_lock);
+}
+
+/* 0, or -1 when the stack is full (or no block could be made) */
+static int push_ctx(struct CUctx_st *ctx) {
+    pthread_mutex_lock(&registry_lock);
+    tl_ctx_t *b = tl_claim_locked();
+    int ok = b && b->depth < CTX_STACK_DEPTH;
+    if (ok) b->stack[b->depth++] = ctx;
+    pthread_mutex_unlock(&registry_lock);
+    return ok ? 0 : -1;
+}
+
+/* 0 with the popped context, or -1 when the stack is empty */
+static int pop_ctx(struct CUctx_st **out) {
+    pthread_mutex_lock(&registry_lock);
+    tl_ctx_t *b = tl;
+    int ok = b && b->depth > 0;
+    if (ok) *out = b->stack[--b->depth];
+    pthread_mutex_unlock(&registry_lock);
+    return ok ? 0 : -1;
+}
+
+/* A destroyed context is current nowhere any more, on no thread. */
 static void forget_everywhere(struct CUctx_st *ctx) {
-    for (int i = 0; i < tl_depth; i++)
-        if (tl_stack[i] == ctx) tl_stack[i] = NULL;
-    while (tl_depth > 0 && !tl_stack[tl_depth - 1]) tl_depth--;
+    pthread_mutex_lock(&registry_lock);
+    for (tl_ctx_t *b = registry; b; b = b->next) {
+        for (int i = 0; i < b->depth; i++)
+            if (b->stack[i] == ctx) b->stack[i] = NULL;
+        while (b->depth > 0 && !b->stack[b->depth - 1]) b->depth--;
+    }
+    pthread_mutex_unlock(&registry_lock);
 }
 
 static uint64_t limit_cost(const struct CUctx_st *c, int which, uint64_t value) {
@@ -49,7 +136,10 @@ static uint64_t limit_cost(const struct CUctx_st *c, int which, uint64_t value) 
     return extra * per;
 }
 
-static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags) {
+/* `cost`: the device memory the context itself takes (a regular or primary context the GPU's
+ * context_memory; a green context nothing beyond the primary context it retains) */
+static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags,
+                         uint64_t cost) {
     memset(c, 0, sizeof *c);
     c->magic = CTX_MAGIC;
     c->dev = dev;
@@ -58,7 +148,6 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
     c->limits[CU_LIMIT_STACK_SIZE] = STACK_DEFAULT;
     c->limits[CU_LIMIT_PRINTF_FIFO_SIZE] = PRINTF_FIFO_DEFAULT;
     c->limits[CU_LIMIT_MALLOC_HEAP_SIZE] = MALLOC_HEAP_DEFAULT;
-    uint64_t cost = g_sim_cfg.gpus[gidx].context_memory;
     CUresult r = sim_charge(gidx, cost);
     if (r) return r;
     c->charged = cost;
@@ -93,12 +182,12 @@ static CUresult create(CUcontext *pctx, unsigned flags, CUdevice dev) {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = malloc(sizeof *c);
     if (!c) return CUDA_ERROR_OUT_OF_MEMORY;
-    r = ctx_init(c, dev, g, flags);
+    r = ctx_init(c, dev, g, flags, g_sim_cfg.gpus[g].context_memory);
     if (r) {
         free(c);
         return r;
     }
-    if (tl_depth < CTX_STACK_DEPTH) tl_stack[tl_depth++] = c; /* created contexts are pushed */
+    push_ctx(c); /* a created context is pushed (made current) */
     *pctx = c;
     return CUDA_SUCCESS;
 }
@@ -119,7 +208,9 @@ SIM_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, void *params, int nparams, u
 
 SIM_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
                                    CUdevice dev) {
-    if (params && params->numExecAffinityParams < 0) return CUDA_ERROR_INVALID_VALUE;
+    if (params && (params->numExecAffinityParams < 0 ||
+                   (params->numExecAffinityParams > 0 && !params->execAffinityParams)))
+        return CUDA_ERROR_INVALID_VALUE;
     return create(pctx, flags, dev);
 }
 
@@ -158,17 +249,15 @@ SIM_EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!valid(ctx)) return CUDA_ERROR_INVALID_CONTEXT;
-    if (tl_depth >= CTX_STACK_DEPTH) return CUDA_ERROR_INVALID_VALUE;
-    tl_stack[tl_depth++] = ctx;
-    return CUDA_SUCCESS;
+    return push_ctx(ctx) == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
     CUresult r = sim_check_init();
     if (r) return r;
-    if (tl_depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
-    if (pctx) *pctx = tl_stack[tl_depth - 1];
-    tl_depth--;
+    struct CUctx_st *c;
+    if (pop_ctx(&c) != 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (pctx) *pctx = c;
     return CUDA_SUCCESS;
 }
 
@@ -258,7 +347,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     struct CUctx_st *c = &primary[dev];
     if (c->magic != CTX_MAGIC) {
         unsigned flags = c->flags;
-        r = ctx_init(c, dev, g, flags);
+        r = ctx_init(c, dev, g, flags, g_sim_cfg.gpus[g].context_memory);
         if (r) {
             pthread_mutex_unlock(&ctx_lock);
             return r;
@@ -335,7 +424,7 @@ SIM_EXPORT CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags)
     return cuDevicePrimaryCtxSetFlags_v2(dev, flags);
 }
 
-/* ---- green contexts (CUDA 12.4): a context over a set of SMs; it costs memory too ---- */
+/* ---- green contexts (CUDA 12.4): a context over a set of SMs ---- */
 
 SIM_EXPORT CUresult cuDeviceGetDevResource(CUdevice dev, CUdevResource *res, int type) {
     int g;
@@ -368,16 +457,28 @@ SIM_EXPORT CUresult cuDevResourceGenerateDesc(CUdevResourceDesc *desc, CUdevReso
     return CUDA_SUCCESS;
 }
 
+/* As documented: CU_GREEN_CTX_DEFAULT_STREAM is required, and a green context retains the
+ * device's primary context (created, and charged, if it was not active), released when the
+ * green context is destroyed. */
 SIM_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, CUdevice dev,
                                      unsigned int flags) {
     int g;
     CUresult r = sim_device_gidx(dev, &g);
     if (r) return r;
-    if (!out || !desc || desc->magic != DESC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
+    if (!out || !desc || desc->magic != DESC_MAGIC || flags != CU_GREEN_CTX_DEFAULT_STREAM ||
+        desc->sms == 0 || desc->sms > (unsigned)g_sim_cfg.gpus[g].sms)
+        return CUDA_ERROR_INVALID_VALUE;
     struct CUgreenCtx_st *gc = malloc(sizeof *gc);
     if (!gc) return CUDA_ERROR_OUT_OF_MEMORY;
-    r = ctx_init(&gc->ctx, dev, g, flags);
+    CUcontext prim;
+    r = cuDevicePrimaryCtxRetain(&prim, dev);
     if (r) {
+        free(gc);
+        return r;
+    }
+    r = ctx_init(&gc->ctx, dev, g, flags, 0);
+    if (r) {
+        cuDevicePrimaryCtxRelease_v2(dev);
         free(gc);
         return r;
     }
@@ -393,9 +494,11 @@ SIM_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx gc) {
     if (!gc || gc->magic != GREEN_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     sim_wait_idle(&gc->ctx, NULL);
     forget_everywhere(&gc->ctx);
+    CUdevice dev = gc->ctx.dev;
     ctx_release(&gc->ctx);
     gc->magic = 0;
     free(gc);
+    cuDevicePrimaryCtxRelease_v2(dev);
     return CUDA_SUCCESS;
 }
 

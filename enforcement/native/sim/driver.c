@@ -201,6 +201,15 @@ SIM_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
     return r;
 }
 
+/* resident blocks per SM by compute capability (CUDA C++ Programming Guide, table of
+ * technical specifications) */
+static int blocks_per_sm(const sim_gpu_config_t *c) {
+    int cc = c->cc_major * 10 + c->cc_minor;
+    if (cc == 75 || cc == 86 || cc == 87) return 16;
+    if (cc == 89) return 24;
+    return 32;
+}
+
 SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     int g;
     CUresult r = sim_device_gidx(dev, &g);
@@ -235,7 +244,7 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
     case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *value = 1; break;
-    case 106: *value = 32; break;               /* MAX_BLOCKS_PER_MULTIPROCESSOR */
+    case 106: *value = blocks_per_sm(c); break; /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     default:
         if (attrib <= 0 || attrib > 200) return CUDA_ERROR_INVALID_VALUE;
         *value = 0;

@@ -95,6 +95,7 @@ struct CUmemPoolHandle_st {
     uint64_t used;     /* handed out and not yet freed in stream order */
     uint64_t threshold;
     uint64_t reserved_high, used_high;
+    uint64_t max_size; /* CUmemPoolProps.maxSize: it never grows past this (0: the device) */
 };
 
 struct CUgreenCtx_st {

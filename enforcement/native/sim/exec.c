@@ -488,6 +488,50 @@ static CUresult end_capture(CUstream hs, CUgraph *pg) {
 SIM_EXPORT CUresult cuStreamEndCapture(CUstream hs, CUgraph *pg) { return end_capture(hs, pg); }
 SIM_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream hs, CUgraph *pg) { return end_capture(hs, pg); }
 
+/* What a stream is capturing, as cuStreamGetCaptureInfo (v1: status and id; v2: also the
+ * graph and its dependency list; v3: also edge data). The capture id is the graph's
+ * address; simulated graphs are linear, so no dependencies are reported. */
+static CUresult capture_info(CUstream hs, int *status, cuuint64_t *id, CUgraph *graph,
+                             const CUgraphNode **deps, const void **edges, size_t *ndeps) {
+    CUresult r = is_capturing(hs, status);
+    if (r) return r;
+    struct CUstream_st *s = sim_real_stream(hs);
+    struct CUgraph_st *g = s ? s->capture : NULL;
+    if (id && g) *id = (cuuint64_t)(uintptr_t)g;
+    if (graph) *graph = g;
+    if (deps) *deps = NULL;
+    if (edges) *edges = NULL;
+    if (ndeps) *ndeps = 0;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetCaptureInfo(CUstream hs, int *status, cuuint64_t *id) {
+    return capture_info(hs, status, id, NULL, NULL, NULL, NULL);
+}
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_ptsz(CUstream hs, int *status, cuuint64_t *id) {
+    return capture_info(PTSZ(hs), status, id, NULL, NULL, NULL, NULL);
+}
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream hs, int *status, cuuint64_t *id,
+                                              CUgraph *graph, const CUgraphNode **deps,
+                                              size_t *ndeps) {
+    return capture_info(hs, status, id, graph, deps, NULL, ndeps);
+}
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v2_ptsz(CUstream hs, int *status, cuuint64_t *id,
+                                                   CUgraph *graph, const CUgraphNode **deps,
+                                                   size_t *ndeps) {
+    return capture_info(PTSZ(hs), status, id, graph, deps, NULL, ndeps);
+}
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream hs, int *status, cuuint64_t *id,
+                                              CUgraph *graph, const CUgraphNode **deps,
+                                              const void **edges, size_t *ndeps) {
+    return capture_info(hs, status, id, graph, deps, edges, ndeps);
+}
+SIM_EXPORT CUresult cuStreamGetCaptureInfo_v3_ptsz(CUstream hs, int *status, cuuint64_t *id,
+                                                   CUgraph *graph, const CUgraphNode **deps,
+                                                   const void **edges, size_t *ndeps) {
+    return capture_info(PTSZ(hs), status, id, graph, deps, edges, ndeps);
+}
+
 /* ---- events ---- */
 
 SIM_EXPORT CUresult cuEventCreate(CUevent *pe, unsigned int flags) {

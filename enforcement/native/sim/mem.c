@@ -383,10 +383,16 @@ typedef struct {
     uint64_t va, size, handle;
 } vmm_map_t;
 
+typedef struct {
+    uint64_t va, size;
+} vmm_range_t; /* a VA reservation (cuMemAddressReserve) */
+
 static vmm_handle_t *handles;
 static size_t nhandles, cap_handles;
 static vmm_map_t *maps;
 static size_t nmaps, cap_maps;
+static vmm_range_t *ranges;
+static size_t nranges, cap_ranges;
 static pthread_mutex_t vmm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static vmm_handle_t *find_handle(uint64_t h) {
@@ -480,38 +486,78 @@ SIM_EXPORT CUresult cuMemGetAllocationGranularity(size_t *gran, const CUmemAlloc
     return CUDA_SUCCESS;
 }
 
+/* The simulated GPU's virtual address space: one reservation may not exceed 64 TiB (real
+ * GPUs have 47 to 49 bits of VA). Reservations are remembered: mappings must lie inside
+ * one, and only an exact reservation can be freed. */
+#define VA_RESERVE_MAX (1ULL << 46)
+
 SIM_EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
                                         CUdeviceptr addr, unsigned long long flags) {
-    (void)alignment;
-    (void)addr;
-    (void)flags;
-    if (!ptr || !size || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
-    *ptr = sim_next_address(size);
+    (void)addr; /* a hint: the simulator picks its own addresses */
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!ptr || !size || size % GRANULE || flags || (alignment & (alignment - 1)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (size > VA_RESERVE_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&vmm_lock);
+    if (grow((void **)&ranges, &cap_ranges, nranges, sizeof *ranges) != 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t va = sim_next_address(size);
+    ranges[nranges++] = (vmm_range_t){va, size};
+    pthread_mutex_unlock(&vmm_lock);
+    *ptr = va;
     return CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    CUresult r = sim_check_init();
+    if (r) return r;
     if (!ptr || !size) return CUDA_ERROR_INVALID_VALUE;
-    return CUDA_SUCCESS;
+    pthread_mutex_lock(&vmm_lock);
+    for (size_t i = 0; i < nranges; i++) {
+        if (ranges[i].va == ptr && ranges[i].size == size) {
+            ranges[i] = ranges[--nranges];
+            pthread_mutex_unlock(&vmm_lock);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&vmm_lock);
+    return CUDA_ERROR_INVALID_VALUE; /* not what cuMemAddressReserve returned */
 }
 
+/* locked: [va, va + size) lies inside one reservation (size > 0, overflow-safe) */
+static int reserved_locked(uint64_t va, uint64_t size) {
+    for (size_t i = 0; i < nranges; i++)
+        if (va >= ranges[i].va && va - ranges[i].va <= ranges[i].size &&
+            size <= ranges[i].size - (va - ranges[i].va))
+            return 1;
+    return 0;
+}
+
+/* As documented: offset must be zero, the range granularity-aligned and inside a reservation,
+ * and not mapped already. */
 SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                              CUmemGenericAllocationHandle handle, unsigned long long flags) {
     CUresult r = sim_check_init();
     if (r) return r;
-    if (!ptr || !size || flags || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
+    if (!ptr || !size || flags || offset || size % GRANULE || ptr % GRANULE)
+        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&vmm_lock);
     vmm_handle_t *h = find_handle(handle);
     if (!h || h->refs <= 0) {
         pthread_mutex_unlock(&vmm_lock);
         return CUDA_ERROR_INVALID_HANDLE;
     }
-    if (offset > h->size || size > h->size - offset) {
+    if (size > h->size || !reserved_locked(ptr, size)) {
         pthread_mutex_unlock(&vmm_lock);
         return CUDA_ERROR_INVALID_VALUE;
     }
     for (size_t i = 0; i < nmaps; i++) {
-        if (ptr < maps[i].va + maps[i].size && maps[i].va < ptr + size) {
+        /* overlap of [ptr, ptr + size) and [va, va + msize), without computing an end */
+        uint64_t va = maps[i].va, msize = maps[i].size;
+        if (ptr >= va ? ptr - va < msize : va - ptr < size) {
             pthread_mutex_unlock(&vmm_lock);
             return CUDA_ERROR_INVALID_VALUE; /* already mapped */
         }
@@ -673,6 +719,7 @@ SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr
     if (r) return r;
     pthread_mutex_lock(&pool_lock);
     struct CUmemPoolHandle_st *p = new_pool(g, 0);
+    if (p) p->max_size = props->maxSize;
     pthread_mutex_unlock(&pool_lock);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     *pool = p;
@@ -755,7 +802,7 @@ static CUresult pool_alloc(struct CUmemPoolHandle_st *p, uint64_t size, CUdevice
     uint64_t spare = p->reserved - p->used;
     if (spare < size) {
         uint64_t grow_by = round_up(size - spare);
-        if (!grow_by) {
+        if (!grow_by || (p->max_size && grow_by > p->max_size - p->reserved)) {
             pthread_mutex_unlock(&pool_lock);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }

@@ -341,6 +341,36 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t
     return none(d, count);
 }
 
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t d,
+                                                                    unsigned int *count,
+                                                                    nvmlProcessInfo_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t d,
+                                                                 unsigned int *count,
+                                                                 nvmlProcessInfo_v1_t *infos) {
+    (void)infos;
+    return none(d, count);
+}
+
+/* CPU microseconds since the epoch at monotonic time 0, read once per process: a sample
+ * keeps one timestamp however often it is asked for (recomputing it from both clocks at
+ * every call would make the same sample look newer than itself). */
+static int64_t epoch_offset_us(void) {
+    static int64_t offset;
+    int64_t v = __atomic_load_n(&offset, __ATOMIC_RELAXED);
+    if (v) return v;
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    v = (int64_t)rt.tv_sec * 1000000 + rt.tv_nsec / 1000 - qgpu_now_ns() / 1000;
+    int64_t expected = 0;
+    if (!__atomic_compare_exchange_n(&offset, &expected, v, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        v = expected;
+    return v;
+}
+
 /* Per-process SM utilisation, as NVML reports it: one sample per process newer than
  * `lastSeen` (CPU microseconds since the epoch), the percentage of the last sampling
  * period (~100 ms) the device spent on the process's work. NOT_FOUND when none is newer. */
@@ -351,10 +381,7 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
     nvmlReturn_t r = check(d);
     if (r) return r;
     if (!count) return NVML_ERROR_INVALID_ARGUMENT;
-    struct timespec rt;
-    clock_gettime(CLOCK_REALTIME, &rt);
     int64_t mono = qgpu_now_ns();
-    int64_t real_us = (int64_t)rt.tv_sec * 1000000 + rt.tv_nsec / 1000;
     nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
     unsigned n = 0;
     sim_state_lock(d->st);
@@ -366,7 +393,7 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
         uint32_t h = p->usnap_head % SIM_USNAPS, prev = (h + SIM_USNAPS - 1) % SIM_USNAPS;
         int64_t t1 = p->usnap_t[prev], t2 = p->usnap_t[h];
         if (!t1 || !t2 || t2 <= t1) continue;
-        unsigned long long ts = (unsigned long long)(real_us - (mono - t2) / 1000);
+        unsigned long long ts = (unsigned long long)(epoch_offset_us() + t2 / 1000);
         if (ts <= lastSeen) continue;
         uint64_t busy = p->usnap_done[h] - p->usnap_done[prev];
         unsigned pct = (unsigned)((busy * 100 + (uint64_t)(t2 - t1) / 2) / (uint64_t)(t2 - t1));

@@ -4,9 +4,11 @@
  * hands out internal entry points, not the exported symbols: each is a small jump stub in an
  * executable page, so its address differs from what dlsym returns (config `procaddr =
  * exported` turns that off). A known entry point the simulator does not implement returns
- * CUDA_ERROR_NOT_SUPPORTED when called. */
+ * CUDA_ERROR_NOT_SUPPORTED when called. QGPU_SIM_TRACE_PROCADDR=1 prints every look-up on
+ * stderr. */
 #define _GNU_SOURCE
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -50,7 +52,9 @@
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
     X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
     X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2) \
-    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamIsCapturing) \
+    X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamGetCaptureInfo) \
+    X(cuStreamGetCaptureInfo_ptsz) X(cuStreamGetCaptureInfo_v2) X(cuStreamGetCaptureInfo_v2_ptsz) \
+    X(cuStreamGetCaptureInfo_v3) X(cuStreamGetCaptureInfo_v3_ptsz) X(cuStreamIsCapturing) \
     X(cuStreamIsCapturing_ptsz) X(cuStreamQuery) X(cuStreamQuery_ptsz) X(cuStreamSynchronize) \
     X(cuStreamSynchronize_ptsz)
 
@@ -148,6 +152,10 @@ SIM_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int vers
     int driver = sim_config_loaded() ? g_sim_cfg.cuda_version : 13000, st = 0;
     const char *name = qgpu_procaddr_symbol(symbol, version, flags, driver, &st);
     if (status) *status = (CUdriverProcAddressQueryResult)st;
+    if (getenv("QGPU_SIM_TRACE_PROCADDR")) /* how docs/enforcement.md records NVIDIA's runtime */
+        fprintf(stderr, "qgpu-sim: cuGetProcAddress %s %d %llu -> %s\n", symbol, version,
+                (unsigned long long)flags, name ? name : st == 1 ? "SYMBOL_NOT_FOUND"
+                                                                 : "VERSION_NOT_SUFFICIENT");
     if (!name) return CUDA_ERROR_NOT_FOUND;
     *pfn = entry_point(lookup_exact(name));
     return CUDA_SUCCESS;

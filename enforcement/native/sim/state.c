@@ -60,14 +60,16 @@ int sim_state_reclaim_dead(sim_gpu_state_t *st) {
     return freed;
 }
 
-static __thread int cached_pid;
-static __thread uint64_t cached_start;
+/* This process's identity, cached process-wide (no thread-local storage: see ctx.c); a
+ * forked child sees another pid and looks its own start time up. */
+static int cached_pid;
+static uint64_t cached_start;
 
 sim_proc_t *sim_state_proc_slot(sim_gpu_state_t *st, int create) {
     int pid = getpid();
-    if (cached_pid != pid) {
-        cached_pid = pid;
-        cached_start = qgpu_proc_start_time(pid);
+    if (__atomic_load_n(&cached_pid, __ATOMIC_ACQUIRE) != pid) {
+        __atomic_store_n(&cached_start, qgpu_proc_start_time(pid), __ATOMIC_RELAXED);
+        __atomic_store_n(&cached_pid, pid, __ATOMIC_RELEASE);
     }
     sim_proc_t *free_slot = NULL;
     for (int i = 0; i < SIM_MAX_PROCS; i++) {

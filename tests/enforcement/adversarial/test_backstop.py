@@ -1,0 +1,143 @@
+"""Escapes no user-space hook can stop, and the backstop that ends them (issue 17).
+
+A statically linked program never loads the hook; a program that reads libcuda's symbol
+table finds the raw driver without the loader; processes of one slice that zero the shared
+ledger each pass their own (process-local) check. Each runs here as a hostile tenant in a
+fixed-share slice reserved from a real ``qgpu agent`` on a simulated 16 GiB GPU, next to a
+victim slice; the agent runs with the node's default kill policy (fixed-share and
+burst-share slices) and a short interval and grace. The stated bound: the hostile process
+is SIGKILLed within ``INTERVAL + GRACE`` plus one scan (here 1.6 s; the defaults give
+5 + 10 s), every kill is counted, and afterwards the victim gets all it was promised.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from enforcement.agent.client import AgentClient
+from tests.agent.conftest import start_agent, stop_agent
+
+from ..conftest import CTX, Worker
+from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs, spawn
+
+pytestmark = pytest.mark.slow
+
+INTERVAL = 0.3
+GRACE = 1.0
+BOUND = INTERVAL * 2 + GRACE  # over-cap seen at most one interval late, killed a grace later
+SLACK = 10.0  # this shared 2-core machine can stall a process for seconds
+
+
+@dataclass
+class Guarded:
+    client: AgentClient
+    hostile_env: dict[str, str]
+    victim: Worker
+    hostile_slice: str
+    started: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def start(self, argv: list[str | Path]) -> Hostile:
+        proc = spawn(argv, self.hostile_env)
+        self.started.append(proc)
+        return Hostile(proc).read_until_ready()
+
+    def killed_within(self, hostile: Hostile, since: float) -> float:
+        """Waits for the watchdog's SIGKILL; returns how long it took after `since`."""
+        assert hostile.proc.wait(timeout=BOUND + SLACK) == -9, hostile.finish()
+        return time.monotonic() - since
+
+    def kills(self) -> float:
+        total = 0.0
+        for line in self.client.metrics().splitlines():
+            if line.startswith("qgpu_watchdog_kills_total{") and self.hostile_slice in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def victim_gets_its_promise(self) -> None:
+        status, ident = self.victim.alloc("alloc", VICTIM_CAP - CTX)
+        assert status == "ok", f"victim lost memory it was promised (CUresult {ident})"
+        assert self.victim.ask(f"free {ident}") == ["ok"]
+
+
+@pytest.fixture
+def guarded(short_tmp: Path) -> Iterator[Guarded]:
+    state = short_tmp / "agent"
+    state.mkdir()
+    agent = start_agent(
+        state,
+        "--sim",
+        "T4-16GB",
+        "--watchdog-interval",
+        str(INTERVAL),
+        "--watchdog-grace",
+        str(GRACE),
+    )
+    client = AgentClient(state / "agent.sock")
+    victim: Worker | None = None
+    g: Guarded | None = None
+    try:
+        hostile = client.reserve({"core": 25, "memory": 4, "isolation": "fs"})
+        kept = client.reserve({"core": 75, "memory": 12, "isolation": "fs"})
+        assert hostile.device_uuid == kept.device_uuid
+        env = {**os.environ, **hostile.env}
+        env["PYTHONPATH"] = os.pathsep.join([str(PROGRAMS), env.get("PYTHONPATH", "")])
+        victim = Worker({**os.environ, **kept.env}).start()
+        g = Guarded(client, env, victim, hostile.slice_id)
+        yield g
+    finally:
+        for proc in g.started if g else []:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if victim is not None:
+            victim.kill()
+        client.close()
+        stop_agent(agent)
+
+
+def test_a_static_binary_is_killed_by_the_watchdog(guarded: Guarded, programs: Programs) -> None:
+    h = guarded.start([programs.static("static_driver")])
+    since = time.monotonic()
+    assert h.all("grab") == [0] * 8  # no hook: 8 GiB under a 4 GiB cap
+    guarded.killed_within(h, since)
+    assert guarded.kills() == 1
+    guarded.victim_gets_its_promise()
+
+
+def test_the_raw_driver_from_its_symbol_table_is_killed_by_the_watchdog(
+    guarded: Guarded, programs: Programs
+) -> None:
+    h = guarded.start([programs.c("symwalk")])
+    since = time.monotonic()
+    assert h.one("found") == 1
+    assert h.all("grab") == [0] * 8
+    guarded.killed_within(h, since)
+    guarded.victim_gets_its_promise()
+
+
+def test_processes_that_zero_the_ledger_are_killed_until_the_slice_fits(
+    guarded: Guarded,
+) -> None:
+    """Each zeroes the ledger and takes 3 GiB: its own process-local check passes (it holds
+    3.5 GiB with its context), the slice holds 10.5 GiB. The watchdog kills the largest
+    until the rest fit the 4 GiB cap: two of the three."""
+    script = PROGRAMS / "ledger_zero.py"
+    hostiles = [guarded.start([sys.executable, script, "many"]) for _ in range(3)]
+    since = time.monotonic()
+    assert [h.all("grab") for h in hostiles] == [[0]] * 3
+    deadline = since + BOUND + SLACK
+    while sum(h.proc.poll() is not None for h in hostiles) < 2:
+        assert time.monotonic() < deadline, "the watchdog did not end the escape in time"
+        time.sleep(0.05)
+    time.sleep(2 * INTERVAL)  # no third kill: the survivor fits its cap
+    assert sorted(h.proc.poll() or 0 for h in hostiles) == [-9, -9, 0]
+    assert guarded.kills() == 2
+    guarded.victim_gets_its_promise()

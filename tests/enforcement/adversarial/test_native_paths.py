@@ -1,0 +1,165 @@
+"""Escapes a native program reaches: loader tricks (dlvsym, RTLD_DEEPBIND, dlmopen), the v1
+entry points and cuGetProcAddress below 3020, mipmapped arrays, graph memory nodes,
+contexts and context limits, threads racing the cap, fork, and the hook's own mapping of
+the ledger. Each C program is compiled here against the toolkit's cuda.h."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ..test_config import build_hook_with_default
+from .conftest import CTX, GIB, HOSTILE_CAP, MIB, OOM, Arena, Programs
+
+NOT_FOUND = -1
+
+
+def test_dlvsym_reaches_no_raw_driver(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("dlvsym")])
+    assert h.all("grab") == [0]
+    tried = h.all("via_dlsym") + h.all("via_dlvsym") + h.all("direct")
+    assert set(tried) <= {OOM, NOT_FOUND}, h.lines
+    assert tried.count(OOM) >= 8, h.lines  # libc's dlsym/dlvsym were found and came back to us
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("mode", ["deepbind", "deepbind-local"])
+def test_plugin_loaded_with_deepbind_is_capped(arena: Arena, programs: Programs, mode: str) -> None:
+    plugin = programs.shared("plugin")
+    h = arena.start([programs.c("loader"), mode, plugin])
+    assert h.all("grab") == [0] and h.all("loaded") == [1]
+    assert h.all("plugin") == [OOM, OOM, OOM]
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("mode", ["dlmopen", "dlmopen-driver"])
+def test_dlmopen_into_a_new_namespace_is_refused(
+    arena: Arena, programs: Programs, mode: str
+) -> None:
+    """LD_PRELOAD is never applied in a new link-map namespace, and glibc refuses
+    RTLD_GLOBAL there, so the hook cannot come first in it: loading into one is refused."""
+    h = arena.run_to_end([programs.c("loader"), mode, programs.shared("plugin")])
+    assert h.all("grab") == [0] and h.all("loaded") == [0]
+    assert "dlmopen" in h.stderr and "refused" in h.stderr
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("mode", ["alloc", "pitch", "array"])
+def test_v1_entry_points_are_capped(arena: Arena, programs: Programs, mode: str) -> None:
+    h = arena.start([programs.c("v1"), mode])
+    assert h.all("v1") == [0, 0, 0]
+    assert h.all("grab") == [OOM]  # the 3 GiB taken through v1 names were charged
+    arena.contained(h)
+
+
+def test_v1_views_report_the_slice(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("v1"), "info"])
+    cap32 = min(HOSTILE_CAP, 0xFFFFFFFF)  # a 32-bit view of a 4 GiB cap
+    assert h.one("total") == cap32 and h.one("devtotal") == cap32
+    assert h.one("free") == HOSTILE_CAP - CTX
+
+
+def test_cuGetProcAddress_serves_the_hook_by_name_version_and_flags(
+    arena: Arena, programs: Programs
+) -> None:
+    h = arena.start([programs.c("v1"), "resolve"])
+    assert h.all("hook") == [1] * 16
+
+
+def test_mipmapped_arrays_are_capped(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("mipmap")])
+    assert h.all("mipmap") == [0, 0, OOM]
+    arena.contained(h)
+
+
+GRAPH_MODES = ["launch", "upload", "params", "legacy", "launch_ptsz", "upload_ptsz", "params_ptsz"]
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_graph_memory_nodes_are_charged_when_they_allocate(
+    arena: Arena, programs: Programs, mode: str
+) -> None:
+    h = arena.start([programs.c("graphmem"), mode])
+    assert h.all("grab") == [0] and h.all("node") == [0]
+    assert h.all("run") == [OOM]
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "v3", "v4", "green"])
+def test_every_context_is_charged(arena: Arena, programs: Programs, mode: str) -> None:
+    h = arena.start([programs.c("contexts"), mode])
+    fit = (HOSTILE_CAP - CTX) // CTX  # on top of the primary context
+    assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+    arena.contained(h)
+
+
+def test_primary_context_recreated_after_reset_is_charged(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("contexts"), "primary"])
+    assert h.all("reset") == [0] * 10 and h.all("ctx") == [0] * 10
+    assert h.all("grab") == [0, OOM]
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("limit", ["heap", "stack"])
+def test_context_limits_that_reserve_memory_are_capped(
+    arena: Arena, programs: Programs, limit: str
+) -> None:
+    h = arena.start([programs.c("contexts"), limit])
+    assert h.all("limit") == [OOM]
+    assert h.all("grab") == [0, 0, 0, OOM]
+    arena.contained(h)
+
+
+def test_threads_racing_the_cap(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("race")])
+    assert h.one("peak") <= HOSTILE_CAP - CTX
+    assert h.one("peak") >= HOSTILE_CAP - CTX - 256 * MIB  # the cap was reached
+    assert (h.one("free"), h.one("total")) == (HOSTILE_CAP - CTX, HOSTILE_CAP)
+    arena.contained(h)
+
+
+def test_a_forked_child_cannot_give_back_its_parents_charge(
+    arena: Arena, programs: Programs
+) -> None:
+    h = arena.start([programs.c("fork")])
+    assert h.all("grab") == [0] and h.all("child_exit") == [0]
+    assert h.all("again") == [OOM]
+    arena.contained(h)
+
+
+def test_replacing_the_ledger_mapping_is_no_escape(arena: Arena, programs: Programs) -> None:
+    h = arena.start([programs.c("ledger_map"), "swap"])
+    assert h.all("tampered") == [1]
+    assert h.all("grab") == [0, OOM]
+    arena.contained(h)
+
+
+def test_unmapping_the_ledger_only_crashes_the_tenant(arena: Arena, programs: Programs) -> None:
+    h = arena.run_to_end([programs.c("ledger_map"), "unmap"])
+    assert h.all("grab") == [0] and h.all("tampered") == [1]
+    assert h.proc.returncode == -signal.SIGSEGV
+    arena.victim_gets_its_promise()
+
+
+def test_environment_cannot_override_a_trusted_limits_file(
+    arena: Arena, programs: Programs, short_tmp: Path
+) -> None:
+    """A root-owned, read-only limits file at the default path wins over QGPU_* variables
+    the tenant sets (in its environment, or with setenv before cuInit)."""
+    if os.geteuid() != 0:
+        pytest.skip("a trusted limits file is owned by root; this test runs as another user")
+    trusted = short_tmp / "trusted-limits.conf"
+    trusted.write_text(
+        f"QGPU_SLICE_ID=hostile\nQGPU_DEVICE_UUID={arena.sim.uuid(0)}\n"
+        f"QGPU_MEMORY_LIMIT={HOSTILE_CAP}\nQGPU_STATE_DIR={arena.sim.state_dir}\n"
+    )
+    trusted.chmod(0o444)
+    env = arena.hostile_env()
+    env["LD_PRELOAD"] = str(build_hook_with_default(short_tmp, trusted))
+    env.update(QGPU_SLICE_ID="elsewhere", QGPU_MEMORY_LIMIT=str(16 * GIB))
+    h = arena.start([programs.c("env_override")], env)
+    assert h.all("grab") == [0, 0, 0, OOM]
+    arena.contained(h)
