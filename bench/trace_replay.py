@@ -64,7 +64,7 @@ from qgpu.placement import (  # noqa: E402
     make_policy,
 )
 
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "bench" / "traces"  # shipped with the repository; see its README
 DEFAULT_NODES = TRACES / "openb_node_list_gpu_node.csv"
 DEFAULT_PODS = TRACES / "openb_pod_list_default.csv"
 DEFAULT_SEEDS = tuple(range(42, 52))
@@ -424,7 +424,10 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--nodes", default=str(DEFAULT_NODES), help="node list CSV")
     p.add_argument("--pods", default=str(DEFAULT_PODS), help="pod list CSV")
     p.add_argument(
@@ -437,9 +440,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=f"{DEFAULT_SEEDS[0]}..{DEFAULT_SEEDS[-1]}",
         help="seeds: '42..51' or '42,43'",
     )
-    p.add_argument("--memory-mode", choices=("fraction", "ignore"), default="fraction")
+    p.add_argument(
+        "--memory-mode",
+        choices=("fraction", "ignore"),
+        default="fraction",
+        help="GPU memory of a pod (the trace has none): 'fraction' = its compute's fraction "
+        "of the smallest card it may run on, rounded up to whole GiB; 'ignore' = 1 GiB, so "
+        "memory never binds, as in FGD's simulator",
+    )
     p.add_argument("--out", default=str(REPO / "bench" / "out"), help="output directory")
-    p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
     return p.parse_args(argv)
 
 
@@ -471,9 +481,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"replay-{trace}-{args.memory_mode}"
     (out / f"{stem}.md").write_text(table)
-    plot(results, out / f"{stem}.png", title)
     print(table)
-    print(f"total wall {time.perf_counter() - started:.1f} s; wrote {out / stem}.md/.png")
+    wrote = f"{out / stem}.md"
+    try:
+        plot(results, out / f"{stem}.png", title)
+        wrote += "/.png"
+    except ModuleNotFoundError as exc:  # matplotlib comes with `make test` (the dev extra)
+        print(f"no plot: {exc.name} is not installed (make test installs it)", file=sys.stderr)
+    print(f"total wall {time.perf_counter() - started:.1f} s; wrote {wrote}")
     return 0
 
 

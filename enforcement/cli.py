@@ -1,6 +1,6 @@
 """``qgpu run``: run a command inside a slice of one GPU on this node.
 
-    qgpu run --core 30 --memory 4 [--policy fs] [--device UUID] [--sim SPEC] -- CMD...
+    qgpu run --core 30 --memory 4 [--isolation fs] [--device UUID] [--sim SPEC] -- CMD...
 
 The request is validated by ``qgpu.model.SliceRequest``; the command gets
 ``CUDA_VISIBLE_DEVICES=<uuid>``, ``LD_PRELOAD=libqgpu_hook.so`` and the slice's limits
@@ -26,6 +26,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from enforcement.limits import DEFAULT_STATE_DIR, limits_for_request, new_slice_id
+from qgpu.cli_common import (
+    ISOLATION_HELP,
+    REQUEST_FLAGS,
+    add_isolation_option,
+    describe,
+    flag_violation,
+)
 from qgpu.errors import RuleViolation, first_violation
 from qgpu.model import GpuDevice, SliceRequest
 
@@ -43,40 +50,59 @@ class Backend:
     env: dict[str, str]
 
 
+DESCRIPTION = """\
+Run a command inside a slice of one GPU on this node:
+
+    qgpu run --core 30 --memory 4 --isolation fs -- python train.py
+
+The command gets CUDA_VISIBLE_DEVICES=<the GPU's UUID>, the interposer libqgpu_hook.so in
+LD_PRELOAD and the slice's limits (QGPU_* variables), so every CUDA process it starts is
+held to the slice's memory cap and compute share. GPUs are this node's (NVML), or
+simulated ones with --sim, QGPU_BACKEND=sim, or when no NVIDIA driver is installed. Whole
+GPUs (--core 100, 200, ...) get their devices and no caps. The exit code is the command's
+(128+N when it died of signal N); 2 when the request breaks a rule.
+"""
+
+
 def register_run(subparsers: Any) -> None:
     """Entry point of group ``qgpu.commands``: adds ``qgpu run``."""
     p = subparsers.add_parser(
-        "run",
-        help="run a command inside a GPU slice on this node",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run", help="run a command inside a GPU slice on this node", description=DESCRIPTION
     )
-    p.add_argument("--core", required=True, help="qgpu-core: 1..99 (share) or 100 (whole GPU)")
-    p.add_argument("--memory", help="qgpu-memory: GiB of the GPU (8, 8Gi, 8192Mi)")
     p.add_argument(
-        "--policy",
-        "--isolation",
-        dest="policy",
-        help="best-effort|fixed-share|burst-share (be/fs/bs)",
+        "--core",
+        required=True,
+        help="qgpu-core: 1..99 = percent of the GPU, 100, 200, ... = whole GPUs",
     )
+    p.add_argument(
+        "--memory", help="qgpu-memory: whole GiB of the GPU (8, 8Gi, 8192Mi); required for a share"
+    )
+    add_isolation_option(p, old=["--policy"], help=ISOLATION_HELP + " (default: best-effort)")
     p.add_argument("--device", help="GPU UUID (default: the first GPU of the node)")
     p.add_argument("--sim", metavar="SPEC", help="simulated GPUs, e.g. 2xH100-80GB")
     p.add_argument(
-        "--slice-id", help="slice id (default: a new one); processes of one slice share its caps"
+        "--slice-id",
+        help="slice id (default: a new one); processes started with the same id share its caps",
     )
     p.add_argument(
         "--state-dir",
         default=os.environ.get("QGPU_STATE_DIR", DEFAULT_STATE_DIR),
-        help="directory of the shared slice ledgers",
+        help="directory of the shared slice ledgers ($QGPU_STATE_DIR)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     p.set_defaults(func=run_handler)
 
 
-def validate_request(core: str, memory: str | None, policy: str | None) -> SliceRequest:
-    """The slice rules live in qgpu.model: this is the only validation done here."""
-    request = SliceRequest(core=core, memory_gib=memory, isolation=policy)
-    return request.require_single_gpu_share("qgpu run")
+def validate_request(core: str, memory: str | None, isolation: str | None) -> SliceRequest:
+    """The slice rules live in qgpu.model: this is the only validation done here; a broken
+    rule names the flag (``--core``, ``--memory``, ``--isolation``)."""
+    raw: dict[str, object] = {"core": core, "memory": memory}
+    if isolation is not None:
+        raw["isolation"] = isolation
+    try:
+        return SliceRequest.parse(raw, "qgpu run")
+    except RuleViolation as exc:
+        raise flag_violation(exc, REQUEST_FLAGS) from exc
 
 
 def _nvidia_driver_present() -> bool:
@@ -144,22 +170,25 @@ def slice_environment(
 ) -> dict[str, str]:
     """The command's environment: the device, the interposer and the slice's limits."""
     if not backend.gpus:
-        raise RuleViolation("device", None, "this node has no GPU")
+        raise RuleViolation("--device", None, "this node has no GPU")
     if args.device:
         gpu = next((g for g in backend.gpus if g.uuid == args.device), None)
         if gpu is None:
             known = ", ".join(g.uuid for g in backend.gpus)
-            raise RuleViolation("device", args.device, f"must be a GPU of this node ({known})")
+            raise RuleViolation("--device", args.device, f"must be a GPU of this node ({known})")
     else:
         gpu = backend.gpus[0]
-    request.check_against(gpu)
+    try:
+        request.check_against(gpu)
+    except RuleViolation as exc:
+        raise flag_violation(exc, REQUEST_FLAGS) from exc
     env = dict(base)
     env.update(backend.env)
     if request.is_whole_gpu:
         count = request.gpu_count
         if count > len(backend.gpus):
             raise RuleViolation(
-                "core", request.core, f"needs {count} GPUs, this node has {len(backend.gpus)}"
+                "--core", request.core, f"needs {count} GPUs, this node has {len(backend.gpus)}"
             )
         start = backend.gpus.index(gpu)
         chosen = (backend.gpus[start:] + backend.gpus[:start])[:count]
@@ -192,14 +221,14 @@ def run_handler(args: argparse.Namespace) -> int:
         )
         return EXIT_INVALID
     try:
-        request = validate_request(args.core, args.memory, args.policy)
+        request = validate_request(args.core, args.memory, args.isolation)
         backend = choose_backend(args)
         env = slice_environment(args, request, backend, dict(os.environ))
     except RuleViolation as exc:
-        print(f"qgpu run: {exc}", file=sys.stderr)
+        print(f"qgpu run: {describe(exc)}", file=sys.stderr)
         return EXIT_INVALID
     except ValidationError as exc:
-        print(f"qgpu run: {first_violation(exc)}", file=sys.stderr)
+        print(f"qgpu run: {describe(first_violation(exc))}", file=sys.stderr)
         return EXIT_INVALID
     except ValueError as exc:  # e.g. a bad --sim spec
         print(f"qgpu run: {exc}", file=sys.stderr)

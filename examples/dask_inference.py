@@ -1,6 +1,7 @@
 """Dask "inference" on GPU slices — runnable without a GPU (simulated H100s).
 
-    python examples/dask_inference.py [--policy binpack|spread|frag] [--sim 2xH100-80GB]
+    .venv/bin/python examples/dask_inference.py [--placement binpack|spread|frag]
+                                                [--sim 2xH100-80GB]
 
 Starts a `qgpu_dask.SliceCluster` with three slices (a small one and two larger ones),
 submits batches that ask for what they need through the ``qgpu-core`` / ``qgpu-memory``
@@ -54,10 +55,17 @@ def infer(batch: int, weights_gib: int, kernel_ms: int = 20) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from distributed import Client
 
+    from qgpu.cli_common import add_placement_options
     from qgpu_dask import NoSliceFits, SliceCluster, task_resources
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--policy", default="binpack", choices=["binpack", "spread", "frag"])
+    add_placement_options(
+        p,
+        default="binpack",
+        gpu=False,
+        old=["--policy"],
+        help="where the slices land: binpack, spread or frag (default: binpack)",
+    )
     p.add_argument("--sim", default="2xH100-80GB", help="simulated GPUs")
     args = p.parse_args(argv)
 
@@ -66,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         {"core": 40, "memory": 24},
         {"core": 40, "memory": 24},
     ]
-    cluster = SliceCluster(slices, policy=args.policy, sim=args.sim)
+    cluster = SliceCluster(slices, policy=args.placement, sim=args.sim)
     with cluster, Client(cluster) as client:
-        print(f"{args.policy}: slices on the simulated GPUs")
+        print(f"{args.placement}: slices on the simulated GPUs")
         for name, res in cluster.slices.items():
             print(
                 f"  {name}: {res.slice_id} on {res.device_uuid} "

@@ -129,6 +129,20 @@ def start_mix(policy: str) -> list[tuple[Model, object]]:
     return actors
 
 
+def gpu_labels(cluster: qgpu_ray.LocalCluster) -> dict[str, str]:
+    """GPU UUID -> the one name the demo uses for it: ``<node> #<index>``."""
+    return {g.uuid: f"{n.name} #{g.index}" for n in cluster.nodes for g in n.inventory.gpus}
+
+
+def compute_cap(m: Model) -> str:
+    """What holds the slice's compute back (memory is always capped)."""
+    if m.isolation == "fixed-share":
+        return f"{m.core} %"
+    if m.isolation == "burst-share":
+        return f"{m.core} % if busy"
+    return "none"
+
+
 def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
     wheres = ray.get([a.where.remote() for _, a in actors], timeout=120)
     work = [a.serve.remote(4.5) for _, a in actors]
@@ -137,19 +151,21 @@ def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
     time.sleep(2.5)
     usage = slice_usage(cluster)
     ray.get(work, timeout=120)
-    gpu_label = {g.uuid: f"{n.name} #{g.index}" for n in cluster.nodes for g in n.inventory.gpus}
+    gpu_label = gpu_labels(cluster)
     table = Table(title=title)
     for col in (
         "actor",
         "node / GPU",
         "slice",
-        "core cap",
+        "isolation",
+        "qgpu-core",
+        "compute cap",
         "core used",
         "memory cap",
         "memory used",
-        "isolation",
     ):
         table.add_column(col)
+    notes: list[str] = []
     for (m, _), where in zip(actors, wheres, strict=True):
         s = usage.get(where["slice"])
         used = (
@@ -158,20 +174,34 @@ def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
             else (f"{s.usage.memory_used_bytes / GIB:.1f} GiB")
         )
         if m.isolation == "best-effort":
-            core = "uncapped"  # the interposer measures busy time of capped slices only
+            core = "not measured"  # the interposer times the kernels of capped slices only
         elif s is None or s.usage.core_used_percent is None:
             core = "-"
         else:
-            core = f"{s.usage.core_used_percent:.0f} %"
+            measured = s.usage.core_used_percent
+            core = f"{measured:.0f} %"
+            if m.isolation == "burst-share" and measured > m.core + 5:
+                notes.append(
+                    f"{m.name} (burst-share) used {measured:.0f} % of its GPU, more than its "
+                    f"{m.core} %: no other slice on that GPU was busy, so it borrowed the idle "
+                    "compute; it is held to its share again as soon as a neighbour works."
+                )
+            elif measured < m.core - 5:
+                notes.append(
+                    f"{m.name} used {measured:.0f} % of its {m.core} %: a cap is a ceiling, not "
+                    "a guarantee; its GPU was saturated (the best-effort neighbour takes all "
+                    "that is left), so its kernels waited in the GPU's queue."
+                )
         table.add_row(
             m.name,
             gpu_label.get(where["device"], where["device"]),
             where["slice"],
+            m.isolation,
             f"{m.core} %",
+            compute_cap(m),
             core,
             f"{m.memory} GiB",
             used,
-            m.isolation,
         )
     console.print(table)
     per_gpu: dict[str, int] = {}
@@ -184,6 +214,27 @@ def show(cluster: qgpu_ray.LocalCluster, title: str, actors: list) -> None:
             for u, c in sorted(per_gpu.items(), key=lambda kv: gpu_label.get(kv[0], kv[0]))
         )
     )
+    for note in notes:
+        console.print(f"[dim]- {note}[/]")
+
+
+LEGEND = """\
+How to read the tables:
+- node / GPU: the Ray node and the index of the GPU on it (qgpu-node-0 #1 is GPU 1 of node 0).
+- slice: the slice's id; r-... slices were placed by qgpu_ray.options (qgpu chose the GPU
+  before Ray scheduled the actor), p-... slices by plain resources={"qgpu-core": ...} (the
+  actor's worker chose its GPU when Ray started it, before the actor's code ran).
+- qgpu-core: the share of the GPU the actor asked for; placement never commits more than
+  100 % of a GPU. compute cap: what the interposer holds the actor to, by isolation:
+    fixed-share  never more than its qgpu-core;
+    burst-share  its qgpu-core while another slice on its GPU is busy, idle compute otherwise;
+    best-effort  no compute cap: qgpu-core only reserves room; its kernels are not timed, so
+                 its use is not measured here.
+- core used: measured device time per second of the slice's kernels, percent of the GPU,
+  while every actor runs 2 ms kernels back to back for 4 s.
+- memory cap: a hard limit for every isolation (the actor sees a card of that size);
+  memory used: the actor's "weights", 60 % of its cap.
+"""
 
 
 def main() -> int:
@@ -224,6 +275,8 @@ def main() -> int:
                     f"{policy}: placements and per-slice use (from the node agents)",
                     actors,
                 )
+            if policy == "binpack":
+                console.print(LEGEND, highlight=False, markup=False)
             for _, a in actors:
                 ray.kill(a)
             time.sleep(1.0)
@@ -237,8 +290,10 @@ def main() -> int:
                 num_cpus=0, resources={"qgpu-core": 30, "qgpu-memory": 8}
             ).remote()
             where = ray.get(plain.where.remote(), timeout=180)
+        label = gpu_labels(cluster).get(where["device"], where["device"])
         console.print(
-            f"bound when Ray started it to {where['device']} as slice {where['slice']}"
+            f"bound when Ray started it to {label} ({where['device']}) as slice "
+            f"{where['slice']}"
         )
         result = ray.get(plain.try_allocate.remote(12 * GIB), timeout=60)
         console.print(

@@ -9,14 +9,18 @@ device allocation (counted against the slice's memory cap) and each batch occupi
 device for a time proportional to its size (gated by the slice's compute cap).
 
 Run: ``.venv/bin/python examples/ray_serve_inference.py`` (simulated GPUs unless NVML is
-present). Then ``curl -X POST localhost:8000/classify -d '{"features": [[0.1, 2.0]]}'``.
+present): it sends a few requests, prints which slice answered each, and shuts down. With
+``--keep-serving`` it then keeps the service up until Ctrl-C, so you can query it yourself:
+``curl -X POST localhost:8000/classify -d '{"features": [[0.1, 2.0]]}'``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -120,11 +124,25 @@ def query(url: str, samples: list[list[float]], timeout: float = 30.0) -> dict[s
             time.sleep(0.5)
 
 
+def wait_for_stop() -> None:
+    """Block until Ctrl-C (SIGINT) or SIGTERM, then return so that the caller cleans up."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("stopping", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sim", default=None, help="simulated GPUs, e.g. 2xH100-80GB")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=8, help="requests to send (default: 8)")
+    ap.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="after the requests, keep serving until Ctrl-C (default: shut down)",
+    )
     args = ap.parse_args()
 
     from ray import serve
@@ -141,6 +159,13 @@ def main() -> None:
             where = f"slice {out['slice']} on {out['device']}"
             print(f"request {i}: classes {out['classes']} from {where}")
         print(json.dumps({"replicas_seen": len(seen)}))
+        if args.keep_serving:
+            print(
+                f"serving on {url} until Ctrl-C; try: curl -X POST {url} "
+                """-d '{"features": [[0.1, 2.0]]}'""",
+                flush=True,
+            )
+            wait_for_stop()
         serve.shutdown()
     finally:
         cluster.shutdown()

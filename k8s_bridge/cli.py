@@ -13,11 +13,14 @@ import argparse
 import logging
 import os
 import signal
+import ssl
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from qgpu.cli_common import add_placement_options, choice
+from qgpu.errors import QgpuError, RuleViolation
 from qgpu.mix_prior import add_prior_option, use_prior
 from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
 
@@ -25,15 +28,37 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _prefix(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefix",
         default=os.environ.get("QGPU_RESOURCE_PREFIX", "tke.cloud.tencent.com"),
-        help="resource name prefix: <prefix>/qgpu-core, <prefix>/qgpu-memory",
+        help="resource name prefix: <prefix>/qgpu-core, <prefix>/qgpu-memory "
+        "($QGPU_RESOURCE_PREFIX)",
     )
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
+
+
+def _log_level(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        type=choice(LOG_LEVELS, "--log-level"),
+        default="info",
+        metavar="|".join(LOG_LEVELS),
+        help="log level (stderr)",
+    )
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _prefix(p)
+    p.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file (default: the in-cluster service account, else "
+        "$KUBECONFIG or ~/.kube/config)",
+    )
     p.add_argument("--apiserver", help="apiserver URL (overrides kubeconfig; for proxies/tests)")
-    p.add_argument("--log-level", default="INFO")
+    _log_level(p)
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -44,10 +69,61 @@ def _logging(args: argparse.Namespace) -> None:
 
 
 def _kube(args: argparse.Namespace) -> Any:
+    """The apiserver client; no usable configuration is one line naming the way to give one."""
+    from kubernetes.config import ConfigException
+
     from k8s_bridge.kube import Kube, make_api_client
     from k8s_bridge.resources import Names
 
-    return Kube(make_api_client(args.apiserver, args.kubeconfig), Names(args.prefix))
+    try:
+        api = make_api_client(args.apiserver, args.kubeconfig)
+    except (ConfigException, OSError) as exc:
+        where = (
+            f"--kubeconfig {args.kubeconfig}"
+            if args.kubeconfig
+            else "no in-cluster service account and no usable $KUBECONFIG or ~/.kube/config"
+        )
+        reason = " ".join(str(exc).split())
+        raise QgpuError(
+            f"cannot reach Kubernetes: {where} ({reason}); pass --kubeconfig FILE or "
+            "--apiserver URL, or run inside a pod"
+        ) from exc
+    return Kube(api, Names(args.prefix))
+
+
+def tls_pair(args: argparse.Namespace, insecure_flag: str = "--insecure-http") -> tuple[str, str]:
+    """``--tls-cert`` and ``--tls-key``: both or neither, and loadable as PEM; neither is
+    allowed only with `insecure_flag` (then ("", "") is returned: plain HTTP)."""
+    cert, key = args.tls_cert, args.tls_key
+    insecure = getattr(args, insecure_flag.lstrip("-").replace("-", "_"), False)
+    if bool(cert) != bool(key):
+        given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
+        raise RuleViolation(
+            missing, None, f"is required with {given}: TLS needs both --tls-cert and --tls-key"
+        )
+    if not cert:
+        if not insecure:
+            raise RuleViolation(
+                "--tls-cert/--tls-key",
+                None,
+                "are required: the API server calls webhooks over HTTPS only "
+                f"({insecure_flag} serves plain HTTP, for tests or a TLS proxy in front)",
+            )
+        return "", ""
+    if insecure:
+        raise RuleViolation(insecure_flag, None, "cannot be combined with --tls-cert/--tls-key")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            raise RuleViolation(flag, path, f"cannot be read: {exc.strerror}") from exc
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise RuleViolation(
+            "--tls-cert", cert, f"and --tls-key {key} are not a PEM certificate and its private key"
+        ) from exc
+    return cert, key
 
 
 def _serving_flags(p: argparse.ArgumentParser, client_help: str) -> None:
@@ -134,8 +210,10 @@ def run_device_plugin(args: argparse.Namespace) -> int:
     _logging(args)
     node = args.node_name or os.environ.get("NODE_NAME")
     if not node:
-        logging.error("--node-name (or NODE_NAME from the downward API) is required")
-        return EXIT_FAILURE
+        raise RuleViolation(
+            "--node-name", None, "is required (or NODE_NAME from the downward API)"
+        )
+    kube = _kube(args)  # no cluster configuration fails here, before the GPUs are opened
     state_dir = Path(args.state_dir)
     backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
     if args.slices_per_gpu is None and args.slices_per_gpu_file is None:
@@ -157,7 +235,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         workload_gid=args.workload_gid,
     )
     cfg = PluginConfig(node_name=node, prefix=args.prefix, plugin_dir=Path(args.plugin_dir))
-    plugin = QgpuDevicePlugin(cfg, _kube(args), inventory, paths)
+    plugin = QgpuDevicePlugin(cfg, kube, inventory, paths)
     plugin.start()
     stop = threading.Event()
 
@@ -215,13 +293,29 @@ def _hook_library(explicit: str | None) -> Path | None:
 
 
 def register_device_plugin(sub: Any) -> None:
-    p = sub.add_parser("device-plugin", help="run the Kubernetes device plugin on this node")
+    p = sub.add_parser(
+        "device-plugin",
+        help="run the Kubernetes device plugin on this node",
+        description="Run the Kubernetes device plugin (gRPC v1beta1) of this node: it "
+        "advertises <prefix>/qgpu-core and <prefix>/qgpu-memory to kubelet, publishes the "
+        "node's GPUs on its Node, and hands each container its GPU and its caps.",
+    )
     _common(p)
     p.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
-    p.add_argument("--plugin-dir", default="/var/lib/kubelet/device-plugins")
+    p.add_argument(
+        "--plugin-dir",
+        default="/var/lib/kubelet/device-plugins",
+        help="kubelet's device-plugin directory (kubelet.sock)",
+    )
     p.add_argument("--state-dir", default="/var/lib/qgpu", help="limits files and ledgers")
-    p.add_argument("--backend", default=None, help="nvml, sim or auto (default: auto)")
-    p.add_argument("--sim", help="simulated GPUs, e.g. 2xH100-80GB")
+    p.add_argument(
+        "--backend",
+        type=choice(["auto", "nvml", "sim"], "--backend"),
+        default=None,
+        metavar="auto|nvml|sim",
+        help="where GPUs come from (default: auto: NVML if it loads, else --sim)",
+    )
+    p.add_argument("--sim", metavar="SPEC", help="simulated GPUs, e.g. 2xH100-80GB")
     p.add_argument("--hook-library", help="interposer path (default: the built one)")
     p.add_argument(
         "--max-slices",
@@ -239,7 +333,13 @@ def register_device_plugin(sub: Any) -> None:
         help="a file whose text, when the file exists, overrides --slices-per-gpu (the chart "
         "writes the node label's value there)",
     )
-    p.add_argument("--health-interval", type=float, default=10.0)
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often the GPUs are discovered again and their health reported",
+    )
     p.add_argument(
         "--agent-socket",
         help="record every slice with the node agent on this socket (it writes the limits "
@@ -273,21 +373,22 @@ def run_extender(args: argparse.Namespace) -> int:
             args.scheduler_name,
         )
     holder = args.holder_id or _default_holder()
+    kube = _kube(args)
     cfg = ExtenderConfig(
         prefix=args.prefix,
         scheduler_name=args.scheduler_name,
         **({"holder": holder} if holder else {}),
         holder_pod=_holder_pod(),
-        node_policy=PlacementPolicy.parse(args.node_policy, "--node-policy"),
-        gpu_policy=PlacementPolicy.parse(args.gpu_policy, "--gpu-policy")
-        if args.gpu_policy
+        node_policy=PlacementPolicy.parse(args.placement, "--placement"),
+        gpu_policy=PlacementPolicy.parse(args.gpu_placement, "--gpu-placement")
+        if args.gpu_placement
         else None,
         lock_ttl_s=args.lock_ttl,
         lock_linger_s=args.lock_linger,
         assume_ttl_s=args.assume_ttl,
         compat=args.compat,
     )
-    ext = Extender(_kube(args), cfg)
+    ext = Extender(kube, cfg)
     ext.start()
     try:
         serve(create_app(ext), host=args.host, port=args.port, limits=limits, tls=tls)
@@ -313,11 +414,15 @@ def _default_holder() -> str | None:
 
 
 def register_extender(sub: Any) -> None:
-    names = [p.value for p in PlacementPolicy]
-    p = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP or HTTPS)")
+    p = sub.add_parser(
+        "extender",
+        help="run the kube-scheduler extender (HTTP or HTTPS)",
+        description="Run the kube-scheduler extender: filter, prioritize and bind pods that "
+        "ask for qgpu resources, choosing the node and the GPU with the core placement engine.",
+    )
     _common(p)
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8888)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8888, help="port to listen on")
     p.add_argument(
         "--scheduler-name",
         default="qgpu-scheduler",
@@ -330,22 +435,31 @@ def register_extender(sub: Any) -> None:
         "replicas and stay the same across restarts of one",
     )
     _serving_flags(p, "kube-scheduler's extender tlsConfig certificate")
-    p.add_argument("--node-policy", default="binpack", choices=names)
-    p.add_argument("--gpu-policy", choices=names, help="default: same as --node-policy")
+    add_placement_options(
+        p,
+        default="binpack",
+        help="node-level placement: binpack, spread or frag (pod annotations override)",
+        old=["--node-policy"],
+        old_gpu=["--gpu-policy"],
+    )
     add_prior_option(p)
-    p.add_argument("--lock-ttl", type=float, default=30.0, help="node lock expiry, seconds")
+    p.add_argument(
+        "--lock-ttl", type=float, default=30.0, metavar="SECONDS", help="node lock expiry"
+    )
     p.add_argument(
         "--lock-linger",
         type=float,
         default=0.2,
-        help="keep a node's lock this long after a bind for the next bind there, seconds "
+        metavar="SECONDS",
+        help="keep a node's lock this long after a bind for the next bind there "
         "(0: release after every bind)",
     )
     p.add_argument(
         "--assume-ttl",
         type=float,
         default=10.0,
-        help="hold prioritize's best node until bind for this long, seconds (0: off)",
+        metavar="SECONDS",
+        help="hold prioritize's best node until bind for this long (0: off)",
     )
     _compat_flag(p)
     p.set_defaults(func=run_extender)
@@ -368,6 +482,7 @@ def run_webhook(args: argparse.Namespace) -> int:
     from k8s_bridge.resources import Names
     from k8s_bridge.webhook import create_app
 
+    tls_pair(args)  # a certificate, or --insecure-http said out loud
     _logging(args)
     limits, tls = _serving(args)
     app = create_app(Names(args.prefix), args.scheduler_name, compat_mode=args.compat)
@@ -376,14 +491,28 @@ def run_webhook(args: argparse.Namespace) -> int:
 
 
 def register_webhook(sub: Any) -> None:
-    p = sub.add_parser("webhook", help="run the mutating admission webhook (HTTPS)")
-    p.add_argument(
-        "--prefix", default=os.environ.get("QGPU_RESOURCE_PREFIX", "tke.cloud.tencent.com")
+    p = sub.add_parser(
+        "webhook",
+        help="run the mutating admission webhook (HTTPS)",
+        description="Run the mutating admission webhook: pods that ask for qgpu resources get "
+        "the qgpu scheduler's name, invalid requests are refused with the rule. The API "
+        "server calls webhooks over HTTPS only, so --tls-cert and --tls-key are required "
+        "(--insecure-http serves plain HTTP, for tests or behind a TLS proxy).",
     )
-    p.add_argument("--scheduler-name", default="qgpu-scheduler")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8443)
-    p.add_argument("--log-level", default="INFO")
+    _prefix(p)
+    p.add_argument(
+        "--scheduler-name",
+        default="qgpu-scheduler",
+        help="schedulerName given to pods that ask for qgpu resources",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8443, help="port to listen on")
+    p.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="serve plain HTTP without a certificate (tests; a TLS proxy in front)",
+    )
     _serving_flags(p, "for an apiserver configured with webhook client credentials")
     _compat_flag(p)
+    _log_level(p)
     p.set_defaults(func=run_webhook)

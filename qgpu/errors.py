@@ -43,8 +43,9 @@ class RuleViolation(QgpuError, ValueError):
     """A value broke one of the slice model's rules.
 
     Attributes:
-        field: the user-facing field name (``qgpu-core``, ``qgpu-memory``, ``isolation``...).
-        value: the offending value as the user gave it.
+        field: the user-facing field name (``qgpu-core``, ``qgpu-memory``, ``isolation``...),
+            or the command-line flag it came from (``--memory``).
+        value: the offending value as the user gave it; None when it is missing.
         rule: a sentence stating the rule that was broken.
     """
 
@@ -52,7 +53,12 @@ class RuleViolation(QgpuError, ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        super().__init__(f"{field}={echo(value)}: {rule}")
+        # a missing value reads "qgpu-memory: is required ...", never "qgpu-memory=None: ..."
+        super().__init__(f"{field}: {rule}" if value is None else f"{field}={echo(value)}: {rule}")
+
+    def renamed(self, field: str) -> RuleViolation:
+        """The same violation under the name the user typed (a flag such as ``--memory``)."""
+        return RuleViolation(field, self.value, self.rule)
 
     def as_dict(self) -> dict[str, Any]:
         value = self.value

@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import (
     AliasChoices,
@@ -64,6 +64,8 @@ MAX_CORE = MAX_WHOLE_GPUS * WHOLE_GPU_CORE
 
 CORE_LIMIT_RULE = f"must be at most {MAX_CORE} ({MAX_WHOLE_GPUS} whole GPUs)"
 MAX_SHARE_GPUS = 2  # a multi-GPU share spans at most this many GPUs (TKE's first version)
+
+_T = TypeVar("_T")
 
 CORE_RULE = (
     "must be 1..99 (a share of one GPU), 101..199 (a share split evenly over 2 GPUs of one "
@@ -101,6 +103,22 @@ def check_slice_id(value: object, field: str = "slice_id") -> str:
     return value  # type: ignore[return-value]
 
 
+def parse_choice(
+    value: Any, choices: Mapping[str, _T], field: str, names: str | None = None
+) -> _T:
+    """The one case rule for every enumerated value (isolation, placement, owner kinds, and
+    the command lines' --backend, --enforcement, --log-level...): a value is matched
+    ignoring case and surrounding whitespace against the lower-case names in `choices`
+    (``BinPack`` and `` binpack `` are ``binpack``); anything else raises `RuleViolation`
+    naming the field, the value and the accepted names (`names`, else the keys)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in choices:
+            return choices[key]
+    listed = names if names is not None else ", ".join(choices)
+    raise RuleViolation(field, value, f"must be one of {listed} (case does not matter)")
+
+
 class IsolationPolicy(StrEnum):
     """How a slice's compute is capped on its GPU; memory is always a hard cap."""
 
@@ -116,15 +134,9 @@ class IsolationPolicy(StrEnum):
     def parse(cls, value: Any, field: str = "isolation") -> IsolationPolicy:
         if isinstance(value, IsolationPolicy):
             return value
-        if isinstance(value, str):
-            key = value.strip().lower()
-            if key in _ISOLATION_ABBREVIATIONS:
-                return _ISOLATION_ABBREVIATIONS[key]
-            for member in cls:
-                if member.value == key:
-                    return member
+        table = {m.value: m for m in cls} | _ISOLATION_ABBREVIATIONS
         names = ", ".join(f"{m.value} ({m.abbreviation})" for m in cls)
-        raise RuleViolation(field, value, f"must be one of {names}")
+        return parse_choice(value, table, field, names)
 
 
 _ISOLATION_ABBREVIATIONS = {
@@ -146,13 +158,7 @@ class PlacementPolicy(StrEnum):
     def parse(cls, value: Any, field: str = "placement") -> PlacementPolicy:
         if isinstance(value, PlacementPolicy):
             return value
-        if isinstance(value, str):
-            key = value.strip().lower()
-            for member in cls:
-                if member.value == key:
-                    return member
-        names = ", ".join(m.value for m in cls)
-        raise RuleViolation(field, value, f"must be one of {names}")
+        return parse_choice(value, {m.value: m for m in cls}, field)
 
 
 DEFAULT_PLACEMENT = PlacementPolicy.FRAG  # measured best on the Alibaba trace (docs/placement.md)
@@ -393,22 +399,24 @@ class SliceRequest(BaseModel):
 
     def check_against(self, gpu: GpuDevice) -> None:
         """Raise RuleViolation when this request can never fit `gpu` (whatever its load)."""
+        self.check_card_memory(gpu.memory_gib, f"{gpu.memory_gib} GiB on {gpu.model} {gpu.uuid}")
+
+    def check_card_memory(self, card_gib: int, card: str) -> None:
+        """Raise RuleViolation when this request asks more memory than a card of `card_gib`
+        GiB holds; `card` says which card that is, in the message's parentheses."""
         if self.memory_percent is not None:
-            if self.memory_on(gpu.memory_gib) < 1:
+            if self.memory_on(card_gib) < 1:
                 raise RuleViolation(
                     MEMORY_PERCENT_FIELD,
                     self.memory_percent,
-                    f"leaves less than 1 GiB of the card ({gpu.memory_gib} GiB on {gpu.model} "
-                    f"{gpu.uuid})",
+                    f"leaves less than 1 GiB of the card ({card})",
                 )
             return
         per_gpu = self.memory_gib if self.is_whole_gpu else self.memory_gib_per_gpu
-        if per_gpu is not None and per_gpu > gpu.memory_gib:
+        if per_gpu is not None and per_gpu > card_gib:
             part = " per GPU" if self.is_multi_gpu_share else ""
             raise RuleViolation(
-                MEMORY_FIELD,
-                self.memory_gib,
-                f"must not exceed the card{part} ({gpu.memory_gib} GiB on {gpu.model} {gpu.uuid})",
+                MEMORY_FIELD, self.memory_gib, f"must not exceed the card{part} ({card})"
             )
 
     def to_resources(self) -> dict[str, int]:
@@ -553,6 +561,13 @@ class Owner(BaseModel):
         Annotated[str, StringConstraints(max_length=128)],
         Annotated[str, StringConstraints(max_length=4096)],
     ] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _kind(cls, value: Any) -> OwnerKind:
+        if isinstance(value, OwnerKind):
+            return value
+        return parse_choice(value, {k.value: k for k in OwnerKind}, "owner.kind")
 
 
 class Allocation(BaseModel):

@@ -1,7 +1,7 @@
 """``qgpu-dask-worker``: one Dask worker inside one GPU slice, joining any scheduler.
 
     qgpu-dask-worker tcp://scheduler:8786 --core 30 --memory 8 [--isolation fs]
-                     [--agent-socket /run/qgpu/agent.sock]
+                     [--placement binpack] [--agent-socket /run/qgpu/agent.sock]
 
 Reserves the slice from this node's qgpu agent (owner: a ``dask-worker`` whose ``meta.pid``
 is this process), runs a `SliceNanny` whose worker process starts inside the slice and
@@ -26,15 +26,26 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable, default_socket
 from enforcement.agent.models import Reservation
+from qgpu.cli_common import (
+    ISOLATION_HELP,
+    REQUEST_FLAGS,
+    Parser,
+    add_isolation_option,
+    add_placement_options,
+    add_version,
+    describe,
+    exit_code_of,
+    flag_violation,
+    request_from_args,
+)
 from qgpu.errors import QgpuError, RuleViolation, first_violation
 from qgpu.model import SliceRequest
-from qgpu_dask.agent import parse_request, worker_owner
+from qgpu_dask.agent import worker_owner
 from qgpu_dask.nanny import SliceNanny, check_spawn_method
 from qgpu_dask.nofit import PLUGIN_NAME, NoFitPlugin
 from qgpu_dask.resources import slice_resources
@@ -57,39 +68,50 @@ class WorkerOptions(BaseModel):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="qgpu-dask-worker",
-        description="Run one Dask worker inside a GPU slice reserved from the qgpu agent.",
+        description="Run one Dask worker inside a GPU slice reserved from this node's qgpu "
+        "agent; the slice is released when the worker stops.",
     )
+    add_version(p)
     p.add_argument("scheduler", help="scheduler address, e.g. tcp://10.0.0.1:8786")
-    p.add_argument("--core", required=True, help="qgpu-core: 1..99 or 100, 200, ...")
+    p.add_argument(
+        "--core", required=True, help="qgpu-core: 1..99 = percent of one GPU, or 100, 200, ..."
+    )
     p.add_argument("--memory", help="qgpu-memory: GiB (8, 8Gi, 8192Mi); required for a share")
-    p.add_argument("--isolation", help="best-effort|fixed-share|burst-share (be, fs, bs)")
-    p.add_argument("--placement", help="binpack|spread|frag (default: the agent's)")
+    add_isolation_option(p, help=ISOLATION_HELP + " (default: the agent's)")
+    add_placement_options(
+        p,
+        help="where the slice lands on this node's GPUs: binpack, spread or frag "
+        "(default: the agent's)",
+    )
     p.add_argument("--model", help="allowed GPU models, e.g. 'H100|A100'")
-    p.add_argument("--agent-socket", help="the agent's socket (default $QGPU_AGENT_SOCKET)")
-    p.add_argument("--name", help="worker name (default qgpu-<host>-<pid>)")
-    p.add_argument("--nthreads", type=int, default=1, help="worker threads (default 1)")
-    p.add_argument("--host", help="address the worker and nanny listen on")
+    p.add_argument(
+        "--agent-socket",
+        help="the agent's socket (default: $QGPU_AGENT_SOCKET, else /run/qgpu/agent.sock)",
+    )
+    p.add_argument("--name", help="worker name (default: qgpu-<host>-<pid>)")
+    p.add_argument("--nthreads", type=int, default=1, help="worker threads")
+    p.add_argument("--host", help="address the worker and nanny listen on (default: Dask's)")
     p.add_argument(
         "--no-fit-grace",
         type=float,
         default=30.0,
-        help="seconds before the scheduler fails a task no slice worker can run (default 30)",
+        metavar="SECONDS",
+        help="time before the scheduler fails a task no slice worker can run",
     )
     p.add_argument(
-        "--death-timeout", type=float, default=60.0, help="seconds to reach the scheduler"
+        "--death-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="time allowed to reach the scheduler",
     )
     return p
 
 
 def _request(args: argparse.Namespace) -> SliceRequest:
-    fields: dict[str, Any] = {"core": args.core}
-    for key in ("memory", "isolation", "placement", "model"):
-        value = getattr(args, key)
-        if value is not None:
-            fields[key] = value
-    return parse_request(fields, "request")
+    return request_from_args(args)
 
 
 def _options(args: argparse.Namespace) -> WorkerOptions:
@@ -104,7 +126,9 @@ def _options(args: argparse.Namespace) -> WorkerOptions:
             death_timeout=args.death_timeout,
         )
     except ValidationError as exc:
-        raise first_violation(exc) from exc
+        v = first_violation(exc)
+        flag = "" if v.field == "scheduler" else "--" + v.field.replace("_", "-")
+        raise v.renamed(flag or "SCHEDULER_ADDRESS") from exc
 
 
 async def _install_no_fit(nanny: SliceNanny, grace: float) -> None:
@@ -174,7 +198,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             if exc.is_no_fit:
                 raise QgpuError(f"the slice does not fit on this node's GPUs: {exc}") from exc
             if exc.status == 422:
-                raise exc.as_violation() from exc
+                raise flag_violation(exc.as_violation(), REQUEST_FLAGS) from exc
             raise
         print(
             f"qgpu-dask-worker: slice {reservation.slice_id} on {reservation.device_uuid} "
@@ -214,11 +238,15 @@ def _release(agent: AgentClient, slice_id: str, attempts: int = 3) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return exit_code_of(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(argv)
     except RuleViolation as exc:
-        print(f"qgpu-dask-worker: invalid {exc}", file=sys.stderr)
+        print(f"qgpu-dask-worker: invalid {describe(exc)}", file=sys.stderr)
         return 2
     except AgentUnavailable as exc:
         print(

@@ -1,6 +1,6 @@
 """``qgpu-ray``: start Ray on a qgpu node, run the plain-path reaper, show what is advertised.
 
-    qgpu-ray start [--agent-socket PATH] [--policy binpack] [--fraction-memory fraction|N]
+    qgpu-ray start [--agent-socket PATH] [--placement binpack] [--fraction-memory fraction|N]
                    [--fraction-core fraction|N] [RAY START ARGS...]
     qgpu-ray resources [--agent-socket PATH]
     qgpu-ray reaper --address HOST:PORT [--interval 1]
@@ -27,8 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from qgpu.cli_common import Parser, add_placement_options, add_version, describe, exit_code_of
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.model import PlacementPolicy
 from qgpu_ray import compat
 from qgpu_ray.fraction import FractionRule
 from qgpu_ray.provider import ray_start_arguments, worker_environment
@@ -87,7 +87,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             node.workload_env.get("QGPU_STATE_DIR", args.state_dir),
             inventory=node.inventory,
             fraction=rule,
-            policy=args.policy,
+            policy=args.placement,
         )
     )
     env["QGPU_AGENT_SOCKET"] = str(args.agent_socket or "")
@@ -126,8 +126,14 @@ def cmd_reaper(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qgpu-ray", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = Parser(
+        prog="qgpu-ray",
+        description="Start Ray on a qgpu node (its GPUs advertised as qgpu-core / qgpu-memory "
+        "resources, the interposer preloaded in every worker), show what a node advertises, "
+        "and run the reaper of plain resources= slices.",
+    )
+    add_version(p)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def agent_opt(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
@@ -137,13 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
             "/run/qgpu/agent.sock)",
         )
 
-    start = sub.add_parser("start", help="run `ray start` advertising this node's GPUs")
+    start = sub.add_parser(
+        "start",
+        help="run `ray start` advertising this node's GPUs",
+        description="Run 'ray start' with this node's GPUs (from its qgpu agent) as "
+        "resources and labels, and the workers' environment; options qgpu-ray does not "
+        "know are passed to 'ray start'.",
+    )
     agent_opt(start)
-    start.add_argument(
-        "--policy",
+    add_placement_options(
+        start,
         default="binpack",
-        choices=[p.value for p in PlacementPolicy],
-        help="GPU choice of the plain resources= path on this node",
+        help="GPU choice of the plain resources= path on this node: binpack, spread or frag",
+        gpu=False,
+        old=["--policy"],
     )
     start.add_argument(
         "--state-dir",
@@ -173,19 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     res.set_defaults(func=cmd_resources)
 
     reaper = sub.add_parser("reaper", help="release worker-bound slices of dead workers/nodes")
-    reaper.add_argument("--address", required=True)
-    reaper.add_argument("--interval", type=float, default=1.0)
+    reaper.add_argument("--address", required=True, help="the Ray cluster, e.g. HEAD:6379")
+    reaper.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="time between passes"
+    )
     reaper.add_argument(
         "--local-node",
         action="store_true",
         help="check worker pids of this node only (one reaper per node)",
     )
-    reaper.add_argument("--once", action="store_true")
+    reaper.add_argument("--once", action="store_true", help="one pass, then exit")
     reaper.set_defaults(func=cmd_reaper)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return exit_code_of(lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -195,10 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except RuleViolation as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"qgpu-ray: error: {describe(exc)}", file=sys.stderr)
         return 2
     except QgpuError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"qgpu-ray: error: {exc}", file=sys.stderr)
         return 1
 
 

@@ -2,8 +2,8 @@
 
 Quick start without a GPU::
 
-    qgpu agent --sim 2xH100-80GB --state-dir /tmp/qgpu
-    qgpu status --state-dir /tmp/qgpu
+    qgpu agent --sim 2xH100-80GB --state-dir /tmp/qgpu --test-mode &
+    qgpu status --state-dir /tmp/qgpu --wait 30
 
 Both are registered as ``qgpu.commands`` entry points (see pyproject.toml).
 """
@@ -16,17 +16,26 @@ import logging
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
-from rich.console import Console
+from pydantic import ValidationError
 from rich.table import Table
 
-from enforcement.agent.client import AgentClient, default_socket
+from enforcement.agent.client import AgentClient, AgentUnavailable, default_socket
 from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
+from enforcement.agent.models import Health
 from enforcement.discovery import node_slice_policy
-from qgpu.errors import QgpuError, RuleViolation
+from qgpu.cli_common import (
+    ISOLATION_HELP,
+    add_isolation_option,
+    add_placement_options,
+    choice,
+    flag_violation,
+    stdout_console,
+)
+from qgpu.errors import QgpuError, RuleViolation, first_violation
 from qgpu.mix_prior import add_prior_option, use_prior
-from qgpu.model import IsolationPolicy, PlacementPolicy
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -39,13 +48,13 @@ def read_token_file(path: str) -> str:
         mode = p.stat().st_mode
         token = p.read_text().strip()
     except OSError as exc:
-        raise RuleViolation("token_file", path, f"cannot be read: {exc.strerror}") from exc
+        raise RuleViolation("--token-file", path, f"cannot be read: {exc.strerror}") from exc
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise RuleViolation(
-            "token_file", path, "must not be accessible by group or others (chmod 600)"
+            "--token-file", path, "must not be accessible by group or others (chmod 600)"
         )
     if len(token) < 16:
-        raise RuleViolation("token_file", path, "must hold a token of at least 16 characters")
+        raise RuleViolation("--token-file", path, "must hold a token of at least 16 characters")
     return token
 
 
@@ -57,6 +66,30 @@ def _socket_for(args: argparse.Namespace) -> Path:
     if args.state_dir:
         return Path(args.state_dir) / "agent.sock"
     return default_socket()
+
+
+# AgentConfig's fields -> the flags that set them (errors name what the user typed)
+CONFIG_FLAGS = {
+    "state_dir": "--state-dir",
+    "socket_path": "--socket",
+    "socket": "--socket",
+    "tcp_host": "--tcp-host",
+    "tcp_port": "--tcp-port",
+    "token": "--token-file",
+    "backend": "--backend",
+    "sim_spec": "--sim",
+    "node_name": "--node-name",
+    "max_slices_per_gpu": "--max-slices-per-gpu",
+    "default_isolation": "--isolation",
+    "placement": "--placement",
+    "gpu_placement": "--gpu-placement",
+    "reconcile_interval_s": "--reconcile-interval",
+    "watchdog_interval_s": "--watchdog-interval",
+    "enforcement": "--enforcement",
+    "mps_control": "--mps-control",
+    "hook_path": "--hook-path",
+    "real_libcuda": "--real-libcuda",
+}
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -100,8 +133,11 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     if args.token_file:
         raw["token"] = read_token_file(args.token_file)
     elif args.tcp_port is not None:
-        raise RuleViolation("token_file", None, "is required with --tcp-port")
-    return AgentConfig.model_validate(raw)
+        raise RuleViolation("--token-file", None, "is required with --tcp-port")
+    try:
+        return AgentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise flag_violation(first_violation(exc), CONFIG_FLAGS) from exc
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -122,25 +158,61 @@ def cmd_agent(args: argparse.Namespace) -> int:
         ) from exc
 
 
+AGENT_DESCRIPTION = """\
+Run the node agent: it discovers this node's GPUs (NVML, or simulated ones with --sim),
+places each slice with the core placement engine, records it in a SQLite ledger, writes
+the slice's limits for the interposer, releases slices whose owner died, watches for
+processes over their memory cap and serves all of it over a unix socket (JSON over HTTP,
+metrics at /metrics). Ray, Dask and Kubernetes talk to it.
+
+Without a GPU:
+
+    qgpu agent --sim 2xH100-80GB --state-dir /tmp/qgpu --test-mode &
+    qgpu status --state-dir /tmp/qgpu --wait 30
+"""
+
+
 def register_agent(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("agent", help="run the node agent (GPU discovery, slices, metrics)")
-    p.add_argument("--sim", metavar="SPEC", help="simulated GPUs, e.g. 2xH100-80GB")
-    p.add_argument("--backend", choices=["auto", "nvml", "sim"], help="GPU backend (default auto)")
-    p.add_argument("--state-dir", help=f"ledger, limits files (default {DEFAULT_STATE_DIR})")
+    p = sub.add_parser(
+        "agent",
+        help="run the node agent (GPU discovery, slices, metrics)",
+        description=AGENT_DESCRIPTION,
+    )
+    p.add_argument(
+        "--sim",
+        metavar="SPEC",
+        help="simulated GPUs, e.g. 2xH100-80GB or H100-80GB,A10-24GB (implies --backend sim)",
+    )
+    p.add_argument(
+        "--backend",
+        type=choice(["auto", "nvml", "sim"], "--backend"),
+        metavar="auto|nvml|sim",
+        help="where GPUs come from: nvml, sim, or auto (NVML if it loads, else an error "
+        "unless --sim is given) (default: auto, or $QGPU_BACKEND)",
+    )
+    p.add_argument(
+        "--state-dir",
+        help=f"ledger, limits files, interposer state (default: {DEFAULT_STATE_DIR})",
+    )
     p.add_argument(
         "--socket",
-        help="unix socket (default <state-dir>/agent.sock when --state-dir "
-        "is given, else /run/qgpu/agent.sock)",
+        help="unix socket (default: $QGPU_AGENT_SOCKET, else <state-dir>/agent.sock when "
+        "--state-dir is given, else /run/qgpu/agent.sock)",
     )
-    p.add_argument("--tcp-port", type=int, help="also listen on loopback TCP (needs --token-file)")
+    p.add_argument(
+        "--tcp-port", type=int, help="also listen on loopback TCP (needs --token-file)"
+    )
     p.add_argument("--tcp-host", default="127.0.0.1", help="loopback address for --tcp-port")
-    p.add_argument("--token-file", help="bearer token for TCP (file mode 600)")
-    p.add_argument("--node-name", help="node name (default: hostname)")
-    iso = ", ".join(f"{i.value}/{i.abbreviation}" for i in IsolationPolicy)
-    p.add_argument("--isolation", default="best-effort", help=f"node default isolation: {iso}")
-    names = [x.value for x in PlacementPolicy]
-    p.add_argument("--placement", choices=names, help="GPU choice policy (default frag)")
-    p.add_argument("--gpu-placement", choices=names, help="GPU-level policy if different")
+    p.add_argument("--token-file", help="bearer token for TCP clients (file mode 600)")
+    p.add_argument("--node-name", help="node name (default: the hostname)")
+    add_isolation_option(
+        p, default="best-effort", help="the node's default isolation: " + ISOLATION_HELP
+    )
+    add_placement_options(
+        p,
+        help="GPU choice of the core engine for slices that name none: frag, binpack or "
+        "spread (default: frag)",
+    )
     add_prior_option(p)
     p.add_argument(
         "--max-slices-per-gpu",
@@ -167,8 +239,20 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--metrics-host", default="0.0.0.0", help="address for --metrics-port (default all)"
     )
-    p.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
-    p.add_argument("--watchdog-interval", type=float, default=5.0, metavar="SECONDS")
+    p.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often slices whose owner died are released",
+    )
+    p.add_argument(
+        "--watchdog-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often GPU processes are checked against their slice's memory cap",
+    )
     p.add_argument(
         "--watchdog-kill",
         nargs="?",
@@ -185,11 +269,25 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="how long a slice may stay over its cap before the watchdog kills",
     )
-    p.add_argument("--enforcement", choices=["interposer", "mps"], default="interposer")
-    p.add_argument("--mps-control", default="nvidia-cuda-mps-control", help="MPS control binary")
+    p.add_argument(
+        "--enforcement",
+        type=choice(["interposer", "mps"], "--enforcement"),
+        default="interposer",
+        metavar="interposer|mps",
+        help="how share slices are capped: the CUDA interposer or NVIDIA MPS",
+    )
+    p.add_argument(
+        "--mps-control", default="nvidia-cuda-mps-control", help="the MPS control program"
+    )
     p.add_argument("--hook-path", help="the interposer library (default: the installed one)")
-    p.add_argument("--real-libcuda", help="QGPU_REAL_LIBCUDA for workloads")
-    p.add_argument("--test-mode", action="store_true", help="limits files need not be root-owned")
+    p.add_argument(
+        "--real-libcuda", help="the CUDA driver the interposer forwards to (QGPU_REAL_LIBCUDA)"
+    )
+    p.add_argument(
+        "--test-mode",
+        action="store_true",
+        help="limits files need not be root-owned (tests, laptops)",
+    )
     p.add_argument(
         "--workload-gid",
         type=int,
@@ -203,7 +301,13 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--body-timeout", type=float, default=30.0, metavar="SECONDS", help="request body deadline"
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        type=choice(["debug", "info", "warning", "error"], "--log-level"),
+        default="info",
+        metavar="debug|info|warning|error",
+        help="the agent's log level (stderr)",
+    )
     p.set_defaults(func=cmd_agent)
 
 
@@ -218,9 +322,26 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 1024**3:.1f}"
 
 
+def _health(client: AgentClient, wait: float) -> Health:
+    """The agent's health, retrying for up to `wait` seconds while it cannot be reached
+    (an agent started a moment ago creates its socket once its imports are done)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return client.health()
+        except AgentUnavailable as exc:
+            if time.monotonic() >= deadline:
+                if wait > 0:
+                    raise AgentUnavailable(f"{exc} (waited {wait:g} s)") from exc
+                raise
+            time.sleep(0.2)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.wait < 0:
+        raise RuleViolation("--wait", args.wait, "must be 0 or more seconds")
     with _client(args) as client:
-        health = client.health()
+        health = _health(client, args.wait)
         devices = client.devices()
         slices = client.slices()
     if args.json:
@@ -235,7 +356,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         )
         return EXIT_OK
-    console = Console()
+    console = stdout_console()
     colour = "green" if health.status == "ok" else "yellow"
     console.print(
         f"node [bold]{health.node}[/] · backend {health.backend} · enforcement "
@@ -277,7 +398,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "memory GiB",
         "used GiB",
         "core used %",
-        "policy",
+        "isolation",
         "owner",
         "pids",
     ):
@@ -301,14 +422,29 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def register_status(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="devices and slices of the local agent")
-    p.add_argument("--socket", help=f"agent socket (default ${SOCKET_ENV} or /run/qgpu/agent.sock)")
-    p.add_argument("--state-dir", help="use <state-dir>/agent.sock")
+    p = sub.add_parser(
+        "status",
+        help="devices and slices of the local agent",
+        description="Show the node agent's GPUs and slices as tables (or JSON). With --wait, "
+        "wait for an agent that is still starting: scripts start the agent in the "
+        "background and then run 'qgpu status --wait 30'.",
+    )
+    p.add_argument(
+        "--socket", help=f"agent socket (default: ${SOCKET_ENV}, else /run/qgpu/agent.sock)"
+    )
+    p.add_argument("--state-dir", help="use <state-dir>/agent.sock (as 'qgpu agent' does)")
     p.add_argument(
         "--url", help="loopback TCP URL instead of the socket, e.g. http://127.0.0.1:7070"
     )
-    p.add_argument("--token-file", help="bearer token for --url")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--token-file", help="bearer token for --url (file mode 600)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long for the agent to answer (0: fail at once if it does not)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_status)
 
 

@@ -209,7 +209,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     )
     if metrics is not None:
         tcp += f"; metrics (read-only) on {metrics.address[0]}:{metrics.address[1]}"
-    log.warning(
+    log.info(
         "qgpu agent on node %s (%s backend, %d GPUs, %d slices) listening on %s%s",
         agent.node,
         agent.backend.kind,

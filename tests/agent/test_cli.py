@@ -66,3 +66,93 @@ def test_status_without_an_agent_fails_clearly(state_dir: Path) -> None:
     out = qgpu("status", "--state-dir", str(state_dir))
     assert out.returncode == 1
     assert "cannot reach the qgpu agent" in out.stderr
+
+
+def test_status_wait_outlasts_an_agent_still_starting(state_dir: Path) -> None:
+    """``qgpu agent ... &`` then ``qgpu status --wait``: the status waits for the socket."""
+    from tests.agent.conftest import agent_command
+
+    status = subprocess.Popen(
+        [sys.executable, "-m", "qgpu.cli", "status", "--state-dir", str(state_dir), "--wait",
+         "60", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    agent = subprocess.Popen(
+        agent_command(state_dir, "--sim", "1xH100-80GB"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        out, err = status.communicate(timeout=90)
+        assert status.returncode == 0, err
+        assert json.loads(out)["health"]["node"] == "node-a"
+    finally:
+        stop_agent(agent)
+
+
+def test_status_wait_gives_up_with_one_line(state_dir: Path) -> None:
+    out = qgpu("status", "--state-dir", str(state_dir), "--wait", "0.5")
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1 and "(waited 0.5 s)" in out.stderr
+
+
+def test_status_tables_are_not_cut_in_a_pipe(state_dir: Path) -> None:
+    proc = start_agent(state_dir, "--sim", "2xH100-80GB")
+    try:
+        with AgentClient(state_dir / "agent.sock") as client:
+            res = client.reserve({"core": 30, "memory": 8, "isolation": "fs"}, {"id": "wide"})
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+        table = subprocess.run(
+            [sys.executable, "-m", "qgpu.cli", "status", "--state-dir", str(state_dir)],
+            capture_output=True, text=True, cwd=REPO, env=env, timeout=60,
+        )  # fmt: skip
+        assert table.returncode == 0, table.stderr
+        assert res.slice_id in table.stdout and res.device_uuid in table.stdout
+        header = next(line for line in table.stdout.splitlines() if "owner" in line)
+        assert "isolation" in header and "policy" not in header
+        assert max(len(line) for line in table.stdout.splitlines()) > 80
+    finally:
+        stop_agent(proc)
+
+
+def _agent_args(*argv: str):
+    import argparse
+
+    from enforcement.agent.cli import register_agent
+
+    parser = argparse.ArgumentParser(prog="qgpu")
+    register_agent(parser.add_subparsers())
+    return parser.parse_args(["agent", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reconcile-interval", "-5"], "--reconcile-interval -5.0: "),
+        (["--max-slices-per-gpu", "0"], "--max-slices-per-gpu 0: "),
+        (["--tcp-port", "7070"], "--token-file: is required with --tcp-port"),
+    ],
+)
+def test_agent_settings_errors_name_the_flag(argv: list[str], message: str) -> None:
+    from enforcement.agent.cli import config_from_args
+    from qgpu.cli_common import describe
+    from qgpu.errors import RuleViolation
+
+    with pytest.raises(RuleViolation) as refused:
+        config_from_args(_agent_args("--state-dir", "/tmp/x", *argv))
+    assert describe(refused.value).startswith(message), describe(refused.value)
+
+
+def test_agent_enumerated_options_follow_the_case_rule() -> None:
+    from enforcement.agent.cli import config_from_args
+
+    cfg = config_from_args(
+        _agent_args("--state-dir", "/tmp/x", "--backend", "SIM", "--isolation", "FS",
+                    "--placement", "Spread", "--enforcement", "Interposer")
+    )  # fmt: skip
+    assert (cfg.backend, cfg.default_isolation.value, cfg.placement.value) == (
+        "sim",
+        "fixed-share",
+        "spread",
+    )

@@ -134,7 +134,7 @@ def test_refuses_non_loopback_tcp_and_loose_token_files(state_dir: Path) -> None
         timeout=60,
     )
     assert bad_host.returncode == 2
-    assert "tcp_host" in bad_host.stderr and "loopback" in bad_host.stderr
+    assert "--tcp-host 0.0.0.0: " in bad_host.stderr and "loopback" in bad_host.stderr
     token_file.chmod(0o644)
     loose = subprocess.run(
         agent_command(state_dir, *common, "--token-file", str(token_file)),
@@ -147,7 +147,7 @@ def test_refuses_non_loopback_tcp_and_loose_token_files(state_dir: Path) -> None
     no_token = subprocess.run(
         agent_command(state_dir, *common), capture_output=True, text=True, cwd=REPO, timeout=60
     )
-    assert no_token.returncode == 2 and "token_file" in no_token.stderr
+    assert no_token.returncode == 2 and "--token-file: is required" in no_token.stderr
 
 
 # -- restarts ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_no_fit_message_names_the_request_and_the_largest_slices():
 
 def test_the_example_runs_on_simulated_gpus():
     proc = subprocess.run(
-        [sys.executable, "examples/dask_inference.py", "--policy", "spread"],
+        [sys.executable, "examples/dask_inference.py", "--placement", "spread"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -131,9 +131,9 @@ def test_sigkill_leaves_the_release_to_the_agents_reconcile(scheduler, client, a
 @pytest.mark.parametrize(
     ("args", "code", "needles"),
     [
-        (["--core", "150", "--memory", "8"], 2, ["qgpu-core=150", "2 GPUs", "multiple of 100"]),
-        (["--core", "30", "--memory", "90"], 2, ["qgpu-memory=90", "must not exceed the card"]),
-        (["--core", "30", "--memory", "8", "--isolation", "hard"], 2, ["isolation='hard'"]),
+        (["--core", "150", "--memory", "8"], 2, ["--core 150: ", "2 GPUs", "multiple of 100"]),
+        (["--core", "30", "--memory", "90"], 2, ["--memory 90: ", "must not exceed the card"]),
+        (["--core", "30", "--memory", "8", "--isolation", "hard"], 2, ["--isolation: 'hard'"]),
     ],
 )
 def test_invalid_requests_exit_2_naming_field_value_and_rule(agent, args, code, needles):

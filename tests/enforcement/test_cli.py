@@ -46,7 +46,7 @@ def test_runs_the_command_in_a_simulated_slice(
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
     code = run_handler(
         [
-            "run", "--core", "30", "--memory", "4Gi", "--policy", "fs", "--sim", "2xA10-24GB",
+            "run", "--core", "30", "--memory", "4Gi", "--isolation", "fs", "--sim", "2xA10-24GB",
             "--state-dir", str(short_tmp), "--", sys.executable, "-c", PROBE,
         ]
     )  # fmt: skip
@@ -83,12 +83,11 @@ def test_device_choice_and_preload_chain(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--core", "0", "--memory", "4"], "qgpu-core"),
-        (["--core", "150", "--memory", "4"], "qgpu-core"),
-        (["--core", "30"], "qgpu-memory"),
-        (["--core", "30", "--memory", "40"], "must not exceed the card"),
-        (["--core", "30", "--memory", "4", "--policy", "turbo"], "isolation"),
-        (["--core", "30", "--memory", "4", "--device", "GPU-nope"], "device"),
+        (["--core", "0", "--memory", "4"], "--core 0: must be 1..99"),
+        (["--core", "150", "--memory", "4"], "--core 150: is a share split over 2 GPUs"),
+        (["--core", "30"], "--memory: is required for a share"),
+        (["--core", "30", "--memory", "40"], "--memory 40: must not exceed the card"),
+        (["--core", "30", "--memory", "4", "--device", "GPU-nope"], "--device GPU-nope: must be"),
     ],
 )
 def test_invalid_requests_exit_2_with_a_message(
@@ -100,6 +99,18 @@ def test_invalid_requests_exit_2_with_a_message(
     err = capfd.readouterr().err
     assert code == 2
     assert err.startswith("qgpu run: ") and message in err, err
+
+
+@pytest.mark.parametrize("flag", ["--isolation", "--policy"])
+def test_an_unknown_isolation_is_a_usage_error_naming_the_flag(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qgpu.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--core", "30", "--memory", "4", flag, "turbo", "--", "true"])
+    assert exited.value.code == 2
+    assert f"qgpu run: error: argument {flag}: 'turbo' must be one of" in capsys.readouterr().err
 
 
 def test_whole_gpu_gets_devices_without_caps(
@@ -145,7 +156,7 @@ def test_console_script(short_tmp: Path) -> None:
 
 
 def test_qgpu_run_caps_compute(short_tmp: Path) -> None:
-    """End to end: a saturating workload under `qgpu run --policy fs` gets its share."""
+    """End to end: a saturating workload under `qgpu run --isolation fs` gets its share."""
     from enforcement.sim import busy_share, load_sim_config, read_gpu_state
 
     qgpu = shutil.which("qgpu", path=str(Path(sys.executable).parent))
@@ -153,7 +164,7 @@ def test_qgpu_run_caps_compute(short_tmp: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     env.pop("QGPU_SIM_CONFIG", None)
     proc = subprocess.Popen(
-        [qgpu, "run", "--core", "35", "--memory", "4", "--policy", "fs", "--sim", "L4",
+        [qgpu, "run", "--core", "35", "--memory", "4", "--isolation", "fs", "--sim", "L4",
          "--state-dir", str(short_tmp), "--", sys.executable, "-m", "enforcement.simcuda",
          "burn"],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
+from qgpu.model import IsolationPolicy
 from tests.helm.chart import (
     KUBE_VERSIONS,
     Obj,
@@ -296,8 +297,8 @@ def test_scheduler_configuration_registers_the_extender(default: Rendered) -> No
     (plain,) = off.scheduler_config()["extenders"]
     assert plain["urlPrefix"].startswith("http://") and "tlsConfig" not in plain
     assert off.find("Secret", "qgpu-scheduler-extender-tls") is None
-    assert extender.node_policy == "binpack"
-    assert extender.gpu_policy is None
+    assert extender.placement == "binpack"
+    assert extender.gpu_placement is None
     assert cfg.leader_election.leader_elect is True
     assert cfg.leader_election.resource_name == "qgpu-scheduler"
     assert cfg.leader_election.resource_namespace == "kube-system"
@@ -458,11 +459,11 @@ def test_policies(placement: str, gpu_placement: str, isolation: str) -> None:
         }
     )
     ext = _parse_qgpu(command(containers(r.scheduler)["extender"]))
-    assert ext.node_policy == placement
-    assert ext.gpu_policy == (gpu_placement or None)
+    assert ext.placement == placement
+    assert ext.gpu_placement == (gpu_placement or None)
     agent = _parse_qgpu(command(containers(r.manager)["agent"]))
     assert (agent.placement, agent.gpu_placement) == (placement, gpu_placement or None)
-    assert agent.isolation == isolation
+    assert IsolationPolicy.parse(agent.isolation) is IsolationPolicy.parse(isolation)
     label = containers(r.manager, init=True)["label-node"]
     assert {"name": "QGPU_DEFAULT_ISOLATION", "value": isolation} in label["env"]
 

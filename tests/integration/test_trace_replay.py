@@ -13,13 +13,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "bench" / "traces"  # shipped with the repository (bench/traces/README.md)
 NODES_CSV = TRACES / "openb_node_list_gpu_node.csv"
 PODS_CSV = TRACES / "openb_pod_list_default.csv"
-
-pytestmark = pytest.mark.skipif(
-    not NODES_CSV.exists(), reason=f"the Alibaba trace is not at {TRACES}"
-)
 
 
 def _load_replay():
@@ -101,7 +97,10 @@ def test_pod_to_request_mapping():
     assert (whole.core, whole.memory_gib, whole.model) == (200, None, "T4|G2")
 
 
-def test_command_line_writes_table_and_plot(tmp_path, slice_nodes):
+@pytest.mark.parametrize("matplotlib", [True, False], ids=["with-plot", "without-matplotlib"])
+def test_command_line_writes_table_and_plot(tmp_path, slice_nodes, matplotlib, monkeypatch, capsys):
+    if not matplotlib:  # a venv made by `make demo` has no matplotlib
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
     nodes_csv = tmp_path / "nodes.csv"
     with open(NODES_CSV, newline="") as src, open(nodes_csv, "w", newline="") as dst:
         rows = list(csv.DictReader(src))
@@ -134,5 +133,44 @@ def test_command_line_writes_table_and_plot(tmp_path, slice_nodes):
         if line.startswith("| binpack") or line.startswith("| frag")
     ]
     assert len(rows) == 2 and all(line.rstrip().endswith("| 2 |") for line in rows)
-    png = (out / "replay-default-ignore.png").read_bytes()
-    assert png.startswith(b"\x89PNG")
+    png = out / "replay-default-ignore.png"
+    if matplotlib:
+        assert png.read_bytes().startswith(b"\x89PNG")
+    else:
+        assert not png.exists()
+        assert "no plot: matplotlib is not installed" in capsys.readouterr().err
+
+
+def _load_fetch():
+    spec = importlib.util.spec_from_file_location("fetch_traces", REPO / "bench/fetch_traces.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_traces_match_their_checksums():
+    fetch = _load_fetch()
+    assert fetch.main(["--check"]) == 0
+    assert set(fetch.expected_sums()) == {p.name for p in TRACES.glob("*.csv")}
+
+
+def test_fetch_downloads_missing_files_and_refuses_a_changed_one(tmp_path):
+    fetch = _load_fetch()
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in fetch.expected_sums():
+        (source / name).write_bytes((TRACES / name).read_bytes())
+    dest = tmp_path / "dest"
+    base = source.as_uri()
+    assert fetch.main(["--dest", str(dest), "--base-url", base]) == 0
+    for name in fetch.expected_sums():
+        assert (dest / name).read_bytes() == (TRACES / name).read_bytes()
+    changed = dest / "openb_node_list_gpu_node.csv"
+    changed.write_text(changed.read_text().replace("P100", "P101", 1))
+    assert fetch.main(["--dest", str(dest), "--check"]) == 1
+    changed.unlink()
+    (source / changed.name).write_text("not the trace\n")
+    with pytest.raises(SystemExit, match="checksum"):
+        fetch.main(["--dest", str(dest), "--base-url", base])
+    assert not changed.exists() and not list(dest.glob(".*"))

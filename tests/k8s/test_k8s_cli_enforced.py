@@ -107,10 +107,10 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
             f"--apiserver={apiserver.url}",
             "--host=127.0.0.1",
             f"--port={ext_port}",
-            "--node-policy=spread",
+            "--placement=spread",
         )
         procs.append(ext)
-        web = _qgpu("webhook", "--host=127.0.0.1", f"--port={hook_port}")
+        web = _qgpu("webhook", "--host=127.0.0.1", f"--port={hook_port}", "--insecure-http")
         procs.append(web)
         ext_url, hook_url = f"http://127.0.0.1:{ext_port}", f"http://127.0.0.1:{hook_port}"
         _wait_http(f"{ext_url}/healthz", lambda r: r.json()["nodes"] == 1, ext)

@@ -75,7 +75,10 @@ def test_cli_plan_accepts_frag(tmp_path, capsys):
         yaml.safe_dump({"requests": [{"name": "a", "core": 30, "memory": 4, "count": 2}]})
     )
     rc = cli_main(
-        ["plan", "--nodes", str(nodes), "--requests", str(requests), "--policy", "frag", "--json"]
+        [
+            *("plan", "--nodes", str(nodes), "--requests", str(requests)),
+            *("--placement", "frag", "--json"),
+        ]
     )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
