@@ -285,7 +285,7 @@ def test_helm_pod_metadata_security_extra_args_env_and_strategies() -> None:
     assert agent.real_libcuda == "/usr/lib64/libcuda.so.1"
     assert _qgpu(command(mc["device-plugin"])).health_interval == 5.0  # the last flag wins
     assert _qgpu(command(sc["extender"])).lock_ttl == 60.0
-    assert _qgpu(command(sc["webhook"])).log_level == "DEBUG"
+    assert _qgpu(command(sc["webhook"])).log_level == "debug"  # any case, read as lower
     assert command(sc["kube-scheduler"])[-1] == "--v=4"
     assert {"name": "TZ", "value": "UTC"} in mc["agent"]["env"]
     assert {"name": "A"} in mc["device-plugin"]["env"]

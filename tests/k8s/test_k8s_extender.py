@@ -319,7 +319,8 @@ def test_fast_path_and_fastapi_routes_answer_alike(apiserver: FakeApiserver) -> 
     scores = HostPriorityList.validate_json(prio)
     assert [h["Host"] for h in scores] == ["n0", "n1", "nx"] and scores[2]["Score"] == 0
     assert [r[0] for r in replies[0][2:]] == [400, 400, 400]
-    assert b"Pod=3" in replies[0][2][2] and b"PodNamespace=None" in replies[0][4][2]
+    assert b"Pod=3" in replies[0][2][2]
+    assert b"PodNamespace: this field is required" in replies[0][4][2]
 
 
 def test_pod_events_carrying_the_held_assignment_change_nothing(apiserver: FakeApiserver) -> None:

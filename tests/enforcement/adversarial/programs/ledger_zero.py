@@ -16,7 +16,8 @@ from hostile_cb import GIB, alloc, hold, say, setup
 
 
 def zero_ledger() -> None:
-    path = Path(os.environ["QGPU_STATE_DIR"]) / f"slice-{os.environ['QGPU_SLICE_ID']}.ledger"
+    sid = os.environ["QGPU_SLICE_ID"]
+    path = Path(os.environ["QGPU_STATE_DIR"]) / sid / "ledger" / f"slice-{sid}.ledger"
     with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[24:32] = struct.pack("<Q", 0)
         for slot in range(64):
