@@ -4,7 +4,8 @@
    machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
 2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
    ``qgpu_ray.options``) next to one unchanged Ray actor that asks for ``num_gpus=0.25``
-   (capped at 25 % and 20 GiB of the GPU Ray gave it), plus one actor through plain
+   (20 GiB of memory capped on the GPU Ray gave it, 25 % of its compute reserved; the
+   node's default isolation, best-effort, puts no compute cap on it), plus one actor through plain
    ``resources=``. Every actor starts
    CUDA through the interposer, loads its "weights" into GPU memory and runs inference
    kernels for a few seconds.
