@@ -224,7 +224,8 @@ How to read the tables:
 - node / GPU: the Ray node and the index of the GPU on it (qgpu-node-0 #1 is GPU 1 of node 0).
 - slice: the slice's id; r-... slices were placed by qgpu_ray.options (qgpu chose the GPU
   before Ray scheduled the actor), p-... slices by plain resources={"qgpu-core": ...} (the
-  actor's worker chose its GPU when Ray started it, before the actor's code ran).
+  actor's worker chose its GPU when Ray started it, before the actor's code ran), n-... slices
+  by unchanged num_gpus=... (the GPU Ray gave the worker, bound when Ray started it).
 - qgpu-core: the share of the GPU the actor asked for; placement never commits more than
   100 % of a GPU. compute cap: what the interposer holds the actor to, by isolation:
     fixed-share  never more than its qgpu-core;
