@@ -38,9 +38,11 @@ import json
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k8s_bridge import compat
+from k8s_bridge.http_errors import ViolationBody, errors, name_http_errors
 from k8s_bridge.http_serving import json_body_openapi
 from k8s_bridge.metrics import WebhookMetrics, exposition, rule_key
 from k8s_bridge.resources import (
@@ -221,13 +223,23 @@ def create_app(
     compat_mode: bool = False,
     metrics: WebhookMetrics | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="qgpu mutating webhook", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="qgpu mutating webhook",
+        docs_url=None,
+        redoc_url=None,
+        responses=errors(ViolationBody),
+    )
+    name_http_errors(app)
     m = metrics or WebhookMetrics()
     app.state.metrics = m
 
     @app.post(
         "/mutate",
         openapi_extra=json_body_openapi(AdmissionReview),
+        responses={
+            200: {"model": AdmissionReview, "description": "the review with its response"},
+            400: {"model": ViolationBody, "description": "not an AdmissionReview"},
+        },
     )
     async def mutate(request: Request) -> Response:
         with m.timed("mutate"):
@@ -255,7 +267,7 @@ def create_app(
     async def healthz() -> dict[str, bool]:
         return {"ok": True}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics_endpoint() -> Response:
         body, content_type = exposition(m.registry)
         return Response(body, media_type=content_type)

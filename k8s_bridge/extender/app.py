@@ -29,14 +29,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
     ExtenderArgs,
     ExtenderBindingArgs,
+    ExtenderBindingResult,
+    ExtenderFilterResult,
+    HostPriority,
 )
 from k8s_bridge.extender.service import Extender
+from k8s_bridge.http_errors import ExtenderViolationBody, errors, name_http_errors
 from k8s_bridge.http_serving import json_body_openapi
 from k8s_bridge.metrics import exposition
 from qgpu.errors import first_violation
@@ -169,8 +174,14 @@ def create_app(
     """The extender's app; ``fast_path=False`` sends the verbs through FastAPI's routing too."""
     verbs = Verbs(extender, bind_threads)
     app = ExtenderApp(
-        verbs, fast_path, title="qgpu scheduler extender", docs_url=None, redoc_url=None
+        verbs,
+        fast_path,
+        title="qgpu scheduler extender",
+        docs_url=None,
+        redoc_url=None,
+        responses=errors(ExtenderViolationBody),
     )
+    name_http_errors(app, error_key="Error")
 
     def route(verb: Verb) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -180,6 +191,11 @@ def create_app(
         return endpoint
 
     bodies = {"/filter": ExtenderArgs, "/prioritize": ExtenderArgs, "/bind": ExtenderBindingArgs}
+    replies: dict[str, Any] = {
+        "/filter": ExtenderFilterResult,
+        "/prioritize": list[HostPriority],
+        "/bind": ExtenderBindingResult,
+    }
     for path, verb in verbs.routes().items():
         app.add_api_route(
             path,
@@ -187,9 +203,13 @@ def create_app(
             methods=["POST"],
             name=path.strip("/"),
             openapi_extra=json_body_openapi(bodies[path]),
+            responses={
+                200: {"model": replies[path], "description": "kube-scheduler's reply"},
+                400: {"model": ExtenderViolationBody, "description": "the field, value, rule"},
+            },
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
         """Prometheus metrics (text exposition format); see docs/metrics.md."""
         body, content_type = exposition(extender.metrics.registry)
