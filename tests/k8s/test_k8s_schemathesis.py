@@ -29,9 +29,7 @@ for _node in ("n0", "n1"):
 _EXT = Extender(Kube(_SRV.client(), NAMES), ExtenderConfig(watch=False))
 _EXT.start()
 extender = schemathesis.openapi.from_asgi("/openapi.json", extender_app(_EXT))
-webhook = schemathesis.openapi.from_asgi(
-    "/openapi.json", webhook_app(NAMES, compat_mode=True)
-)
+webhook = schemathesis.openapi.from_asgi("/openapi.json", webhook_app(NAMES, compat_mode=True))
 CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance]
 FUZZ = settings(
     max_examples=15,
