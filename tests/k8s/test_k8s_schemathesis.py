@@ -9,6 +9,7 @@ The extender runs over the fake apiserver (two published nodes, no watch).
 from __future__ import annotations
 
 import schemathesis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import (
     content_type_conformance,
@@ -62,3 +63,14 @@ def test_extender_never_answers_5xx(case) -> None:  # type: ignore[no-untyped-de
 @FUZZ
 def test_webhook_never_answers_5xx(case) -> None:  # type: ignore[no-untyped-def]
     _check(case)
+
+
+def test_unknown_path_and_method_name_the_field() -> None:
+    """Outside the spec too: 404 and 405 say which field (path, method) and the rule."""
+    with TestClient(extender_app(_EXT)) as ext, TestClient(webhook_app(NAMES)) as hook:
+        r = ext.get("/nope/..%2f")
+        assert r.status_code == 404 and r.json()["field"] == "path", r.text
+        assert r.json()["Error"].startswith("path="), r.text
+        r = hook.put("/mutate", json={})
+        assert r.status_code == 405 and r.json()["field"] == "method", r.text
+        assert r.json()["value"] == "PUT" and r.headers["allow"] == "POST", r.text
