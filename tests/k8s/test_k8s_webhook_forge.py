@@ -1,0 +1,57 @@
+"""Attack: a tenant who can create pods presets what only the qgpu scheduler's bind writes.
+
+The extender's bind writes ``<prefix>/qgpu-assignment`` (the GPU(s) and slice chosen) and
+sets ``spec.nodeName``; the device plugin hands kubelet the slice the assignment names.
+A pod created with a forged assignment and a preset ``spec.nodeName`` skips the scheduler
+and the extender and would take a GPU / slice nobody granted. The webhook (over real HTTP)
+must deny it on CREATE, naming the field; what stays open is written down in
+docs/kubernetes.md (trust model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.k8s.helpers import NAMES, PodDenied, U, assignment_of, pod_object
+from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
+
+
+def _forged(name: str, victim_assignment: str, node: str = "n0") -> dict:
+    pod = pod_object(name, [(30, 4)], annotations={NAMES.assignment_annotation: victim_assignment})
+    pod["spec"]["nodeName"] = node
+    return pod
+
+
+def test_pod_presetting_the_assignment_and_node_is_denied(make_cluster) -> None:  # noqa: F811
+    cluster = make_cluster()
+    cluster.run(pod_object("victim", [(30, 4)]))
+    granted = assignment_of(cluster.srv, "victim")
+    text = granted.model_copy(update={"bound_at": granted.bound_at + 1}).dumps()
+    with pytest.raises(PodDenied, match=r"metadata\.annotations\[.*qgpu-assignment\]="):
+        cluster.submit(_forged("thief", text, granted.node))
+    # the annotation alone (the pod would then go through the scheduler, which rewrites it,
+    # but the device plugin reads it as soon as any node name appears): denied as well
+    alone = pod_object("thief2", [(30, 4)], annotations={NAMES.assignment_annotation: text})
+    with pytest.raises(PodDenied, match="qgpu-assignment"):
+        cluster.submit(alone)
+    claim = pod_object("thief3", [(30, 4)], annotations={NAMES.allocated_annotation: "{}"})
+    with pytest.raises(PodDenied, match="qgpu-allocated"):
+        cluster.submit(claim)
+    # the node alone skips the extender: kubelet would admit it with no assignment at all
+    bare = pod_object("thief4", [(30, 4)])
+    bare["spec"]["nodeName"] = "n0"
+    with pytest.raises(PodDenied, match=r"spec\.nodeName='n0': .*qgpu scheduler's bind"):
+        cluster.submit(bare)
+    stored = {p["metadata"]["name"] for p in cluster.srv.store.list("pods", None, None, None)[0]}
+    assert stored == {"victim"}
+    # nothing the thieves asked for was handed out: the victim's GPU holds only the victim
+    assert granted.containers["c0"].gpus == [U(granted.node, 0)]
+
+
+def test_plain_pods_with_a_node_name_and_the_bind_path_stay_allowed(make_cluster) -> None:  # noqa: F811
+    cluster = make_cluster()
+    plain = pod_object("daemon")  # asks for no qgpu resource: nodeName is its own business
+    plain["spec"]["nodeName"] = "n1"
+    assert cluster.submit(plain)["spec"]["nodeName"] == "n1"
+    node, results = cluster.run(pod_object("legit", [(30, 4)]))
+    assert assignment_of(cluster.srv, "legit").node == node
+    assert results["c0"].envs["QGPU_CORE_LIMIT"] == "30"
