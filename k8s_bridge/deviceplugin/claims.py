@@ -13,6 +13,9 @@ whose resource is not claimed yet. Among several, the order is:
    delivers that node's pods in binding order), then the oldest pod (kubelet sorts a batch
    of new pods by creation time), then namespace/name.
 
+Only pods whose ``spec.schedulerName`` is the qgpu scheduler's count: the extender binds
+no other, so an assignment on another pod was written by its author.
+
 The claim is written to the pod (``<prefix>/qgpu-allocated``) with a resourceVersion
 precondition, so plugin restarts lose nothing and two claims never take one container.
 Equal containers on different GPUs remain ambiguous only if kubelet admits them out of
@@ -53,12 +56,18 @@ class Candidate:
         return self.pod.metadata.uid
 
 
-def pending_pods(names: Names, node: str, pod_objs: list[dict[str, Any]]) -> list[Candidate]:
-    """Every (pod, container) assigned to `node` on a live pod, claimed or not."""
+def pending_pods(
+    names: Names, node: str, pod_objs: list[dict[str, Any]], scheduler_name: str
+) -> list[Candidate]:
+    """Every (pod, container) assigned to `node` on a live pod of `scheduler_name`, claimed or
+    not. A pod of another scheduler was never bound by the extender: an assignment on it is
+    forged (its author wrote the annotation and spec.nodeName), so it is not a candidate."""
     out: list[Candidate] = []
     for obj in pod_objs:
         pod = PodModel.model_validate(obj)
         if pod.terminated or pod.metadata.deletion_timestamp:
+            continue
+        if pod.spec.scheduler_name != scheduler_name:
             continue
         text = pod.annotations.get(names.assignment_annotation)
         if not text:

@@ -15,8 +15,8 @@ from tests.k8s.helpers import NAMES, PodDenied, U, assignment_of, pod_object
 from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
 
 
-def _forged(name: str, victim_assignment: str, node: str = "n0") -> dict:
-    pod = pod_object(name, [(30, 4)], annotations={NAMES.assignment_annotation: victim_assignment})
+def _forged(name: str, assignment: str, node: str, core: int = 30, memory: int = 4) -> dict:
+    pod = pod_object(name, [(core, memory)], annotations={NAMES.assignment_annotation: assignment})
     pod["spec"]["nodeName"] = node
     return pod
 
@@ -55,3 +55,26 @@ def test_plain_pods_with_a_node_name_and_the_bind_path_stay_allowed(make_cluster
     node, results = cluster.run(pod_object("legit", [(30, 4)]))
     assert assignment_of(cluster.srv, "legit").node == node
     assert results["c0"].envs["QGPU_CORE_LIMIT"] == "30"
+
+
+def test_device_plugin_refuses_a_forged_assignment_of_another_scheduler(make_cluster) -> None:  # noqa: F811
+    """Past the webhook (disabled, failurePolicy Ignore, or a pod stored some other way), the
+    device plugin (real gRPC from the fake kubelet) honours only pods of the qgpu scheduler:
+    the extender binds no other, so their assignment was written by their author."""
+    from tests.fakes.kubelet import AdmissionError
+
+    cluster = make_cluster()
+    cluster.run(pod_object("victim", [(30, 4)]))
+    granted = assignment_of(cluster.srv, "victim")
+    (u,) = granted.containers["c0"].gpus
+    # 60% and 8 GiB of the victim's GPU, a layout no claimed container has
+    c0 = granted.containers["c0"].model_copy(
+        update={"core": 60, "memory_gib": [8], "devices": {"core": {u: 60}, "memory": {u: 8}}}
+    )
+    text = granted.model_copy(update={"containers": {"c0": c0}, "bound_at": 2e9}).dumps()
+    forged = _forged("thief", text, granted.node, core=60, memory=8)
+    forged["spec"]["schedulerName"] = "default-scheduler"
+    stored = cluster.srv.store.create("pods", forged)  # straight in, as a bypass would
+    # before the check the plugin answered QGPU_CORE_LIMIT=60 on the victim's GPU
+    with pytest.raises(AdmissionError, match="no pod assigned to node n0 waits"):
+        cluster.kubelets[granted.node].admit(stored)
