@@ -9,6 +9,7 @@ mounting anything. CPython ignores ``SIGXFSZ``, so the writes fail instead of ki
 
 from __future__ import annotations
 
+import errno
 import resource
 import subprocess
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from enforcement.agent.client import AgentClient, AgentError
+from enforcement.agent.service import Agent
 from enforcement.limits import read_limits_file
 from qgpu.ledger import Ledger
 from tests.agent.conftest import REPO, agent_command, start_agent, stop_agent
@@ -139,3 +141,55 @@ def test_start_on_a_state_dir_that_is_a_file_exits_2_with_one_line(state_dir: Pa
     assert "must be a writable directory" in lines[0], lines[0]
     assert "Traceback" not in out.stderr
 
+
+# -- the commit worked, the slice's files did not (the disk filled in between) -----------
+
+
+def test_slice_files_failing_after_the_commit_leave_no_partial_slice(
+    agent: Agent, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from enforcement.agent.app import create_app
+    from enforcement.limits import write_limits_file as real_write
+
+    client = TestClient(create_app(agent), raise_server_exceptions=False)
+    kept = client.post("/v1/slices", json={"request": {"core": 30, "memory": 8}})
+    assert kept.status_code == 201
+
+    def write_then_fill(path: Path, limits: object, **kw: object) -> Path:
+        real_write(path.with_name("probe"), limits, **kw)  # the directory was made
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("enforcement.state_tree.write_limits_file", write_then_fill)
+    r = client.post("/v1/slices", json={"request": {"core": 20, "memory": 4}, "slice_id": "s-2"})
+    assert r.status_code == 503, r.text
+    assert r.json()["field"] == "state_dir" and "full" in r.json()["rule"]
+    rows = {a.slice_id for a in agent.ledger.allocations("node-a")}
+    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
+    assert rows == dirs == {kept.json()["slice_id"]}
+
+
+def test_a_limits_file_is_whole_or_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short write (a nearly full disk) is completed; a failing one leaves no file."""
+    import os
+
+    from enforcement import limits
+
+    real = os.write
+    calls: list[int] = []
+
+    def short_then(fd: int, data: bytes, fail: bool = False) -> int:
+        calls.append(len(data))
+        if fail and len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bytes(data[:3]))
+
+    values = {"QGPU_CORE_LIMIT": "30", "QGPU_MEMORY_LIMIT": str(8 << 30)}
+    monkeypatch.setattr(limits.os, "write", short_then)
+    whole = limits.write_limits_file(tmp_path / "a.conf", values)
+    assert len(calls) > 2 and read_limits_file(whole) == values
+    monkeypatch.setattr(limits.os, "write", lambda fd, d: short_then(fd, d, fail=True))
+    with pytest.raises(OSError):
+        limits.write_limits_file(tmp_path / "b.conf", values)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.conf"]
