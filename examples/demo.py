@@ -4,7 +4,8 @@
    machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
 2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
    ``qgpu_ray.options``) next to one unchanged Ray actor that asks for ``num_gpus=0.25``
-   (capped at 25 % and 20 GiB of the GPU Ray gave it), plus one actor through plain
+   (20 GiB of memory capped on the GPU Ray gave it, 25 % of its compute reserved; the
+   node's default isolation, best-effort, puts no compute cap on it), plus one actor through plain
    ``resources=``. Every actor starts
    CUDA through the interposer, loads its "weights" into GPU memory and runs inference
    kernels for a few seconds.
@@ -223,7 +224,8 @@ How to read the tables:
 - node / GPU: the Ray node and the index of the GPU on it (qgpu-node-0 #1 is GPU 1 of node 0).
 - slice: the slice's id; r-... slices were placed by qgpu_ray.options (qgpu chose the GPU
   before Ray scheduled the actor), p-... slices by plain resources={"qgpu-core": ...} (the
-  actor's worker chose its GPU when Ray started it, before the actor's code ran).
+  actor's worker chose its GPU when Ray started it, before the actor's code ran), n-... slices
+  by unchanged num_gpus=... (the GPU Ray gave the worker, bound when Ray started it).
 - qgpu-core: the share of the GPU the actor asked for; placement never commits more than
   100 % of a GPU. compute cap: what the interposer holds the actor to, by isolation:
     fixed-share  never more than its qgpu-core;
