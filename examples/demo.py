@@ -4,7 +4,8 @@
    machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
 2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
    ``qgpu_ray.options``) next to one unchanged Ray actor that asks for ``num_gpus=0.25``
-   (capped at 25 % and 20 GiB of the GPU Ray gave it), plus one actor through plain
+   (capped at 25 % and 20 GiB of the GPU Ray gave it: fixed-share from the job's
+   ``runtime_env``, as a Ray user sets it), plus one actor through plain
    ``resources=``. Every actor starts
    CUDA through the interposer, loads its "weights" into GPU memory and runs inference
    kernels for a few seconds.
@@ -47,8 +48,9 @@ MIX = [
     Model("llm-a", 40, 24, "burst-share"),
     Model("llm-b", 40, 24, "fixed-share"),
     Model("reranker", 10, 4, "best-effort"),
-    # floor(0.25 x 80 GiB) = 20 GiB, round(0.25 x 100) = 25 %, the node's isolation
-    Model("ray-app num_gpus=0.25", 25, 20, "best-effort", num_gpus=0.25),
+    # floor(0.25 x 80 GiB) = 20 GiB, round(0.25 x 100) = 25 %; isolation from the job's
+    # runtime_env (QGPU_ISOLATION), the actor's code and options otherwise unchanged
+    Model("ray-app num_gpus=0.25", 25, 20, "fixed-share", num_gpus=0.25),
 ]
 
 
@@ -115,7 +117,9 @@ def start_mix(policy: str) -> list[tuple[Model, object]]:
     actors = []
     for m in MIX:
         if m.num_gpus is not None:
-            actors.append((m, InferenceActor.options(num_gpus=m.num_gpus).remote()))
+            env = {"env_vars": {"QGPU_ISOLATION": m.isolation}}
+            actor = InferenceActor.options(num_gpus=m.num_gpus, runtime_env=env).remote()
+            actors.append((m, actor))
             continue
         opts = qgpu_ray.options(
             core=m.core,
@@ -223,7 +227,8 @@ How to read the tables:
 - node / GPU: the Ray node and the index of the GPU on it (qgpu-node-0 #1 is GPU 1 of node 0).
 - slice: the slice's id; r-... slices were placed by qgpu_ray.options (qgpu chose the GPU
   before Ray scheduled the actor), p-... slices by plain resources={"qgpu-core": ...} (the
-  actor's worker chose its GPU when Ray started it, before the actor's code ran).
+  actor's worker chose its GPU when Ray started it, before the actor's code ran), n-... slices
+  by unchanged num_gpus=... (the GPU Ray gave the worker, bound when Ray started it).
 - qgpu-core: the share of the GPU the actor asked for; placement never commits more than
   100 % of a GPU. compute cap: what the interposer holds the actor to, by isolation:
     fixed-share  never more than its qgpu-core;

@@ -5,6 +5,7 @@ work rides out CPU starvation when other tests load the machine)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -204,3 +205,44 @@ def test_mixed_gpu_keeps_every_promise(short_tmp: Path, scheduler: str) -> None:
     assert 20 - TOLERANCE <= f1 <= 23 and 20 - TOLERANCE <= f2 <= 23, got
     assert bs >= 37, got  # its guarantee (less the measurement's noise)
     assert be <= 23, got
+
+
+POLICY_MIXES = [
+    mix
+    for n in (2, 3)
+    for mix in itertools.combinations_with_replacement(
+        ["fixed-share", "burst-share", "best-effort"], n
+    )
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheduler", ["timesliced", "fifo"])
+@pytest.mark.parametrize("mix", POLICY_MIXES, ids=lambda m: "+".join(p.split("-")[0] for p in m))
+def test_every_pair_and_triple_of_policies_keeps_its_promises(
+    short_tmp: Path, scheduler: str, mix: tuple[str, ...]
+) -> None:
+    """Every pair and triple of isolation policies on one GPU, 30 % each, on both device
+    models: each fixed-share slice at its cap, each burst-share slice at or above its share,
+    best-effort slices together only what the guaranteed slices leave."""
+    core = 30
+    cfg = write_sim_config(short_tmp / "mix.conf", "H100-80GB", node="mix", scheduler=scheduler)
+    sim = Sim(cfg, short_tmp / "ledgers")
+    procs = [
+        start_burn(sim.slice_env(f"m{i}", core=core, policy=policy)) for i, policy in enumerate(mix)
+    ]
+    wait_ready(procs)
+    got = measure_shares(sim, [(0, p) for p in procs], warmup=0.8, window=1.5)
+    finish(procs)
+    by_policy: dict[str, list[float]] = {
+        p: [] for p in ("fixed-share", "burst-share", "best-effort")
+    }
+    for policy, share in zip(mix, got, strict=True):
+        by_policy[policy].append(share)
+    for share in by_policy["fixed-share"]:
+        assert core - TOLERANCE <= share <= core + 3, (mix, got)
+    for share in by_policy["burst-share"]:
+        assert share >= core - 3, (mix, got)  # its guarantee, less the measurement's noise
+    guaranteed = core * (len(by_policy["fixed-share"]) + len(by_policy["burst-share"]))
+    if by_policy["best-effort"]:
+        assert sum(by_policy["best-effort"]) <= 100 - guaranteed + 3, (mix, got)
