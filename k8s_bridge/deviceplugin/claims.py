@@ -36,7 +36,7 @@ from k8s_bridge.protocol import (
     load_allocated,
     load_assignment,
 )
-from k8s_bridge.resources import Names, PodModel
+from k8s_bridge.resources import ContainerRequest, Names, PodModel, pod_slice_requests
 from qgpu.errors import QgpuError
 
 
@@ -79,9 +79,26 @@ def pending_pods(
             continue
         if assignment.node != node:
             continue
-        for cname in assignment.containers:
-            out.append(Candidate(pod, assignment, allocated, cname))
+        try:
+            asked = {r.container: r for r in pod_slice_requests(names, pod)}
+        except QgpuError:
+            continue
+        for cname, given in assignment.containers.items():
+            # the assignment must be of what the pod's own container asks for: one forged on
+            # a pod that asks for less (or nothing) is not a candidate
+            if cname in asked and _grants(given, asked[cname]):
+                out.append(Candidate(pod, assignment, allocated, cname))
     return out
+
+
+def _grants(given: ContainerAssignment, asked: ContainerRequest) -> bool:
+    """Whether `given` is the slice `asked` requests: its GPU count, per-GPU core and, for a
+    request in GiB, its memory on each GPU."""
+    req = asked.request
+    if req.gpu_count != len(given.gpus) or given.core != req.core_per_gpu:
+        return False
+    per_gpu = req.memory_gib_per_gpu
+    return per_gpu is None or all(m == per_gpu for m in given.memory_gib)
 
 
 def _rank(c: Candidate, kind: Kind) -> tuple[int, int, int, float, str, str]:

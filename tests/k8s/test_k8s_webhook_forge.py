@@ -78,3 +78,23 @@ def test_device_plugin_refuses_a_forged_assignment_of_another_scheduler(make_clu
     # before the check the plugin answered QGPU_CORE_LIMIT=60 on the victim's GPU
     with pytest.raises(AdmissionError, match="no pod assigned to node n0 waits"):
         cluster.kubelets[granted.node].admit(stored)
+
+
+def test_device_plugin_ignores_an_assignment_the_pod_does_not_ask_for(make_cluster) -> None:  # noqa: F811
+    """A pod of the qgpu scheduler that asks for nothing (so the webhook's matchCondition
+    never sends it) or for less than its assignment grants carries a forged assignment: the
+    plugin takes only an assignment that is the slice the pod's own container asks for."""
+    from k8s_bridge.deviceplugin.claims import pending_pods
+
+    cluster = make_cluster()
+    cluster.run(pod_object("victim", [(30, 4)]))
+    granted = assignment_of(cluster.srv, "victim")
+    text = granted.model_copy(update={"bound_at": 2e9}).dumps()
+    asks_nothing = pod_object("thief-a", [], annotations={NAMES.assignment_annotation: text})
+    asks_nothing["spec"].update(schedulerName="qgpu-scheduler", nodeName=granted.node)
+    asks_less = _forged("thief-b", text, granted.node, core=10, memory=2)
+    same = _forged("copy", text, granted.node, core=30, memory=4)
+    pods = [cluster.srv.store.create("pods", p) for p in (asks_nothing, asks_less, same)]
+    victim = cluster.srv.store.get("pods", "default", "victim")
+    found = pending_pods(NAMES, granted.node, [victim, *pods], "qgpu-scheduler")
+    assert sorted(c.pod.metadata.name for c in found) == ["copy", "victim"]
