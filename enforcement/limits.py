@@ -237,15 +237,21 @@ def write_limits_file(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, text.encode())
-        if fsync:
-            os.fsync(fd)
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            data = memoryview(text.encode())
+            while data:  # a nearly full disk may take part of a write: never keep half a file
+                data = data[os.write(fd, data) :]
+            if fsync:
+                os.fsync(fd)
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -4,8 +4,8 @@
    machine's GPUs when NVML is available, else simulated GPUs (2 x H100-80GB per node).
 2. Places a mix of inference actors with ``binpack``, then with ``spread`` (the SDK,
    ``qgpu_ray.options``) next to one unchanged Ray actor that asks for ``num_gpus=0.25``
-   (20 GiB of memory capped on the GPU Ray gave it, 25 % of its compute reserved; the
-   node's default isolation, best-effort, puts no compute cap on it), plus one actor through plain
+   (capped at 25 % and 20 GiB of the GPU Ray gave it: fixed-share from the job's
+   ``runtime_env``, as a Ray user sets it), plus one actor through plain
    ``resources=``. Every actor starts
    CUDA through the interposer, loads its "weights" into GPU memory and runs inference
    kernels for a few seconds.
@@ -48,8 +48,9 @@ MIX = [
     Model("llm-a", 40, 24, "burst-share"),
     Model("llm-b", 40, 24, "fixed-share"),
     Model("reranker", 10, 4, "best-effort"),
-    # floor(0.25 x 80 GiB) = 20 GiB, round(0.25 x 100) = 25 %, the node's isolation
-    Model("ray-app num_gpus=0.25", 25, 20, "best-effort", num_gpus=0.25),
+    # floor(0.25 x 80 GiB) = 20 GiB, round(0.25 x 100) = 25 %; isolation from the job's
+    # runtime_env (QGPU_ISOLATION), the actor's code and options otherwise unchanged
+    Model("ray-app num_gpus=0.25", 25, 20, "fixed-share", num_gpus=0.25),
 ]
 
 
@@ -116,7 +117,9 @@ def start_mix(policy: str) -> list[tuple[Model, object]]:
     actors = []
     for m in MIX:
         if m.num_gpus is not None:
-            actors.append((m, InferenceActor.options(num_gpus=m.num_gpus).remote()))
+            env = {"env_vars": {"QGPU_ISOLATION": m.isolation}}
+            actor = InferenceActor.options(num_gpus=m.num_gpus, runtime_env=env).remote()
+            actors.append((m, actor))
             continue
         opts = qgpu_ray.options(
             core=m.core,

@@ -234,7 +234,12 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         agent=_agent(args.agent_socket),
         workload_gid=args.workload_gid,
     )
-    cfg = PluginConfig(node_name=node, prefix=args.prefix, plugin_dir=Path(args.plugin_dir))
+    cfg = PluginConfig(
+        node_name=node,
+        prefix=args.prefix,
+        plugin_dir=Path(args.plugin_dir),
+        scheduler_name=args.scheduler_name,
+    )
     plugin = QgpuDevicePlugin(cfg, kube, inventory, paths)
     plugin.start()
     stop = threading.Event()
@@ -302,6 +307,11 @@ def register_device_plugin(sub: Any) -> None:
     )
     _common(p)
     p.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
+    p.add_argument(
+        "--scheduler-name",
+        default="qgpu-scheduler",
+        help="honour assignments only on pods with this spec.schedulerName (the extender's)",
+    )
     p.add_argument(
         "--plugin-dir",
         default="/var/lib/kubelet/device-plugins",

@@ -12,6 +12,13 @@ For a pod CREATE whose containers ask for ``<prefix>/qgpu-core`` / ``<prefix>/qg
   by container and resource, e.g. ``spec.containers[0].resources.limits[...qgpu-core]=150:
   must be 1..99 ...``. The slice rules are the core's (`qgpu.model.SliceRequest`, through
   `k8s_bridge.resources`).
+A pod CREATE that presets what only the qgpu scheduler's bind writes is denied, naming the
+field: the assignment / claim annotations (``<prefix>/qgpu-assignment``,
+``<prefix>/qgpu-allocated``) on any pod the webhook sees, and ``spec.nodeName`` on a pod
+that asks for qgpu resources (it would skip the scheduler and the extender; the device
+plugin would hand out whatever GPU the forged assignment names). The bind itself is a
+``pods/binding`` CREATE and the device plugin's claim a plain pod UPDATE; neither is routed
+here (docs/kubernetes.md, trust model).
 For a pod UPDATE the same request rules hold (denied when broken) and the qgpu amounts may
 not change (a slice is allocated once); nothing is patched. Pods without qgpu resources,
 and other operations, are allowed untouched.
@@ -113,6 +120,33 @@ def _amounts(reqs: list[ContainerRequest]) -> list[tuple[str, int, int | None]]:
 Decision = tuple[AdmissionResponse, RuleViolation | None, list[str]]
 
 
+def _preset_binding(names: Names, pod: dict[str, Any], asks: bool) -> RuleViolation | None:
+    """What only the qgpu scheduler's bind (and the device plugin) may write, preset by the
+    pod's author: the assignment / claim annotations (on any pod), and, on a pod that asks
+    for qgpu resources (`asks`), ``spec.nodeName`` (which skips the scheduler and extender)."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if not asks:
+        for key in (names.assignment_annotation, names.allocated_annotation):
+            if key in annotations:
+                return RuleViolation(
+                    f"metadata.annotations[{key}]",
+                    annotations[key],
+                    "only the qgpu scheduler's bind and the device plugin may set it: "
+                    "remove it (a pod cannot choose its own GPU or slice)",
+                )
+        return None
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        return RuleViolation(
+            "spec.nodeName",
+            node,
+            "a pod that asks for qgpu resources is placed by the qgpu scheduler's bind: "
+            "leave nodeName unset (use a nodeSelector or node affinity to choose nodes)",
+        )
+    return None
+
+
 def _decide_update(names: Names, req: AdmissionRequest) -> Decision:
     """An UPDATE (in-place resize): the request rules hold and the qgpu amounts stay."""
     raw, old = req.object or {}, req.old_object
@@ -151,6 +185,9 @@ def decide(
         return _deny(req.uid, exc, []), exc, []
     if req.operation == "UPDATE":
         return _decide_update(names, req)
+    forged = _preset_binding(names, raw, asks=False)
+    if forged is not None:
+        return _deny(req.uid, forged, []), forged, []
     foreign = compat.foreign_in(raw)
     ours = asks_for_qgpu(names, raw)
     if not ours and not foreign and not compat_mode:
@@ -177,6 +214,9 @@ def decide(
         if not asks_for_qgpu(names, pod):
             return AdmissionResponse(uid=req.uid, allowed=True), None, []
         pod_slice_requests(names, parse_pod(pod))
+        preset = _preset_binding(names, pod, asks=True)
+        if preset is not None:
+            raise preset
     except RuleViolation as exc:
         return _deny(req.uid, exc, warnings), exc, []
     named = (pod.get("spec") or {}).get("schedulerName") or ""

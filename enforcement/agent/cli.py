@@ -151,6 +151,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     try:
         return serve(config)
+    except RuleViolation as exc:  # named as the flag the operator typed (--state-dir)
+        raise flag_violation(exc, CONFIG_FLAGS) from None
     except PermissionError as exc:
         raise QgpuError(
             f"{exc.filename or exc}: permission denied; run the agent as root or point "

@@ -326,9 +326,10 @@ class Agent:
         try:
             self._prepare_slice(alloc, self._stored_identity(alloc, stored))
         except BaseException:
-            if created:
+            if created:  # neither its row nor its half-made directory is kept
                 with self._write_lock:
                     self.ledger.release(alloc.slice_id)
+                self.tree.remove(alloc.slice_id)
             raise
 
     def record(self, body: RecordRequest) -> Reservation:

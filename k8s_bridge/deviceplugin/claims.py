@@ -13,6 +13,9 @@ whose resource is not claimed yet. Among several, the order is:
    delivers that node's pods in binding order), then the oldest pod (kubelet sorts a batch
    of new pods by creation time), then namespace/name.
 
+Only pods whose ``spec.schedulerName`` is the qgpu scheduler's count: the extender binds
+no other, so an assignment on another pod was written by its author.
+
 The claim is written to the pod (``<prefix>/qgpu-allocated``) with a resourceVersion
 precondition, so plugin restarts lose nothing and two claims never take one container.
 Equal containers on different GPUs remain ambiguous only if kubelet admits them out of
@@ -33,7 +36,7 @@ from k8s_bridge.protocol import (
     load_allocated,
     load_assignment,
 )
-from k8s_bridge.resources import Names, PodModel
+from k8s_bridge.resources import ContainerRequest, Names, PodModel, pod_slice_requests
 from qgpu.errors import QgpuError
 
 
@@ -53,12 +56,18 @@ class Candidate:
         return self.pod.metadata.uid
 
 
-def pending_pods(names: Names, node: str, pod_objs: list[dict[str, Any]]) -> list[Candidate]:
-    """Every (pod, container) assigned to `node` on a live pod, claimed or not."""
+def pending_pods(
+    names: Names, node: str, pod_objs: list[dict[str, Any]], scheduler_name: str
+) -> list[Candidate]:
+    """Every (pod, container) assigned to `node` on a live pod of `scheduler_name`, claimed or
+    not. A pod of another scheduler was never bound by the extender: an assignment on it is
+    forged (its author wrote the annotation and spec.nodeName), so it is not a candidate."""
     out: list[Candidate] = []
     for obj in pod_objs:
         pod = PodModel.model_validate(obj)
         if pod.terminated or pod.metadata.deletion_timestamp:
+            continue
+        if pod.spec.scheduler_name != scheduler_name:
             continue
         text = pod.annotations.get(names.assignment_annotation)
         if not text:
@@ -70,9 +79,26 @@ def pending_pods(names: Names, node: str, pod_objs: list[dict[str, Any]]) -> lis
             continue
         if assignment.node != node:
             continue
-        for cname in assignment.containers:
-            out.append(Candidate(pod, assignment, allocated, cname))
+        try:
+            asked = {r.container: r for r in pod_slice_requests(names, pod)}
+        except QgpuError:
+            continue
+        for cname, given in assignment.containers.items():
+            # the assignment must be of what the pod's own container asks for: one forged on
+            # a pod that asks for less (or nothing) is not a candidate
+            if cname in asked and _grants(given, asked[cname]):
+                out.append(Candidate(pod, assignment, allocated, cname))
     return out
+
+
+def _grants(given: ContainerAssignment, asked: ContainerRequest) -> bool:
+    """Whether `given` is the slice `asked` requests: its GPU count, per-GPU core and, for a
+    request in GiB, its memory on each GPU."""
+    req = asked.request
+    if req.gpu_count != len(given.gpus) or given.core != req.core_per_gpu:
+        return False
+    per_gpu = req.memory_gib_per_gpu
+    return per_gpu is None or all(m == per_gpu for m in given.memory_gib)
 
 
 def _rank(c: Candidate, kind: Kind) -> tuple[int, int, int, float, str, str]:

@@ -70,6 +70,11 @@ class PluginConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     node_name: str = Field(min_length=1)
+    scheduler_name: str = Field(
+        default="qgpu-scheduler",
+        min_length=1,
+        description="the spec.schedulerName of the pods whose assignments are honoured",
+    )
     prefix: str = "tke.cloud.tencent.com"
     plugin_dir: Path = Path(DEFAULT_PLUGIN_DIR)
     kubelet_socket: str = KUBELET_SOCKET
@@ -331,7 +336,7 @@ class QgpuDevicePlugin:
             pods = self.kube.pods_on_node(self.cfg.node_name)
         except KubeError as exc:
             raise PluginError(grpc.StatusCode.UNAVAILABLE, f"cannot list pods: {exc}") from exc
-        return pending_pods(self.names, self.cfg.node_name, pods)
+        return pending_pods(self.names, self.cfg.node_name, pods, self.cfg.scheduler_name)
 
     def preferred(self, kind: Kind, available: list[str], must: list[str], size: int) -> list[str]:
         by_gpu: dict[str, list[str]] = {}
