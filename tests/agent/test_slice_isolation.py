@@ -186,10 +186,7 @@ int main(int argc, char **argv) {
 def test_interposer_of_another_user_cannot_join_or_shrink_a_slice(state_dir: Path) -> None:
     """The attack of issue 18: a process of another user used a victim slice's ledger to
     make the victim's allocations fail early. Now it cannot even open it."""
-    try:
-        hook = hook_library_path()
-    except Exception:
-        pytest.skip("the interposer is not built")
+    hook = hook_library_path()  # built by the install: a missing one is a failure
     os.chmod(state_dir, 0o755)
     backend = open_backend("sim", sim_spec="1xH100-80GB", state_dir=state_dir, node_name="n")
     agent = Agent(

@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,10 +34,6 @@ from k8s_bridge.kuberay import (
 from k8s_bridge.resources import Names, parse_pod, pod_overrides, pod_slice_requests
 from k8s_bridge.webhook import AdmissionRequest, review
 from qgpu.model import Allocation, IsolationPolicy
-
-kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="needs kubernetes-validate (dev extra)"
-)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -106,8 +103,9 @@ def test_pod_is_admitted_and_routed_to_the_qgpu_scheduler() -> None:
 
 
 def test_pod_matches_the_chart_webhook_and_scheduler_profile() -> None:
-    chart = pytest.importorskip("tests.helm.chart")
-    cel = pytest.importorskip("cel", reason="needs common-expression-language (dev extra)")
+    import cel
+
+    from tests.helm import chart
     rendered = chart.render()
     (hook,) = rendered.get("MutatingWebhookConfiguration", "qgpu-scheduler")["webhooks"]
     pod = _load("pod.yaml")
@@ -220,7 +218,7 @@ def test_raycluster_advertises_exactly_what_the_pods_request(raycluster: Obj) ->
 def _kuberay_node_types(cluster: Obj) -> dict[str, dict]:
     """The Ray resources each group gets, read the way the Ray autoscaler reads a KubeRay
     RayCluster (Ray's own parser of rayStartParams and the typed resources map)."""
-    autoscaling = pytest.importorskip("ray.autoscaler._private.kuberay.autoscaling_config")
+    from ray.autoscaler._private.kuberay import autoscaling_config as autoscaling
     cr = copy.deepcopy(cluster)
     cr["metadata"].setdefault("namespace", "default")
     config = autoscaling._derive_autoscaling_config_from_ray_cr(cr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import cel
 import pytest
 
 from tests.helm.chart import (
@@ -27,8 +28,6 @@ from tests.helm.chart import (
     render,
     validate_all,
 )
-
-cel = pytest.importorskip("cel", reason="needs common-expression-language (dev extra)")
 
 PREFIX = "tke.cloud.tencent.com"
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import promql_parser
 import pytest
 import yaml
 from fastapi.testclient import TestClient
@@ -33,8 +34,6 @@ from tests.agent.conftest import FakeBackend, free_port, h100, make_agent, short
 from tests.fakes.apiserver import FakeApiserver
 from tests.helpers import stop_processes
 from tests.k8s.helpers import NAMES, gpu, pod_object, publish_node
-
-promql_parser = pytest.importorskip("promql_parser", reason="needs promql-parser (dev extra)")
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana-dashboard.json"

@@ -8,10 +8,9 @@ behaviour of the hooks on a real cluster is checked in test_numgpus.py
 from __future__ import annotations
 
 import pytest
+import ray
 
 from qgpu_ray import compat
-
-ray = pytest.importorskip("ray")
 
 
 def test_the_installed_ray_has_every_hook():
