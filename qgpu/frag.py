@@ -108,6 +108,7 @@ REPRICE_DRIFT = 0.05
 # below this fill of the cluster's GPU core, a share never opens an empty GPU while a used
 # GPU can take it (fill measure only; see `FragPolicy.keep_empty`)
 KEEP_EMPTY_BELOW = 0.5
+KEEP_EMPTY_EVIDENCE = 0  # experiment: 0 = the rule never lapses
 
 
 class FragPolicy(Policy):
@@ -123,6 +124,7 @@ class FragPolicy(Policy):
         gap_weight: float | None = None,
         prior: PriorSetting | Literal["configured"] = "configured",
         keep_empty: float | None = None,
+        keep_empty_until: int | None = None,
     ) -> None:
         if measure not in ("fill", "fgd") or weight not in ("demand", "count", "gpus"):
             raise ValueError(f"unknown frag settings measure={measure!r} weight={weight!r}")
@@ -146,6 +148,9 @@ class FragPolicy(Policy):
         if keep_empty is None:
             keep_empty = KEEP_EMPTY_BELOW if measure == "fill" else 0.0
         self.keep_empty = float(keep_empty)
+        if keep_empty_until is None:
+            keep_empty_until = KEEP_EMPTY_EVIDENCE
+        self.keep_empty_until = int(keep_empty_until)
         # the request-mix prior (`qgpu.mix_prior`): counted as arrivals before the first
         # decision; "configured" is QGPU_MIX_PRIOR (the paper's measure has none)
         if prior == "configured":
@@ -153,6 +158,7 @@ class FragPolicy(Policy):
         self.prior: PriorSetting = prior
         self._started = False
         self._observed = 0  # real arrivals counted (not the prior)
+        self._evidence = 0  # real arrivals and seeded live slices (not the prior)
         # the priced mix (gap values), and the mix and slice limit it was priced for
         self.prices: GapPrices | None = None
         self._priced_mix: dict[int, float] = {}
@@ -194,6 +200,7 @@ class FragPolicy(Policy):
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
         self._observed += 1
+        self._evidence += 1
         self._count_request(request)
 
     def _count_request(self, request: SliceRequest, arrivals: int = 1) -> None:
@@ -235,6 +242,7 @@ class FragPolicy(Policy):
                 continue  # host-only work does not use GPUs
             memory = 0 if held.core >= WHOLE_GPU_CORE else int(held.memory[0])
             self._count(held.core, memory, count, (), held.cpu_milli, held.host_memory_mib)
+            self._evidence += 1
 
     def _count(
         self,
@@ -583,6 +591,8 @@ class FragPolicy(Policy):
         if not self.keep_empty or view.core >= WHOLE_GPU_CORE or cap <= 0:
             return per_gpu
         if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
+            return per_gpu
+        if self.keep_empty_until and self._evidence >= self.keep_empty_until:
             return per_gpu
         cand = np.flatnonzero(np.isfinite(per_gpu))
         empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]
