@@ -106,9 +106,12 @@ GAP_WEIGHT = 30.0
 # noise -- or a new size arrives
 REPRICE_DRIFT = 0.05
 # below this fill of the cluster's GPU core, a share never opens an empty GPU while a used
-# GPU can take it (fill measure only; see `FragPolicy.keep_empty`)
+# GPU can take it (fill measure only; see `FragPolicy.keep_empty`) ...
 KEEP_EMPTY_BELOW = 0.5
-KEEP_EMPTY_EVIDENCE = 0  # experiment: 0 = the rule never lapses
+# ... until this many requests have been seen: then the mix's proportions are known to within
+# `REPRICE_DRIFT` (their sampling noise 1 / sqrt(arrivals)), the precision at which frag
+# already treats the mix as known, and frag's own scores decide (docs/placement.md)
+KEEP_EMPTY_EVIDENCE = round(1 / REPRICE_DRIFT**2)
 
 
 class FragPolicy(Policy):
@@ -133,6 +136,13 @@ class FragPolicy(Policy):
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
         if keep_empty is not None and not 0 <= keep_empty <= 1:
             raise ValueError(f"keep_empty must be a fill between 0 and 1, got {keep_empty!r}")
+        if keep_empty_until is not None and not (
+            isinstance(keep_empty_until, int) and keep_empty_until >= 0
+        ):
+            raise ValueError(
+                f"keep_empty_until must be a whole number of requests >= 0 (0: never lapses), "
+                f"got {keep_empty_until!r}"
+            )
         self.measure: Measure = measure
         self.weight: Weight = weight
         # the host term is part of frag's own measure; "fgd" stays the paper's
@@ -148,9 +158,12 @@ class FragPolicy(Policy):
         if keep_empty is None:
             keep_empty = KEEP_EMPTY_BELOW if measure == "fill" else 0.0
         self.keep_empty = float(keep_empty)
+        # ... until this many requests have been seen (observed arrivals, or the live slices
+        # an engine made for one decision starts from; the prior does not count): by then
+        # the mix is known and whole-GPU requests, if they come, are part of it; 0 = never
         if keep_empty_until is None:
             keep_empty_until = KEEP_EMPTY_EVIDENCE
-        self.keep_empty_until = int(keep_empty_until)
+        self.keep_empty_until = keep_empty_until
         # the request-mix prior (`qgpu.mix_prior`): counted as arrivals before the first
         # decision; "configured" is QGPU_MIX_PRIOR (the paper's measure has none)
         if prior == "configured":
@@ -582,10 +595,11 @@ class FragPolicy(Policy):
         return prices.values
 
     def _keep_empty(self, view: CandidateView, per_gpu: np.ndarray) -> np.ndarray:
-        """Below `keep_empty` fill, for a share: `per_gpu` with every empty candidate GPU
-        ranked below every used one (a uniform shift, larger than any other difference of
-        the scores, the host term's at the node level included; the order among the empty
-        GPUs stays frag's). Applied to a copy, after the memoised scores (`_score`)."""
+        """Below `keep_empty` fill, for a share, while fewer than `keep_empty_until` requests
+        have been seen: `per_gpu` with every empty candidate GPU ranked below every used one
+        (a uniform shift, larger than any other difference of the scores, the host term's at
+        the node level included; the order among the empty GPUs stays frag's). Applied to a
+        copy, after the memoised scores (`_score`)."""
         s = view.state
         cap = float(s.cap_core.sum())
         if not self.keep_empty or view.core >= WHOLE_GPU_CORE or cap <= 0:

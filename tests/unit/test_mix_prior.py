@@ -9,7 +9,7 @@ import pytest
 
 from qgpu.cli import main as cli_main
 from qgpu.errors import RuleViolation
-from qgpu.frag import FragPolicy
+from qgpu.frag import KEEP_EMPTY_EVIDENCE, FragPolicy
 from qgpu.mix_prior import (
     DEFAULT_PRIOR,
     PRIOR_ENV,
@@ -136,6 +136,24 @@ def test_below_half_full_a_share_never_opens_an_empty_gpu_a_used_one_could_spare
     assert placed == {0.0: ("n-g2",), None: ("n-g0",)}
     with pytest.raises(ValueError, match="keep_empty"):
         FragPolicy(keep_empty=1.5)
+    with pytest.raises(ValueError, match="keep_empty_until"):
+        FragPolicy(keep_empty_until=-1)
+
+
+def test_the_keep_empty_rule_lapses_once_enough_requests_were_seen():
+    # the same three requests; the rule holds while fewer than `keep_empty_until` requests
+    # have been seen (the 50 is the third), then frag's own scores decide (they open g2)
+    placed = {}
+    for until in (3, 4, 0):
+        engine = Engine(
+            ClusterState([node("n", 4)]), FragPolicy(prior=None, keep_empty_until=until)
+        )
+        engine.place("a", SliceRequest(core=30, memory_gib=2))
+        engine.place("b", SliceRequest(core=100))
+        placed[until] = engine.place("c", SliceRequest(core=50, memory_gib=5)).gpu_uuids
+    assert placed == {3: ("n-g2",), 4: ("n-g0",), 0: ("n-g0",)}  # 0: it never lapses
+    # by default it lapses when the mix is known to within frag's repricing drift (5%)
+    assert FragPolicy().keep_empty_until == KEEP_EMPTY_EVIDENCE == 400
     assert FragPolicy(measure="fgd").keep_empty == 0  # the paper's measure stays as published
 
 
