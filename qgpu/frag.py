@@ -58,6 +58,12 @@ situations (same node state, same GPU state) are scored once.
 A policy that has observed nothing (an engine made for one decision, as the ledger and the
 Ray SDK do) takes the slices already placed in the cluster as the mix; in an empty cluster it
 then chooses exactly like binpack.
+
+Before the mix is known (fill measure only): frag counts a prior (`qgpu.mix_prior`) as
+arrivals, and while the cluster's GPU core is less than half allocated a share never opens
+an empty GPU that a used one could spare (``keep_empty``) -- until 400 requests have been
+seen (``keep_empty_until``), when the mix's proportions are known to within the repricing
+drift and frag's own scores decide.
 """
 
 from __future__ import annotations
