@@ -30,7 +30,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +88,14 @@ CREATE TABLE IF NOT EXISTS slice_attrs (
 CREATE INDEX IF NOT EXISTS slice_attrs_by_expiry ON slice_attrs(expires_at)
     WHERE expires_at IS NOT NULL;
 """
+
+
+Prepare = Callable[[Allocation], None]
+"""Work that must be done before a new slice is committed (the node agent makes the
+slice's files): called inside the write transaction after the checked insert; raising
+rolls the transaction back, so the slice is recorded only when its `Prepare` succeeded. A
+rollback writes nothing to the database file, so it works on a disk that turned
+read-only."""
 
 
 class OverCommit(QgpuError):
@@ -264,11 +272,13 @@ class Ledger:
         policy: PlacementPolicy | str | None = None,
         gpu_policy: PlacementPolicy | str | None = None,
         attrs: SliceAttrs | None = None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
         """Place and record a slice atomically. Raises NoFit, RuleViolation or OverCommit.
 
         With a `slice_id` that already exists for the same owner, returns the existing
-        allocation (a retried reservation is not placed twice).
+        allocation (a retried reservation is not placed twice). `prepare` (see `Prepare`)
+        runs for a new slice inside the transaction, before the commit.
         """
         owner = owner or Owner()
         slice_id = slice_id or new_slice_id()
@@ -286,6 +296,8 @@ class Ledger:
                 alloc = _allocation(slice_id, decision, request, inv, owner)
                 mems = decision.memory_gib_per_gpu
                 self._insert_checked(db, alloc, mems, request, inv, attrs)
+                if prepare is not None:
+                    prepare(alloc)
             self._cached_apply(alloc, mems, request)
         return alloc
 
@@ -294,13 +306,19 @@ class Ledger:
         alloc: Allocation,
         request: SliceRequest | None = None,
         attrs: SliceAttrs | None = None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
-        """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked."""
+        """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked;
+        `prepare` as for `reserve`."""
         with self._wlock:
-            return self._record(alloc, request, attrs)
+            return self._record(alloc, request, attrs, prepare)
 
     def _record(
-        self, alloc: Allocation, request: SliceRequest | None, attrs: SliceAttrs | None
+        self,
+        alloc: Allocation,
+        request: SliceRequest | None,
+        attrs: SliceAttrs | None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
         with self._tx() as db:
             existing = self._get(db, alloc.slice_id)
@@ -321,6 +339,8 @@ class Ledger:
                 isolation=alloc.isolation,
             )
             self._insert_checked(db, alloc, mems, req, inv, attrs)
+            if prepare is not None:
+                prepare(alloc)
         self._cached_apply(alloc, mems, req)
         return alloc
 
