@@ -452,10 +452,18 @@ class Agent:
         return ReleaseResult(slice_id=slice_id, released=released)
 
     def _release_locked(self, slice_id: str, reason: str) -> bool:
-        """Release with the slice's stripe lock held."""
-        with self._write_lock:
-            released = self.ledger.release(slice_id)
-            self._storage_error = None
+        """Release with the slice's stripe lock held. The limits file is moved aside first:
+        where the slice files cannot be written (a read-only disk) the release is refused
+        with nothing changed, and where the commit fails (a full disk) it is put back."""
+        retired = is_slice_id(slice_id) and self.tree.retire_limits(slice_id)
+        try:
+            with self._write_lock:
+                released = self.ledger.release(slice_id)
+                self._storage_error = None
+        except BaseException:
+            if retired:
+                self.tree.unretire_limits(slice_id)
+            raise
         if is_slice_id(slice_id):
             self.tree.remove_limits(slice_id)
             self._drop_slice_dir(slice_id)
