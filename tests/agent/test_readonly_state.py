@@ -129,9 +129,9 @@ echo "exit $?"
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
+        agent = agent_command(state_dir, *SIM)
         self.proc = subprocess.Popen(
-            [*NAMESPACE, "sh", "-c", self.SCRIPT, "ns", str(state_dir)]
-            + agent_command(state_dir, *SIM),
+            [*NAMESPACE, "sh", "-c", self.SCRIPT, "ns", str(state_dir), *agent],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
