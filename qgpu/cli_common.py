@@ -199,7 +199,9 @@ def deprecated_alias(
     type: Callable[[str], Any] | None = None,
 ) -> None:
     """Accept `old` as a hidden, deprecated spelling of `replacement` (same destination)."""
-    parser.add_argument(old, dest=dest, type=type, action=_DeprecatedAlias, replacement=replacement)
+    parser.add_argument(
+        old, dest=dest, type=type, action=_DeprecatedAlias, replacement=replacement
+    )
 
 
 def add_isolation_option(

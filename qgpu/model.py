@@ -103,7 +103,9 @@ def check_slice_id(value: object, field: str = "slice_id") -> str:
     return value  # type: ignore[return-value]
 
 
-def parse_choice(value: Any, choices: Mapping[str, _T], field: str, names: str | None = None) -> _T:
+def parse_choice(
+    value: Any, choices: Mapping[str, _T], field: str, names: str | None = None
+) -> _T:
     """The one case rule for every enumerated value (isolation, placement, owner kinds, and
     the command lines' --backend, --enforcement, --log-level...): a value is matched
     ignoring case and surrounding whitespace against the lower-case names in `choices`

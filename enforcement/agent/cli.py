@@ -201,7 +201,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         help="unix socket (default: $QGPU_AGENT_SOCKET, else <state-dir>/agent.sock when "
         "--state-dir is given, else /run/qgpu/agent.sock)",
     )
-    p.add_argument("--tcp-port", type=int, help="also listen on loopback TCP (needs --token-file)")
+    p.add_argument(
+        "--tcp-port", type=int, help="also listen on loopback TCP (needs --token-file)"
+    )
     p.add_argument("--tcp-host", default="127.0.0.1", help="loopback address for --tcp-port")
     p.add_argument("--token-file", help="bearer token for TCP clients (file mode 600)")
     p.add_argument("--node-name", help="node name (default: the hostname)")
