@@ -7,7 +7,8 @@ anything would be over-committed. SQLite's write lock serialises writers across 
 and processes; WAL keeps readers unblocked; a committed slice survives ``kill -9``.
 
 Release is idempotent. Each slice records its owner (pid, Ray actor, pod uid, ...) so the
-node agent's reconcile can release slices whose owner is gone, and optionally `SliceAttrs`
+node agent's reconcile can release slices whose owner is gone (`adopt` records a restarted
+process of the same owner), and optionally `SliceAttrs`
 (written in the same transaction): a lease (``expires_at``, the slice returns by itself
 unless renewed) and the uid/gid its processes run as.
 
@@ -353,6 +354,22 @@ class Ledger:
             if released:
                 self._cached_release(slice_id)
         return released
+
+    def adopt(self, slice_id: str, owner: Owner) -> Allocation | None:
+        """Record `owner` (the same kind and id, other ``meta``: a restarted process of the
+        same holder) as the holder of an existing slice; None when the slice is gone.
+        Which holder may adopt is the caller's rule (the node agent: when the previous
+        process is gone)."""
+        with self._wlock, self._tx() as db:
+            existing = self._get(db, slice_id)
+            if existing is None:
+                return None
+            _same_owner_or_raise(existing, owner)
+            db.execute(
+                "UPDATE slices SET owner_meta=? WHERE slice_id=?",
+                (json.dumps(owner.meta, sort_keys=True), slice_id),
+            )
+            return existing.model_copy(update={"owner": owner})
 
     # -- slice attributes (leases, identity) -------------------------------------------
 

@@ -314,6 +314,7 @@ class Agent:
                 )
                 self._storage_error = None
             if not created:
+                alloc = self._adopted(alloc, owner)
                 self._recheck_files(alloc)
         self.counters.add("reservations", "ok")
         log.info(
@@ -349,6 +350,28 @@ class Agent:
                     self.tree.remove(sid)
             raise
         return alloc, bool(made)
+
+    def _adopted(self, alloc: Allocation, owner: Owner) -> Allocation:
+        """A repeated reservation by a restarted process of the slice's owner (same kind
+        and id, another ``meta.pid``: a Dask worker restarted under its name) takes the slice
+        over, so that reconcile follows the new process; while the previous process still
+        runs, the slice stays its own (stripe lock held)."""
+        before = _owner_process(alloc.owner)
+        if before == _owner_process(owner):
+            return alloc
+        if self.registry.check(alloc.owner) is Liveness.ALIVE:
+            raise RuleViolation(
+                "slice_id",
+                alloc.slice_id,
+                f"is held by {alloc.owner.kind.value} {alloc.owner.id!r} in process "
+                f"{before[0]}, which is still running; stop it or choose another slice id",
+            )
+        with self._write_lock:
+            adopted = self.ledger.adopt(alloc.slice_id, owner)
+        if adopted is None:
+            raise NotFound("slice_id", alloc.slice_id, "was released meanwhile; reserve again")
+        log.info("%s taken over by %s:%s", alloc.slice_id, owner.kind.value, owner.id)
+        return adopted
 
     def _recheck_files(self, alloc: Allocation) -> None:
         """A repeated reservation re-checks its older slice's files (never undoes it)."""
@@ -784,6 +807,12 @@ def _new_id() -> str:
     from qgpu.ledger import new_slice_id
 
     return new_slice_id()
+
+
+def _owner_process(owner: Owner) -> tuple[str | None, str | None]:
+    """The process an owner names (pid and start time), if any."""
+    pid = owner.id if owner.kind is OwnerKind.PID else owner.meta.get("pid")
+    return pid, owner.meta.get("start_time")
 
 
 def _environ_slice_id(pid: int) -> str | None:
