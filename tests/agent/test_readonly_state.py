@@ -22,7 +22,10 @@ Where user namespaces are not allowed (``kernel.unprivileged_userns_clone=0``, A
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -35,8 +38,14 @@ import pytest
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
 from enforcement.limits import read_limits_file
-from qgpu.ledger import Ledger
-from tests.agent.conftest import REPO, agent_command, short_tmp, start_agent, stop_agent
+from tests.agent.conftest import (
+    REPO,
+    agent_command,
+    short_tmp,
+    start_agent,
+    stop_agent,
+)
+from tests.agent.conftest import rows_and_dirs as _state
 
 SIM = ("--sim", "2xH100-80GB")
 NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount"]
@@ -74,17 +83,6 @@ def _needs_namespaces() -> None:
     problem = _namespace_problem()
     if problem is not None:
         pytest.skip(problem)
-
-
-def _state(state_dir: Path) -> tuple[set[str], set[str]]:
-    """The slices the SQLite ledger holds, and the slices that have a directory."""
-    ledger = Ledger(state_dir / "ledger.sqlite")
-    try:
-        rows = {a.slice_id for a in ledger.allocations("node-a")}
-    finally:
-        ledger.close()
-    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
-    return rows, dirs
 
 
 @pytest.mark.slow
@@ -137,8 +135,16 @@ echo "exit $?"
             text=True,
             cwd=REPO,
         )
-        self.agent_pid = int(self._answer("agent"))
-        self._wait_until_serving()
+        try:
+            self.agent_pid = int(self._answer("agent"))
+            self._wait_until_serving()
+        except BaseException:
+            if hasattr(self, "agent_pid"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.agent_pid, signal.SIGKILL)
+            self.proc.kill()  # the shell; its namespace and mounts end with it
+            self.proc.wait()
+            raise
 
     def _answer(self, word: str) -> str:
         assert self.proc.stdout is not None

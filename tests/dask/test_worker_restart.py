@@ -8,19 +8,16 @@ used to be placed beside the orphaned first one.
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from distributed import Client
 
 from qgpu_dask.agent import LocalAgent, worker_slice_id
 from tests.dask import workloads
-from tests.dask.conftest import live_slices
+from tests.dask.conftest import live_slices, local_agent
 from tests.dask.test_worker_cli import client, joined, scheduler, start_worker
 from tests.helpers import wait_until
 
@@ -31,11 +28,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def slow_agent() -> Iterator[LocalAgent]:
-    root = Path(tempfile.mkdtemp(prefix="qgpu-dask-r-", dir="/tmp"))
-    agent = LocalAgent(root / "agent", gpus="2xH100-80GB", reconcile_interval=600)
-    yield agent
-    agent.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    with local_agent(600) as agent:
+        yield agent
 
 
 def _kill(proc: subprocess.Popen[str], client: Client) -> None:
