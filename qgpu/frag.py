@@ -188,6 +188,10 @@ class FragPolicy(Policy):
         self._score_memo: tuple[ClusterState, tuple, np.ndarray] | None = None
         self._last_gpu_scores = np.zeros(0)
         self._keys: _StateKeys | None = None
+        # per node the host CPU and memory its GPUs' copies need (`_host_need`)
+        self._need_key: tuple[ClusterState, tuple[int, int]] | None = None
+        self._need_seen = np.zeros(0, dtype=np.int64)
+        self._need = np.zeros((0, 2))
 
     # -- the request mix ------------------------------------------------------------------
 
@@ -291,6 +295,7 @@ class FragPolicy(Policy):
         self.k_count = np.asarray(self._k_count, dtype=np.int64)
         self.k_whole = self.k_core >= WHOLE_GPU_CORE
         self.whole_cols = np.flatnonzero(self.k_whole)
+        self.share_cols = np.flatnonzero(~self.k_whole)
         self.t_class = np.asarray(self._t_class, dtype=np.int64)
         # types grouped by class (every class has at least one type)
         self.t_by_class = np.argsort(self.t_class, kind="stable")
@@ -486,6 +491,51 @@ class FragPolicy(Policy):
                 return out
         self._refresh(s)
         per_gpu, per_node = self._usable_per_gpu(s)
+        # Where the node's host can still feed every copy its GPUs hold of every type after
+        # the request, the score is exactly minus the sum of the dropped copies' values
+        # (`_lost_on_roomy_hosts`); elsewhere the full measure (`_full_scores`).
+        roomy = self._roomy_after(s, per_node, cand, req.cpu_milli, req.host_memory_mib)
+        if roomy.all():
+            out[cand] = 0.0 - self._lost_on_roomy_hosts(view, cand, per_gpu, per_node)
+        else:
+            easy, hard = cand[roomy], cand[~roomy]
+            if len(easy):
+                out[easy] = 0.0 - self._lost_on_roomy_hosts(view, easy, per_gpu, per_node)
+            out[hard] = self._full_scores(view, hard, per_gpu, per_node)
+        if self.gap_weight and view.core < WHOLE_GPU_CORE:
+            # gap values: what the GPU's gap is worth afterwards, less what it was worth (a
+            # gap holds at most as many more shares as the GPU has slices left)
+            free = s.free_core[cand]
+            by_room = self.gap_by_room(s)
+            top = by_room.shape[0] - 1
+            room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
+            after = by_room[np.maximum(room - 1, 0), free - view.core]
+            out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
+        self._score_memo = (s, depends, out)
+        return out
+
+    def _drop(
+        self, view: CandidateView, gpus: np.ndarray, per_gpu: np.ndarray
+    ) -> np.ndarray:
+        """Per GPU of `gpus` x class: copies of each share class the request takes away from
+        the GPU (times its GPU count); for a whole class, 1 per GPU count where the GPU is a
+        free whole GPU (turned into whole copies per node by `_whole`)."""
+        s = view.state
+        room_after = np.where(s.healthy[gpus], s.max_slices[gpus] - s.slices[gpus] - 1, 0)
+        share_after = self._copies(
+            s.free_core[gpus] - view.core, s.free_mem[gpus] - view.memory[gpus], room_after
+        )
+        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[gpus]
+        return view.request.gpu_count * (per_gpu[gpus] - after_gpu)
+
+    def _full_scores(
+        self, view: CandidateView, cand: np.ndarray, per_gpu: np.ndarray, per_node: np.ndarray
+    ) -> np.ndarray:
+        """Per GPU of `cand`: the change of expected usable core (times the total weight)
+        if the request went there -- the measure itself, host copies before and after
+        included (see the module docstring)."""
+        s = view.state
+        req = view.request
         # score each distinct (node state, GPU state) once
         reps, inverse, gpu_key = self._state_keys(s).distinct(cand)
         g = cand[reps]
@@ -501,13 +551,7 @@ class FragPolicy(Policy):
         # copies of each class the candidate GPU(s) would take away from their node
         # (computed once per distinct GPU state, then spread to the candidates)
         _, first, state_of = np.unique(gpu_key[g], return_index=True, return_inverse=True)
-        gu = g[first]
-        room_after = np.where(s.healthy[gu], s.max_slices[gu] - s.slices[gu] - 1, 0)
-        share_after = self._copies(
-            s.free_core[gu] - view.core, s.free_mem[gu] - view.memory[gu], room_after
-        )
-        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[gu]
-        drop = (req.gpu_count * (per_gpu[gu] - after_gpu))[state_of]
+        drop = self._drop(view, g[first], per_gpu)[state_of]
         cols = self.whole_cols
         if len(cols):  # whole classes count groups of `count` free GPUs: not linear
             free = per_node[:, cols][n]
@@ -526,18 +570,70 @@ class FragPolicy(Policy):
             short = slack[:, tight][at]
             d = drop[:, self.t_class[tight]]
             lost += np.where(short < 0, np.maximum(short + d, 0.0), 0.0) @ values[tight]
-        out[cand] = (host_only[at] - lost - before[at])[inverse]
-        if self.gap_weight and view.core < WHOLE_GPU_CORE:
-            # gap values: what the GPU's gap is worth afterwards, less what it was worth (a
-            # gap holds at most as many more shares as the GPU has slices left)
-            free = s.free_core[cand]
-            by_room = self.gap_by_room(s)
-            top = by_room.shape[0] - 1
-            room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
-            after = by_room[np.maximum(room - 1, 0), free - view.core]
-            out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
-        self._score_memo = (s, depends, out)
-        return out
+        return (host_only[at] - lost - before[at])[inverse]
+
+    def _lost_on_roomy_hosts(
+        self, view: CandidateView, cand: np.ndarray, per_gpu: np.ndarray, per_node: np.ndarray
+    ) -> np.ndarray:
+        """`_full_scores` negated, for GPUs whose node's host has slack for every type after
+        the request (`_roomy_after`): host copies limit nothing there, so a type loses all
+        of its drop, and the score is minus the dropped copies' values -- sum over classes
+        of drop x the class's value. Share classes' drops depend on the GPU's state alone
+        (each distinct state once); whole classes' on the node's free whole GPUs too.
+        Integers throughout: bit for bit what `_full_scores` gives."""
+        values = self.t_weight * self.t_unit
+        by_class = np.add.reduceat(values[self.t_by_class], self.class_starts)
+        keys = self._state_keys(view.state).gpu_key[cand]
+        _, first, state_of = np.unique(keys, return_index=True, return_inverse=True)
+        drop = self._drop(view, cand[first], per_gpu)
+        cols = self.whole_cols
+        if not len(cols):
+            return (drop @ by_class)[state_of]
+        shares = self.share_cols
+        lost = (drop[:, shares] @ by_class[shares])[state_of]
+        free = per_node[view.state.gpu_node[cand]][:, cols]
+        whole = self._whole(free, cols) - self._whole(free - drop[state_of][:, cols], cols)
+        return lost + whole @ by_class[cols]
+
+    def _roomy_after(
+        self, s: ClusterState, per_node: np.ndarray, cand: np.ndarray, cpu: int, hostmem: int
+    ) -> np.ndarray:
+        """Per GPU of `cand`: does its node keep, after `cpu` and `hostmem` are taken, the
+        host CPU and memory to feed every copy of every type its GPUs hold (H >= G for all
+        types in `_full_scores`)? A sufficient test, exact in float64."""
+        need = self._host_need(s, per_node)
+        if not need.any():
+            return np.ones(len(cand), dtype=bool)
+        n = s.gpu_node[cand]
+        free_cpu = np.minimum(s.node_free_cpu[n] - cpu, np.int64(_MANY))
+        free_mem = np.minimum(s.node_free_hostmem[n] - hostmem, np.int64(_MANY))
+        return (free_cpu >= need[n, 0]) & (free_mem >= need[n, 1])
+
+    def _host_need(self, s: ClusterState, per_node: np.ndarray) -> np.ndarray:
+        """Per node: (host CPU, host memory) that feeding every copy its GPUs hold of the
+        hungriest type would take; kept per node like the copies (`_usable_per_gpu`), and
+        afresh when a type arrives."""
+        types = self._arrays_shape
+        if self._need_key is None or self._need_key[0] is not s or self._need_key[1] != types:
+            self._need_key = (s, types)
+            self._need_seen = s.node_version.copy()
+            self._need = np.zeros((len(s.nodes), 2))
+            if self.t_cpu.any() or self.t_hostmem.any():
+                self._need = self._need_of(per_node)
+            return self._need
+        if not (self.t_cpu.any() or self.t_hostmem.any()):
+            return self._need
+        nodes = np.flatnonzero(s.node_version != self._need_seen)
+        if len(nodes):
+            self._need[nodes] = self._need_of(per_node[nodes])
+            self._need_seen[nodes] = s.node_version[nodes]
+        return self._need
+
+    def _need_of(self, per_node: np.ndarray) -> np.ndarray:
+        copies = self._gpu_copies(per_node).astype(np.float64)
+        return np.stack(
+            [(copies * self.t_cpu).max(axis=1), (copies * self.t_hostmem).max(axis=1)], axis=1
+        )
 
     def gap_values(self, state: ClusterState) -> np.ndarray:
         """V[x], x = 0..100: what a gap of x free qgpu-core is worth to the mix
