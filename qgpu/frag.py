@@ -514,9 +514,7 @@ class FragPolicy(Policy):
         self._score_memo = (s, depends, out)
         return out
 
-    def _drop(
-        self, view: CandidateView, gpus: np.ndarray, per_gpu: np.ndarray
-    ) -> np.ndarray:
+    def _drop(self, view: CandidateView, gpus: np.ndarray, per_gpu: np.ndarray) -> np.ndarray:
         """Per GPU of `gpus` x class: copies of each share class the request takes away from
         the GPU (times its GPU count); for a whole class, 1 per GPU count where the GPU is a
         free whole GPU (turned into whole copies per node by `_whole`)."""
