@@ -67,7 +67,7 @@ from typing import Literal
 
 import numpy as np
 
-from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps
+from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps, warm_up
 from qgpu.mix_prior import PriorSetting, configured_prior, resolve_prior
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
 from qgpu.placement import (
@@ -181,6 +181,7 @@ class FragPolicy(Policy):
         self._seen = np.zeros(0, dtype=np.int64)  # node_version the per-GPU copies reflect
         self._per_gpu = np.zeros((0, 0))
         self._per_node = np.zeros((0, 0))
+        self._gpu_cols = self._node_cols = _Columns(np.zeros((0, 0)))
         self._last_view: CandidateView | None = None
         # the state version the incremental per-GPU copies were last brought up to date at
         self._snap_version = -1
@@ -394,8 +395,9 @@ class FragPolicy(Policy):
         if self._cache_key is None or self._cache_key[0] is not s:
             self._cache_key = (s, k)
             self._seen = s.node_version.copy()
-            self._per_gpu = self._rows(s, np.arange(s.gpu_total))
-            self._per_node = _sum_per_node(s, self._per_gpu)
+            self._gpu_cols = _Columns(self._rows(s, np.arange(s.gpu_total)))
+            self._node_cols = _Columns(_sum_per_node(s, self._gpu_cols.table))
+            self._per_gpu, self._per_node = self._gpu_cols.table, self._node_cols.table
             self._snap_version = s.version
             return self._per_gpu, self._per_node
         known = self._cache_key[1]
@@ -403,8 +405,8 @@ class FragPolicy(Policy):
             return self._per_gpu, self._per_node  # nothing changed since the last call
         if known < k:  # new classes: their columns from the current state
             new = self._rows(s, np.arange(s.gpu_total), slice(known, k))
-            self._per_gpu = np.concatenate([self._per_gpu, new], axis=1)
-            self._per_node = np.concatenate([self._per_node, _sum_per_node(s, new)], axis=1)
+            self._per_gpu = self._gpu_cols.append(new)
+            self._per_node = self._node_cols.append(_sum_per_node(s, new))
             self._cache_key = (s, k)
         nodes = np.flatnonzero(s.node_version != self._seen)
         if len(nodes):
@@ -589,9 +591,13 @@ class FragPolicy(Policy):
             return (drop @ by_class)[state_of]
         shares = self.share_cols
         lost = (drop[:, shares] @ by_class[shares])[state_of]
-        free = per_node[view.state.gpu_node[cand]][:, cols]
-        whole = self._whole(free, cols) - self._whole(free - drop[state_of][:, cols], cols)
-        return lost + whole @ by_class[cols]
+        # only a free whole GPU drops whole copies (a share on a used GPU drops none)
+        hit = np.flatnonzero(drop[:, cols].any(axis=1)[state_of])
+        if len(hit):
+            free = per_node[:, cols][view.state.gpu_node[cand[hit]]]
+            d = drop[:, cols][state_of[hit]]
+            lost[hit] += (self._whole(free, cols) - self._whole(free - d, cols)) @ by_class[cols]
+        return lost
 
     def _roomy_after(
         self, s: ClusterState, per_node: np.ndarray, cand: np.ndarray, cpu: int, hostmem: int
@@ -753,6 +759,14 @@ class FragPolicy(Policy):
             self._keys.update()
         return self._keys
 
+    def prepare(self, state: ClusterState) -> None:
+        """Load the LP solver (`qgpu.gap_prices.warm_up`) and key the state's GPUs and
+        nodes, so that the first decision costs what any other does (fill measure only:
+        the paper's measure prices nothing)."""
+        if self.gap_weight:
+            warm_up()
+        self._state_keys(state)
+
     def node_scores(self, view: CandidateView) -> np.ndarray:
         per_gpu = self._keep_empty(view, self._score(view))
         self._last_view = view
@@ -817,6 +831,27 @@ def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
     np.cumsum(per_gpu, axis=0, out=csum[1:])
     start = state.node_start
     return csum[start + state.node_gpu_count] - csum[start]
+
+
+class _Columns:
+    """A float table that grows by columns (a class arriving adds one): a buffer with
+    spare columns, so that appending does not copy the whole table each time."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self._buf = np.empty((table.shape[0], max(16, 2 * table.shape[1])))
+        self._buf[:, : table.shape[1]] = table
+        self.table = self._buf[:, : table.shape[1]]
+
+    def append(self, new: np.ndarray) -> np.ndarray:
+        """The table with `new`'s columns appended (also as `table`)."""
+        have, add = self.table.shape[1], new.shape[1]
+        if have + add > self._buf.shape[1]:
+            buf = np.empty((self._buf.shape[0], 2 * (have + add)))
+            buf[:, :have] = self.table
+            self._buf = buf
+        self._buf[:, have : have + add] = new
+        self.table = self._buf[:, : have + add]
+        return self.table
 
 
 def _mixed(values: np.ndarray) -> np.ndarray:
