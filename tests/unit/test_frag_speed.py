@@ -171,3 +171,22 @@ def test_knapsack_matches_its_earlier_form() -> None:
         old_v, old_c = _knapsack_before(reduced, sizes, items)
         assert new_v.tobytes() == old_v.tobytes()
         assert np.array_equal(new_c, old_c)
+
+
+@pytest.mark.parametrize("gpus", [5, 500])  # both of `_copies`'s paths (direct, grouped)
+def test_copies_match_integer_division(gpus: int) -> None:
+    """`FragPolicy._copies` divides in float64; its earlier form divided integers."""
+    rng = np.random.default_rng(gpus)
+    policy = FragPolicy()
+    for core in (1, 3, 7, 10, 25, 33, 50, 99, 100, 200):
+        for memory in (0, 1, 3, 16, 80):
+            policy._count(core, memory, max(1, core // 100), (), 0, 0)
+    policy._refresh_types()
+    core = rng.integers(-3, 101, gpus)
+    mem = rng.integers(-3, 90, gpus)
+    room = rng.integers(-2, 20, gpus)
+    got = policy._copies(core, mem, room)
+    c, m = np.clip(core, -1, None)[:, None], np.clip(mem, -1, None)[:, None]
+    n = np.minimum(c // policy.k_core[None, :], m // np.maximum(policy.k_mem, 1)[None, :])
+    want = np.minimum(n, np.clip(room, 0, 255)[:, None]).astype(np.float64)
+    assert got.tobytes() == want.tobytes()
