@@ -588,21 +588,23 @@ class FragPolicy(Policy):
         Integers throughout: bit for bit what `_full_scores` gives."""
         values = self.t_weight * self.t_unit
         by_class = np.add.reduceat(values[self.t_by_class], self.class_starts)
-        keys = self._state_keys(view.state).gpu_key[cand]
-        _, first, state_of = np.unique(keys, return_index=True, return_inverse=True)
-        drop = self._drop(view, cand[first], per_gpu)
+        # each distinct (node state, GPU state) once, as in `_full_scores`
+        reps, inverse, gpu_key = self._state_keys(view.state).distinct(cand)
+        g = cand[reps]
+        _, first, state_of = np.unique(gpu_key[g], return_index=True, return_inverse=True)
+        drop = self._drop(view, g[first], per_gpu)
         cols = self.whole_cols
         if not len(cols):
-            return (drop @ by_class)[state_of]
+            return (drop @ by_class)[state_of][inverse]
         shares = self.share_cols
         lost = (drop[:, shares] @ by_class[shares])[state_of]
         # only a free whole GPU drops whole copies (a share on a used GPU drops none)
         hit = np.flatnonzero(drop[:, cols].any(axis=1)[state_of])
         if len(hit):
-            free = per_node[:, cols][view.state.gpu_node[cand[hit]]]
+            free = per_node[:, cols][view.state.gpu_node[g[hit]]]
             d = drop[:, cols][state_of[hit]]
             lost[hit] += (self._whole(free, cols) - self._whole(free - d, cols)) @ by_class[cols]
-        return lost
+        return lost[inverse]
 
     def _roomy_after(
         self, s: ClusterState, per_node: np.ndarray, cand: np.ndarray, cpu: int, hostmem: int
