@@ -36,28 +36,20 @@ class _FullMeasure(FragPolicy):
         pass
 
 
-class _Recording(FragPolicy):
-    """The policy under test; remembers the node scores of every decision."""
+def _recording(base: type[FragPolicy]) -> FragPolicy:
+    """A `base` policy that remembers the node scores of every decision (`scores`)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.scores: list[np.ndarray] = []
+    class _Recording(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.scores: list[np.ndarray] = []
 
-    def node_scores(self, view: CandidateView) -> np.ndarray:
-        out = super().node_scores(view)
-        self.scores.append(out.copy())
-        return out
+        def node_scores(self, view: CandidateView) -> np.ndarray:
+            out = super().node_scores(view)
+            self.scores.append(out.copy())
+            return out
 
-
-class _RecordingFull(_FullMeasure):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scores: list[np.ndarray] = []
-
-    def node_scores(self, view: CandidateView) -> np.ndarray:
-        out = super().node_scores(view)
-        self.scores.append(out.copy())
-        return out
+    return _Recording()
 
 
 def _cluster(rng: random.Random) -> list[NodeInventory]:
@@ -117,10 +109,10 @@ def _replay(seed: int, policy: FragPolicy) -> list[object]:
 
 @pytest.mark.parametrize("seed", range(24))
 def test_fast_paths_decide_and_score_as_the_full_measure(seed: int) -> None:
-    fast, full = _Recording(), _RecordingFull()
+    fast, full = _recording(FragPolicy), _recording(_FullMeasure)
     assert _replay(seed, fast) == _replay(seed, full)
-    assert len(fast.scores) == len(full.scores) > 0
-    for a, b in zip(fast.scores, full.scores, strict=True):
+    assert len(fast.scores) == len(full.scores) > 0  # type: ignore[attr-defined]
+    for a, b in zip(fast.scores, full.scores, strict=True):  # type: ignore[attr-defined]
         assert a.tobytes() == b.tobytes()  # bit for bit, the sign of zero included
 
 
