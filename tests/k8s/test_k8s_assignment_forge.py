@@ -80,23 +80,29 @@ def test_copied_or_dropped_mac_is_refused(make_cluster) -> None:  # noqa: F811
     """Another pod's assignment with its MAC (the MAC covers the pod's UID), or an assignment
     whose MAC the tenant removed, is not a candidate."""
     cluster = make_cluster()
-    node, _ = _bound(cluster, "victim", [(30, 4)])
+    node, _ = cluster.run(pod_object("victim", [(30, 4)]))
     ann = cluster.srv.store.get("pods", "default", "victim")["metadata"]["annotations"]
     assert ann[NAMES.assignment_mac_annotation].startswith("v1.")
-    # a pod that bypassed the webhook (created straight in, bound by its author)
+    # a pod that bypassed the webhook (created straight in, bound by its author), carrying
+    # the victim's assignment and MAC
     copy = pod_object(
         "copy",
         [(30, 4)],
-        annotations={k: ann[k] for k in (NAMES.assignment_annotation, NAMES.assignment_mac_annotation)},
+        annotations={
+            k: ann[k] for k in (NAMES.assignment_annotation, NAMES.assignment_mac_annotation)
+        },
     )
     copy["spec"]["nodeName"] = node
     stored = cluster.srv.store.create("pods", copy)
     with pytest.raises(AdmissionError, match="ignored 1 assignment"):
         cluster.kubelets[node].admit(stored)
     cluster.kubelets[node].release(stored["metadata"]["uid"])
-    _tenant_patch(cluster, "victim", {NAMES.assignment_mac_annotation: None})
+    # a bound pod whose MAC its owner removed
+    node2, _ = _bound(cluster, "dropped", [(30, 4)])
+    assert node2 == node
+    _tenant_patch(cluster, "dropped", {NAMES.assignment_mac_annotation: None})
     with pytest.raises(AdmissionError, match="ignored 2 assignment"):
-        cluster.kubelets[node].admit(cluster.srv.store.get("pods", "default", "victim"))
+        cluster.kubelets[node].admit(cluster.srv.store.get("pods", "default", "dropped"))
 
 
 def test_a_second_container_of_the_same_layout_cannot_take_over_a_claim(make_cluster) -> None:  # noqa: F811
@@ -120,8 +126,13 @@ def test_a_second_container_of_the_same_layout_cannot_take_over_a_claim(make_clu
             f"(victim's: {victim['c0'].envs['QGPU_SLICE_ID']}) on {gpu_uuid}"
         )
     # the victim's own repeat (kubelet's checkpoint: the same IDs) still gets its answer
-    ids = kl.allocated[(victim_uid := cluster.srv.store.get("pods", "default", "victim")[
-        "metadata"]["uid"], "c0", NAMES.core)]
+    ids = kl.allocated[
+        (
+            victim_uid := cluster.srv.store.get("pods", "default", "victim")["metadata"]["uid"],
+            "c0",
+            NAMES.core,
+        )
+    ]
     again = cluster.plugins[node].allocate("core", ids)
     assert dict(again.envs)["QGPU_SLICE_ID"] == victim["c0"].envs["QGPU_SLICE_ID"]
     assert victim_uid in dict(again.envs)["QGPU_SLICE_ID"]
