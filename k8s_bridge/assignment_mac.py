@@ -48,7 +48,9 @@ def load_key(path: str | Path, flag: str) -> bytes:
         raise RuleViolation(flag, str(path), f"cannot be read: {exc.strerror}") from exc
     key = raw.strip()
     if not key:
-        raise RuleViolation(flag, str(path), "is empty: the assignment key must not be empty")
+        raise RuleViolation(
+            flag, str(path), f"is empty: an assignment key needs at least {MIN_KEY_BYTES} bytes"
+        )
     if len(key) < MIN_KEY_BYTES:
         raise RuleViolation(
             flag,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,32 @@ def test_key_files_give_one_clear_error(tmp_path: Path) -> None:
         )
     with pytest.raises(RuleViolation, match="--assignment-previous-key-file"):
         AssignmentKeys.from_files(good, short)
+
+
+@pytest.mark.parametrize(
+    ("command", "content", "says"),
+    [
+        (["extender"], b"\n", "--assignment-key-file {path}: is empty"),
+        (["device-plugin", "--node-name=n0"], None, "--assignment-key-file {path}: cannot be read"),
+    ],
+)
+def test_commands_refuse_a_bad_key_file_in_one_line(
+    tmp_path: Path, command: list[str], content: bytes | None, says: str
+) -> None:
+    path = tmp_path / "key"
+    if content is not None:
+        path.write_bytes(content)
+    args = [*command, f"--assignment-key-file={path}", "--apiserver=http://127.0.0.1:9"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "qgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {says.format(path=path)}"), (
+        proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
