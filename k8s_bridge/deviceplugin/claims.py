@@ -31,7 +31,7 @@ per-GPU accounting (device IDs) stays exact in every case.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +52,12 @@ from qgpu.errors import QgpuError
 class Candidate:
     pod: PodModel
     assignment: Assignment
-    allocated: Allocated
+    allocated: Allocated  # the plugin's record merged with the pod's claim annotation
     container: str
+    record: Allocated | None = None  # the plugin's own record of the pod's claims
+
+    def recorded_ids(self, kind: Kind) -> list[str] | None:
+        return None if self.record is None else self.record.claimed_ids(self.container, kind)
 
     @property
     def slice(self) -> ContainerAssignment:
@@ -74,12 +78,14 @@ def pending_pods(
     scheduler_name: str,
     keys: AssignmentKeys | None = None,
     rejected: Rejected | None = None,
+    recorded: Mapping[str, Allocated] | None = None,
 ) -> list[Candidate]:
     """Every (pod, container) assigned to `node` on a live pod of `scheduler_name`, claimed or
     not. A pod of another scheduler was never bound by the extender: an assignment on it is
     forged (its author wrote the annotation and spec.nodeName), so it is not a candidate.
     With `keys`, an assignment on this node whose MAC is missing or wrong is not one either,
-    and `rejected(pod, reason)` is told."""
+    and `rejected(pod, reason)` is told. `recorded` (pod UID -> claims, the plugin's own
+    record) wins over the pod's claim annotation, which only adds what it lacks."""
     out: list[Candidate] = []
     for obj in pod_objs:
         pod = PodModel.model_validate(obj)
@@ -108,12 +114,36 @@ def pending_pods(
             asked = {r.container: r for r in pod_slice_requests(names, pod)}
         except QgpuError:
             continue
+        record = (recorded or {}).get(pod.metadata.uid)
+        allocated = merge_claims(allocated, record)
         for cname, given in assignment.containers.items():
             # the assignment must be of what the pod's own container asks for: one forged on
             # a pod that asks for less (or nothing) is not a candidate
             if cname in asked and _grants(given, asked[cname]):
-                out.append(Candidate(pod, assignment, allocated, cname))
+                out.append(Candidate(pod, assignment, allocated, cname, record))
     return out
+
+
+def merge_claims(annotated: Allocated, record: Allocated | None) -> Allocated:
+    """The plugin's record of a pod's claims, plus what only the annotation has (a claim
+    the plugin wrote to the apiserver but died before recording, or an older plugin's):
+    a tenant can add claims to its own pod this way, never remove or change recorded ones."""
+    if record is None:
+        return annotated
+    containers = {c: set(kinds) for c, kinds in record.containers.items()}
+    devices = {c: dict(per) for c, per in record.devices.items()}
+    for c, kinds in annotated.containers.items():
+        have = containers.setdefault(c, set())
+        for k in kinds:
+            if k in have:
+                continue
+            have.add(k)
+            ids = annotated.claimed_ids(c, k)
+            if ids is not None:
+                devices.setdefault(c, {})[k] = ids
+    return Allocated(
+        containers={c: sorted(k) for c, k in containers.items()}, devices=devices
+    )
 
 
 def _grants(given: ContainerAssignment, asked: ContainerRequest) -> bool:
@@ -174,6 +204,11 @@ def claimed_match(candidates: list[Candidate], kind: Kind, ids: list[str]) -> Ca
     Allocate from its checkpoint, PreStartContainer). Never by layout alone: another
     container asking for the same layout gets other IDs from kubelet."""
     want = sorted(ids)
+    # the plugin's own record first: IDs that only a pod's annotation names could have been
+    # written there by the pod's owner
+    for c in candidates:
+        if c.recorded_ids(kind) == want:
+            return c
     for c in candidates:
         if kind in c.allocated.claimed(c.container) and (
             c.allocated.claimed_ids(c.container, kind) == want

@@ -40,6 +40,7 @@ from k8s_bridge.deviceplugin.allocation import (
     k8s_slice_id,
     limits_file_for,
 )
+from k8s_bridge.deviceplugin.claim_record import ClaimRecord
 from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -192,6 +193,7 @@ class QgpuDevicePlugin:
         self.names = kube.names
         self.paths = paths
         self.keys = keys  # None: assignments are taken unsigned (no --assignment-key-file)
+        self.record = ClaimRecord(paths.state_dir / "k8s" / "claims.json")
         self._rejected: dict[str, str] = {}  # pod UID -> the reason last logged
         self._inventory = inventory
         self._version = 0
@@ -357,8 +359,15 @@ class QgpuDevicePlugin:
                     why,
                 )
 
+        self.record.keep_only((p.get("metadata") or {}).get("uid", "") for p in pods)
         return pending_pods(
-            self.names, self.cfg.node_name, pods, self.cfg.scheduler_name, self.keys, reject
+            self.names,
+            self.cfg.node_name,
+            pods,
+            self.cfg.scheduler_name,
+            self.keys,
+            reject,
+            self.record.snapshot(),
         )
 
     def _not_found(self, what: str, rejected: list[str]) -> PluginError:
@@ -453,6 +462,10 @@ class QgpuDevicePlugin:
                     raise PluginError(
                         grpc.StatusCode.UNAVAILABLE, f"cannot record the claim: {exc}"
                     ) from exc
+                try:
+                    self.record.put(c.uid, claim)
+                except OSError as exc:  # the annotation holds the claim; say what is lost
+                    log.warning("cannot record the claim of %s on the node: %s", c.pod.key, exc)
                 log.info("allocated %s of %s/%s to %s", kind, c.pod.key, c.container, c.slice.gpus)
                 return resp
         raise PluginError(

@@ -136,3 +136,22 @@ def test_a_second_container_of_the_same_layout_cannot_take_over_a_claim(make_clu
     again = cluster.plugins[node].allocate("core", ids)
     assert dict(again.envs)["QGPU_SLICE_ID"] == victim["c0"].envs["QGPU_SLICE_ID"]
     assert victim_uid in dict(again.envs)["QGPU_SLICE_ID"]
+
+
+def test_removing_its_own_claim_does_not_hand_its_slice_to_the_next_pod(make_cluster) -> None:  # noqa: F811
+    """A tenant removes the claim annotation of its running pod: its container looks
+    unallocated, was bound first, and so ranked first for the next pod of the same layout on
+    that GPU, which was then answered with the tenant's slice (one slice's caps and ledger
+    shared by two tenants). The plugin's own record of its claims on the node wins."""
+    cluster = make_cluster()
+    node, mine = cluster.run(pod_object("mine", [(30, 4)]))
+    _tenant_patch(cluster, "mine", {NAMES.allocated_annotation: None})
+    node2, _ = _bound(cluster, "other", [(30, 4)])
+    assert node2 == node
+    theirs = assignment_of(cluster.srv, "other").containers["c0"].gpus
+    assert theirs == assignment_of(cluster.srv, "mine").containers["c0"].gpus  # binpack
+    got = cluster.kubelets[node].admit(cluster.srv.store.get("pods", "default", "other"))["c0"]
+    other_uid = cluster.srv.store.get("pods", "default", "other")["metadata"]["uid"]
+    assert got.envs["QGPU_SLICE_ID"] == f"{other_uid}.c0", (
+        f"other got {got.envs['QGPU_SLICE_ID']}; mine is {mine['c0'].envs['QGPU_SLICE_ID']}"
+    )
