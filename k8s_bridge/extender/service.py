@@ -139,7 +139,7 @@ class Extender:
         self.names: Names = kube.names
         self.kube = kube
         self.state = ExtenderState(
-            self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s
+            self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s, keys
         )
         self.metrics = ExtenderMetrics()
         self.metrics.state = self.state

@@ -23,7 +23,7 @@ import pytest
 
 from k8s_bridge.kube import Kube
 from tests.fakes.kubelet import AdmissionError
-from tests.k8s.helpers import NAMES, U, assignment_of, pod_object
+from tests.k8s.helpers import NAMES, U, assignment_of, pod_object, wait_until
 from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
 
 
@@ -58,6 +58,12 @@ def test_post_bind_patch_naming_another_gpu_is_refused(make_cluster, caplog) -> 
     original = cluster.srv.store.get("pods", "default", "thief")["metadata"]["annotations"]
     _tenant_patch(cluster, "thief", {NAMES.assignment_annotation: forged})
     pod = cluster.srv.store.get("pods", "default", "thief")
+    # the extender sees the patch on its watch and keeps holding the GPU it chose (it would
+    # otherwise free `chosen` for the next pod and count `other`)
+    uid, rv = pod["metadata"]["uid"], int(pod["metadata"]["resourceVersion"])
+    held = cluster.extender.state.pods
+    wait_until(lambda: held[uid].resource_version >= rv, what="the extender to see the patch")
+    assert held[uid].assignment.containers["c0"].gpus == [chosen]
     caplog.set_level(logging.WARNING, logger="k8s_bridge.deviceplugin")
     # before the MAC the plugin answered CUDA_VISIBLE_DEVICES=<other>: a GPU nobody granted
     with pytest.raises(AdmissionError, match="ignored 1 assignment"):
