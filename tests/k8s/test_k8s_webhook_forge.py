@@ -36,6 +36,9 @@ def test_pod_presetting_the_assignment_and_node_is_denied(make_cluster) -> None:
     claim = pod_object("thief3", [(30, 4)], annotations={NAMES.allocated_annotation: "{}"})
     with pytest.raises(PodDenied, match="qgpu-allocated"):
         cluster.submit(claim)
+    mac = pod_object("thief5", [(30, 4)], annotations={NAMES.assignment_mac_annotation: "v1.0"})
+    with pytest.raises(PodDenied, match="qgpu-assignment-mac"):
+        cluster.submit(mac)
     # the node alone skips the extender: kubelet would admit it with no assignment at all
     bare = pod_object("thief4", [(30, 4)])
     bare["spec"]["nodeName"] = "n0"
