@@ -89,7 +89,13 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
 
 
 def _extender(
-    api_url: str, policy: str, port: int, bind_threads: int, transport: str, ready: Any
+    api_url: str,
+    policy: str,
+    port: int,
+    bind_threads: int,
+    transport: str,
+    ready: Any,
+    sign: bool = True,
 ) -> None:
     import logging
 
@@ -101,7 +107,10 @@ def _extender(
 
     logging.basicConfig(level=logging.WARNING)
     kube = Kube(make_api_client(api_url), Names(), transport=transport)
-    ext = Extender(kube, ExtenderConfig(node_policy=policy))
+    from k8s_bridge.assignment_mac import AssignmentKeys
+
+    keys = AssignmentKeys(os.urandom(32).hex().encode()) if sign else None  # the chart's default
+    ext = Extender(kube, ExtenderConfig(node_policy=policy), keys)
     ext.start()
     ready.put(len(ext.state.inventories))
     serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         "extender's default) or the official client's own urllib3 pool (library)",
     )
     ap.add_argument(
+        "--sign",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the extender signs every assignment (the chart's default; --no-sign: unsigned)",
+    )
+    ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -284,7 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     ext = ctx.Process(
         target=_extender,
-        args=(api_url, args.policy, port, args.extender_bind_threads, args.apiserver_client, q),
+        args=(
+            api_url,
+            args.policy,
+            port,
+            args.extender_bind_threads,
+            args.apiserver_client,
+            q,
+            args.sign,
+        ),
         daemon=True,
     )
     ext.start()

@@ -66,6 +66,38 @@ def _common(p: argparse.ArgumentParser) -> None:
     _log_level(p)
 
 
+def _assignment_key_flags(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--assignment-key-file",
+        metavar="FILE",
+        help=f"the key (at least 32 bytes) the extender signs assignments with and the "
+        f"device plugin checks them with (HMAC-SHA256; the chart's Secret): this {role}; "
+        "without it assignments are neither signed nor checked",
+    )
+    p.add_argument(
+        "--assignment-previous-key-file",
+        metavar="FILE",
+        help="during a key rotation: the previous key, still accepted when checking (a "
+        "file that does not exist means no rotation)",
+    )
+
+
+def _assignment_keys(args: argparse.Namespace) -> Any:
+    """The AssignmentKeys of the key flags, or None without --assignment-key-file; a bad
+    key file is a RuleViolation naming the flag and the path."""
+    from k8s_bridge.assignment_mac import AssignmentKeys
+
+    if args.assignment_key_file is None:
+        if args.assignment_previous_key_file is not None:
+            raise RuleViolation(
+                "--assignment-previous-key-file",
+                args.assignment_previous_key_file,
+                "needs --assignment-key-file (the current key)",
+            )
+        return None
+    return AssignmentKeys.from_files(args.assignment_key_file, args.assignment_previous_key_file)
+
+
 def _logging(args: argparse.Namespace) -> None:
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
@@ -218,6 +250,12 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         raise RuleViolation(
             "--node-name", None, "is required (or NODE_NAME from the downward API)"
         )
+    keys = _assignment_keys(args)
+    if keys is None:
+        logging.warning(
+            "no --assignment-key-file: assignments are taken without checking who wrote "
+            "them (a tenant who can patch its pods can name another GPU)"
+        )
     kube = _kube(args)  # no cluster configuration fails here, before the GPUs are opened
     state_dir = Path(args.state_dir)
     backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
@@ -245,7 +283,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         plugin_dir=Path(args.plugin_dir),
         scheduler_name=args.scheduler_name,
     )
-    plugin = QgpuDevicePlugin(cfg, kube, inventory, paths)
+    plugin = QgpuDevicePlugin(cfg, kube, inventory, paths, keys)
     plugin.start()
     stop = threading.Event()
 
@@ -366,6 +404,7 @@ def register_device_plugin(sub: Any) -> None:
         default=0,
         help="group that may use the GPUs' region files (default 0: containers in group 0)",
     )
+    _assignment_key_flags(p, "device plugin ignores assignments whose MAC is missing or wrong")
     p.set_defaults(func=run_device_plugin)
 
 
@@ -387,6 +426,12 @@ def run_extender(args: argparse.Namespace) -> int:
             args.port,
             args.scheduler_name,
         )
+    keys = _assignment_keys(args)
+    if keys is None:
+        logging.warning(
+            "no --assignment-key-file: assignments are bound unsigned (a device plugin "
+            "with a key refuses them)"
+        )
     holder = args.holder_id or _default_holder()
     kube = _kube(args)
     cfg = ExtenderConfig(
@@ -403,7 +448,7 @@ def run_extender(args: argparse.Namespace) -> int:
         assume_ttl_s=args.assume_ttl,
         compat=args.compat,
     )
-    ext = Extender(kube, cfg)
+    ext = Extender(kube, cfg, keys)
     ext.start()
     try:
         serve(create_app(ext), host=args.host, port=args.port, limits=limits, tls=tls)
@@ -478,6 +523,7 @@ def register_extender(sub: Any) -> None:
         help="hold prioritize's best node until bind for this long (0: off)",
     )
     _compat_flag(p)
+    _assignment_key_flags(p, "extender signs every assignment it binds")
     p.set_defaults(func=run_extender)
 
 
