@@ -24,6 +24,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ _BIND_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)
 _callback_ref: object | None = None
 _original_lookup: Callable[[str, str], list[Any]] | None = None
 _installed = threading.Event()
+# wall-clock marks of this worker's start-up (time.time()), read by bench/ray_startup.py
+MARKS: dict[str, float] = {}
 
 
 def wants_slice(assigned: dict[str, float]) -> bool:
@@ -69,8 +72,10 @@ def _lookup(resource_name: str, resource_regex: str) -> list[Any]:
     sdk = _sdk_devices()
     if sdk is not None:
         return sdk
+    MARKS.setdefault("import_bind_start", time.time())
     from qgpu_ray import bind
 
+    MARKS.setdefault("import_bind_end", time.time())
     binding = bind.bind_quietly(ids)
     return list(binding.allocation.gpu_uuids) if binding is not None else ids
 
@@ -119,10 +124,12 @@ def _register_callback() -> bool:
 
 def install() -> None:
     """Ray worker-process setup hook (see the module docstring)."""
+    MARKS["install_start"] = time.time()
     os.environ.setdefault("QGPU_BIND", "ray")
     _register_callback()
     _patch_lookup()
     _installed.set()
+    MARKS["install_end"] = time.time()
 
 
 def installed() -> bool:
