@@ -223,8 +223,7 @@ def main() -> None:
         med = statistics.median(times[path])
         spread = f"{min(times[path]):.2f}-{max(times[path]):.2f}"
         print(
-            f"{path:<21}{med:>10.2f}{spread:>14}{1000 * med / args.actors:>14.1f}"
-            f"{med / base:>8.2f}"
+            f"{path:<21}{med:>10.2f}{spread:>14}{1000 * med / args.actors:>14.1f}{med / base:>8.2f}"
         )
     if args.breakdown:
         print_breakdown(paths, profiles)
