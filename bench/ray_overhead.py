@@ -29,6 +29,8 @@ and the script prints, per path, the median over all actors of the timed rounds 
 
 - ``spawn``: ``.remote()`` to the start of the actor's worker process (Ray's scheduling
   and process start; 0 when Ray gave the actor an already started worker);
+- ``up``: process start to the actor's first method call (everything the worker does
+  before user code: ``boot``, ``hook``, ``imp`` and binding below), for new workers only;
 - ``boot``: process start to the worker hook (Python, ``import ray``, connecting to Ray);
 - ``hook``: the worker hook itself (registering the bind callback, wrapping Ray's lookup);
 - ``imp``: importing `qgpu_ray.bind` (the core model, placement engine, agent client);
@@ -87,7 +89,7 @@ class Replica:
 
         from enforcement import simcuda
 
-        out: dict[str, float] = {"start": _process_start(os.getpid())}
+        out: dict[str, float] = {"entered": time.time(), "start": _process_start(os.getpid())}
         hook = sys.modules.get("qgpu_ray.hook")
         bind = sys.modules.get("qgpu_ray.bind")
         marks = dict(getattr(hook, "MARKS", {}))
@@ -96,7 +98,9 @@ class Replica:
             out["hook"] = marks["install_end"] - marks["install_start"]
         if "import_bind_start" in marks:
             out["imp"] = marks["import_bind_end"] - marks["import_bind_start"]
+            out["imp_cpu"] = marks["import_bind_end_cpu"] - marks["import_bind_start_cpu"]
         out.update(getattr(bind, "PHASES", {}))
+        out.update({f"{k}_cpu": v for k, v in getattr(bind, "PHASES_CPU", {}).items()})
         t = time.perf_counter()
         simcuda.Driver().init()
         out["cuinit"] = time.perf_counter() - t
@@ -155,6 +159,8 @@ def run_round(
     for p, (_, asked) in zip(profiles, made, strict=False):  # none without breakdown
         p["spawn"] = max(0.0, p["start"] - asked)
         p["new"] = 1.0 if p["start"] >= asked - 0.01 else 0.0
+        if p["new"]:
+            p["up"] = p["entered"] - p["start"]
     for a in actors:
         ray.kill(a)
     _wait_free(total_core, agents)
@@ -162,18 +168,31 @@ def run_round(
     return elapsed, profiles
 
 
-COLUMNS = ["spawn", "boot", "hook", "imp", "node", "choose", "hold", "record", "env", "cuinit"]
+COLUMNS = ["spawn", "up", "boot", "hook", "imp"]
+COLUMNS += ["node", "choose", "hold", "record", "env", "cuinit"]
 
 
 def print_breakdown(paths: list[str], profiles: dict[str, list[dict[str, float]]]) -> None:
     """Median (and 10th-90th percentile spread) of each component per path, ms."""
     print("\nper actor, median ms [p10-p90] over all actors of the timed rounds")
-    print(f"{'path':<21}" + "".join(f"{c:>16}" for c in [*COLUMNS, "cpu"]) + f"{'new':>6}")
+    _table(paths, profiles, [*COLUMNS, "cpu"], "")
+    print("\nthe same steps in CPU ms of the worker's binding thread (cpu: the whole process)")
+    _table(paths, profiles, [*CPU_COLUMNS, "cpu"], "_cpu")
+
+
+CPU_COLUMNS = ["imp", "node", "choose", "hold", "record", "env"]
+
+
+def _table(
+    paths: list[str], profiles: dict[str, list[dict[str, float]]], cols: list[str], suffix: str
+) -> None:
+    print(f"{'path':<21}" + "".join(f"{c:>16}" for c in cols) + f"{'new':>6}")
     for path in paths:
         rows = profiles[path]
         cells = []
-        for col in [*COLUMNS, "cpu"]:
-            values = sorted(1000 * r[col] for r in rows if col in r)
+        for col in cols:
+            key = col + suffix if col != "cpu" else col
+            values = sorted(1000 * r[key] for r in rows if key in r)
             if not values:
                 cells.append(f"{'-':>16}")
                 continue

@@ -86,17 +86,20 @@ _binding: Binding | None = None
 _last_error: str | None = None
 _recorded = False
 _waited = False  # a num_gpus bind already waited its time in this process
-# seconds this worker spent in each step of binding (read by bench/ray_startup.py)
+# seconds this worker spent in each step of binding, wall clock and CPU of the binding
+# thread (read by bench/ray_overhead.py --breakdown)
 PHASES: dict[str, float] = {}
+PHASES_CPU: dict[str, float] = {}
 
 
 @contextmanager
 def _phase(name: str) -> Iterator[None]:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - start
+        PHASES_CPU[name] = PHASES_CPU.get(name, 0.0) + time.thread_time() - cpu
 
 
 def holder_name(slice_id: str, node_id: str, pid: int, start_time: int) -> str:
