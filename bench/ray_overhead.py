@@ -39,9 +39,17 @@ and the script prints, per path, the median over all actors of the timed rounds 
   GCS round trip), ``record`` (the node agent's record), ``env`` (device and caps);
 - ``cuinit``: the first CUDA call in the actor (the interposer reads its limits);
 - ``cpu``: CPU seconds the worker process used up to that point (user + system);
-- ``new``: the share of actors that got a worker process started for them.
+- ``new``: the share of actors that got a worker process started for them;
 
-Run: ``.venv/bin/python bench/ray_overhead.py [--actors 40] [--rounds 3] [--breakdown]``.
+and, per round, the CPU seconds of the cluster's long-lived processes (GCS, raylets, Ray's
+agents, the qgpu node agents, this driver) next to the sum over the round's workers: on a
+machine with few cores the round's wall time follows the CPU it needs.
+
+``--sequential`` starts the actors one after the other (each waits for the one before):
+the latency of one start on an otherwise idle node instead of the throughput of many.
+
+Run: ``.venv/bin/python bench/ray_overhead.py [--actors 40] [--rounds 3] [--breakdown]
+[--sequential]``.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import ray
 
@@ -61,6 +70,27 @@ from qgpu_ray.resources import LABEL_NODE
 
 PLAIN = {"bench.qgpu.io/node": "plain"}  # the plain Ray node of the baseline
 QGPU = {LABEL_NODE: "qgpu-node-0"}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _system_processes(cluster: qgpu_ray.LocalCluster) -> dict[str, list[int]]:
+    """The cluster's long-lived processes by kind (Ray's process types, qgpu agent, driver)."""
+    out: dict[str, list[int]] = {"driver": [os.getpid()]}
+    nodes = [cluster.cluster.head_node, *cluster.cluster.worker_nodes]
+    for node in nodes:
+        for kind, proc in node.live_processes():
+            out.setdefault(kind, []).append(proc.pid)
+    out["qgpu agent"] = [n.agent.process.pid for n in cluster.nodes if n.agent is not None]
+    return out
 
 
 def _process_start(pid: int) -> float:
@@ -145,17 +175,35 @@ def _actor(path: str) -> tuple[object, float]:
 
 
 def run_round(
-    path: str, n: int, total_core: float, agents: list, breakdown: bool = False
-) -> tuple[float, list[dict[str, float]]]:
+    path: str,
+    n: int,
+    total_core: float,
+    agents: list,
+    breakdown: bool = False,
+    system: dict[str, list[int]] | None = None,
+    sequential: bool = False,
+) -> tuple[float, list[dict[str, float]], dict[str, float]]:
+    system = system or {}
+    before = {k: sum(map(_cpu_seconds, pids)) for k, pids in system.items()}
+
+    def call(actor: Any) -> Any:
+        return actor.profile.remote() if breakdown else actor.ready.remote(True)
+
     t0 = time.perf_counter()
-    made = [_actor(path) for _ in range(n)]
-    actors = [a for a, _ in made]
-    if breakdown:
-        profiles = ray.get([a.profile.remote() for a in actors], timeout=600)
+    if sequential:  # one actor at a time: the latency of one start on an idle node
+        made, answers = [], []
+        for _ in range(n):
+            made.append(_actor(path))
+            answers.append(ray.get(call(made[-1][0]), timeout=600))
     else:
-        ray.get([a.ready.remote(True) for a in actors], timeout=600)
-        profiles = []
+        made = [_actor(path) for _ in range(n)]
+        answers = ray.get([call(a) for a, _ in made], timeout=600)
+    actors = [a for a, _ in made]
+    profiles = answers if breakdown else []
     elapsed = time.perf_counter() - t0
+    used = {k: sum(map(_cpu_seconds, pids)) - before[k] for k, pids in system.items()}
+    if profiles:
+        used["workers"] = sum(p["cpu"] for p in profiles)
     for p, (_, asked) in zip(profiles, made, strict=False):  # none without breakdown
         p["spawn"] = max(0.0, p["start"] - asked)
         p["new"] = 1.0 if p["start"] >= asked - 0.01 else 0.0
@@ -165,7 +213,7 @@ def run_round(
         ray.kill(a)
     _wait_free(total_core, agents)
     qgpu_ray.view.PENDING.clear()
-    return elapsed, profiles
+    return elapsed, profiles, used
 
 
 COLUMNS = ["spawn", "up", "boot", "hook", "imp"]
@@ -178,6 +226,19 @@ def print_breakdown(paths: list[str], profiles: dict[str, list[dict[str, float]]
     _table(paths, profiles, [*COLUMNS, "cpu"], "")
     print("\nthe same steps in CPU ms of the worker's binding thread (cpu: the whole process)")
     _table(paths, profiles, [*CPU_COLUMNS, "cpu"], "_cpu")
+
+
+def print_system(paths: list[str], cpu: dict[str, list[dict[str, float]]]) -> None:
+    """Median CPU seconds per round, by process kind, per path."""
+    kinds = sorted({k for rounds in cpu.values() for r in rounds for k in r if k != "workers"})
+    kinds = [k for k in kinds if any(r.get(k, 0) >= 0.05 for v in cpu.values() for r in v)]
+    cols = ["workers", *kinds, "total"]
+    print("\nCPU seconds per round (median), by process kind")
+    print(f"{'path':<21}" + "".join(f"{c[:14]:>15}" for c in cols))
+    for path in paths:
+        rounds = [{**r, "total": sum(r.values())} for r in cpu[path]]
+        cells = [statistics.median(r.get(c, 0.0) for r in rounds) for c in cols]
+        print(f"{path:<21}" + "".join(f"{v:>15.2f}" for v in cells))
 
 
 CPU_COLUMNS = ["imp", "node", "choose", "hold", "record", "env"]
@@ -208,6 +269,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=14, help="simulated 80 GiB GPUs on the node")
     ap.add_argument("--breakdown", action="store_true", help="per-actor start-up components")
+    ap.add_argument(
+        "--sequential", action="store_true", help="start the actors one after the other"
+    )
     args = ap.parse_args()
     own_tmp = None
     if "RAY_TMPDIR" not in os.environ:
@@ -221,16 +285,21 @@ def main() -> None:
     paths = ["ray num_gpus", "qgpu num_gpus", "qgpu sdk", "qgpu sdk/runtime_env", "qgpu plain"]
     times: dict[str, list[float]] = {p: [] for p in paths}
     profiles: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
+    cpu: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
     try:
         total_core = 100.0 * args.gpus
         agents = [n.agent for n in cluster.nodes if n.agent is not None]
+        system = _system_processes(cluster) if args.breakdown else {}
         for path in paths:
             run_round(path, args.actors, total_core, agents)  # warm-up, not counted
         for r in range(args.rounds):
             for path in paths:
-                t, prof = run_round(path, args.actors, total_core, agents, args.breakdown)
+                t, prof, used = run_round(
+                    path, args.actors, total_core, agents, args.breakdown, system, args.sequential
+                )
                 times[path].append(t)
                 profiles[path].extend(prof)
+                cpu[path].append(used)
                 print(f"round {r + 1} {path:<20} {args.actors} actors in {t:6.2f} s", flush=True)
     finally:
         cluster.shutdown()
@@ -246,6 +315,7 @@ def main() -> None:
         )
     if args.breakdown:
         print_breakdown(paths, profiles)
+        print_system(paths, cpu)
 
 
 if __name__ == "__main__":
