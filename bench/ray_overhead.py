@@ -97,9 +97,9 @@ def _process_start(pid: int) -> float:
     """Wall-clock start of a process (seconds since the epoch, 10 ms resolution)."""
     with open(f"/proc/{pid}/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
+    # the kernel counts start times from boot; /proc/stat's btime is whole seconds only
+    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 @ray.remote
