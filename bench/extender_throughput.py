@@ -16,7 +16,7 @@ between the cores, and the extender's CPU per pod rises by about a tenth).
         [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
         [--nodes-per-pod all|kube|N] [--pin | --no-pin]
 
-``--policy`` defaults to the extender's own default node policy (binpack).
+``--policy`` defaults to the extender's own default node policy (qgpu's default, frag).
 """
 
 from __future__ import annotations
@@ -89,7 +89,13 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
 
 
 def _extender(
-    api_url: str, policy: str, port: int, bind_threads: int, transport: str, ready: Any
+    api_url: str,
+    policy: str,
+    port: int,
+    bind_threads: int,
+    transport: str,
+    ready: Any,
+    sign: bool = True,
 ) -> None:
     import logging
 
@@ -101,7 +107,10 @@ def _extender(
 
     logging.basicConfig(level=logging.WARNING)
     kube = Kube(make_api_client(api_url), Names(), transport=transport)
-    ext = Extender(kube, ExtenderConfig(node_policy=policy))
+    from k8s_bridge.assignment_mac import AssignmentKeys
+
+    keys = AssignmentKeys(os.urandom(32).hex().encode()) if sign else None  # the chart's default
+    ext = Extender(kube, ExtenderConfig(node_policy=policy), keys)
     ext.start()
     ready.put(len(ext.state.inventories))
     serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policy",
         default=ExtenderConfig().node_policy.value,
         choices=[p.value for p in PlacementPolicy],
-        help="the extender's node policy (default: the extender's own default, binpack)",
+        help="the extender's node policy (default: the extender's own, qgpu's default)",
     )
     ap.add_argument("--bind-workers", type=int, default=16)
     ap.add_argument(
@@ -268,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         "extender's default) or the official client's own urllib3 pool (library)",
     )
     ap.add_argument(
+        "--sign",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the extender signs every assignment (the chart's default; --no-sign: unsigned)",
+    )
+    ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -284,7 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     ext = ctx.Process(
         target=_extender,
-        args=(api_url, args.policy, port, args.extender_bind_threads, args.apiserver_client, q),
+        args=(
+            api_url,
+            args.policy,
+            port,
+            args.extender_bind_threads,
+            args.apiserver_client,
+            q,
+            args.sign,
+        ),
         daemon=True,
     )
     ext.start()

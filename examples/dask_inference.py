@@ -1,6 +1,6 @@
 """Dask "inference" on GPU slices — runnable without a GPU (simulated H100s).
 
-    .venv/bin/python examples/dask_inference.py [--placement binpack|spread|frag]
+    .venv/bin/python examples/dask_inference.py [--placement frag|binpack|spread]
                                                 [--sim 2xH100-80GB]
 
 Starts a `qgpu_dask.SliceCluster` with three slices (a small one and two larger ones),
@@ -56,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     from distributed import Client
 
     from qgpu.cli_common import add_placement_options
+    from qgpu.model import DEFAULT_PLACEMENT
     from qgpu_dask import NoSliceFits, SliceCluster, task_resources
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_placement_options(
         p,
-        default="binpack",
+        default=DEFAULT_PLACEMENT.value,
         gpu=False,
         old=["--policy"],
-        help="where the slices land: binpack, spread or frag (default: binpack)",
+        help=f"where the slices land: binpack, spread or frag (default: {DEFAULT_PLACEMENT.value})",
     )
     p.add_argument("--sim", default="2xH100-80GB", help="simulated GPUs")
     args = p.parse_args(argv)

@@ -19,10 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qgpu.cli_common import add_placement_options, choice
+from qgpu.cli_common import DEFAULT_PLACEMENT_HELP, add_placement_options, choice
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.mix_prior import add_prior_option, use_prior
-from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
+from qgpu.model import (
+    DEFAULT_MAX_SLICES_PER_GPU,
+    DEFAULT_PLACEMENT,
+    PlacementPolicy,
+    SlicesPerGpu,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -59,6 +64,38 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--apiserver", help="apiserver URL (overrides kubeconfig; for proxies/tests)")
     _log_level(p)
+
+
+def _assignment_key_flags(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--assignment-key-file",
+        metavar="FILE",
+        help=f"the key (at least 32 bytes) the extender signs assignments with and the "
+        f"device plugin checks them with (HMAC-SHA256; the chart's Secret): this {role}; "
+        "without it assignments are neither signed nor checked",
+    )
+    p.add_argument(
+        "--assignment-previous-key-file",
+        metavar="FILE",
+        help="during a key rotation: the previous key, still accepted when checking (a "
+        "file that does not exist means no rotation)",
+    )
+
+
+def _assignment_keys(args: argparse.Namespace) -> Any:
+    """The AssignmentKeys of the key flags, or None without --assignment-key-file; a bad
+    key file is a RuleViolation naming the flag and the path."""
+    from k8s_bridge.assignment_mac import AssignmentKeys
+
+    if args.assignment_key_file is None:
+        if args.assignment_previous_key_file is not None:
+            raise RuleViolation(
+                "--assignment-previous-key-file",
+                args.assignment_previous_key_file,
+                "needs --assignment-key-file (the current key)",
+            )
+        return None
+    return AssignmentKeys.from_files(args.assignment_key_file, args.assignment_previous_key_file)
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -213,6 +250,12 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         raise RuleViolation(
             "--node-name", None, "is required (or NODE_NAME from the downward API)"
         )
+    keys = _assignment_keys(args)
+    if keys is None:
+        logging.warning(
+            "no --assignment-key-file: assignments are taken without checking who wrote "
+            "them (a tenant who can patch its pods can name another GPU)"
+        )
     kube = _kube(args)  # no cluster configuration fails here, before the GPUs are opened
     state_dir = Path(args.state_dir)
     backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
@@ -240,7 +283,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         plugin_dir=Path(args.plugin_dir),
         scheduler_name=args.scheduler_name,
     )
-    plugin = QgpuDevicePlugin(cfg, kube, inventory, paths)
+    plugin = QgpuDevicePlugin(cfg, kube, inventory, paths, keys)
     plugin.start()
     stop = threading.Event()
 
@@ -361,6 +404,7 @@ def register_device_plugin(sub: Any) -> None:
         default=0,
         help="group that may use the GPUs' region files (default 0: containers in group 0)",
     )
+    _assignment_key_flags(p, "device plugin ignores assignments whose MAC is missing or wrong")
     p.set_defaults(func=run_device_plugin)
 
 
@@ -382,6 +426,12 @@ def run_extender(args: argparse.Namespace) -> int:
             args.port,
             args.scheduler_name,
         )
+    keys = _assignment_keys(args)
+    if keys is None:
+        logging.warning(
+            "no --assignment-key-file: assignments are bound unsigned (a device plugin "
+            "with a key refuses them)"
+        )
     holder = args.holder_id or _default_holder()
     kube = _kube(args)
     cfg = ExtenderConfig(
@@ -398,7 +448,7 @@ def run_extender(args: argparse.Namespace) -> int:
         assume_ttl_s=args.assume_ttl,
         compat=args.compat,
     )
-    ext = Extender(kube, cfg)
+    ext = Extender(kube, cfg, keys)
     ext.start()
     try:
         serve(create_app(ext), host=args.host, port=args.port, limits=limits, tls=tls)
@@ -447,8 +497,9 @@ def register_extender(sub: Any) -> None:
     _serving_flags(p, "kube-scheduler's extender tlsConfig certificate")
     add_placement_options(
         p,
-        default="binpack",
-        help="node-level placement: binpack, spread or frag (pod annotations override)",
+        default=DEFAULT_PLACEMENT.value,
+        help="node-level placement: binpack, spread or frag (pod annotations override) "
+        + DEFAULT_PLACEMENT_HELP,
         old=["--node-policy"],
         old_gpu=["--gpu-policy"],
     )
@@ -472,6 +523,7 @@ def register_extender(sub: Any) -> None:
         help="hold prioritize's best node until bind for this long (0: off)",
     )
     _compat_flag(p)
+    _assignment_key_flags(p, "extender signs every assignment it binds")
     p.set_defaults(func=run_extender)
 
 

@@ -7,7 +7,8 @@ restart from the apiserver alone:
   GPU(s), caps, isolation, and how many device IDs of each resource kubelet must hand out
   from each GPU.
 - `Allocated` (pod annotation ``<prefix>/qgpu-allocated``): written by the device plugin as
-  kubelet allocates: per container, which resources ("core", "memory") are claimed.
+  kubelet allocates: per container, which resources ("core", "memory") are claimed and
+  with which of kubelet's device IDs.
 - `PublishedInventory` (node annotation ``<prefix>/qgpu-inventory``): the node's GPUs.
 - `NodeLock` (node annotation ``<prefix>/qgpu-node-lock``): holder and expiry (with an
   epoch annotation ``<prefix>/qgpu-node-epoch`` bumped by every lock).
@@ -100,14 +101,26 @@ class Assignment(_Wire):
 
 class Allocated(_Wire):
     containers: dict[str, list[Kind]] = Field(default_factory=dict)
+    devices: dict[str, dict[Kind, list[str]]] = Field(
+        default_factory=dict,
+        description="container -> resource -> the device IDs kubelet allocated (sorted): a "
+        "claimed container is recognised by them, never by its layout alone (claims written "
+        "before this field have none and are never matched again)",
+    )
 
-    def with_claim(self, container: str, kind: Kind) -> Allocated:
+    def with_claim(self, container: str, kind: Kind, ids: Iterable[str]) -> Allocated:
         now = dict(self.containers)
         now[container] = sorted(set(now.get(container, [])) | {kind})
-        return Allocated(containers=now)
+        devices = {c: dict(per) for c, per in self.devices.items()}
+        devices.setdefault(container, {})[kind] = sorted(ids)
+        return Allocated(containers=now, devices=devices)
 
     def claimed(self, container: str) -> set[Kind]:
         return set(self.containers.get(container, []))
+
+    def claimed_ids(self, container: str, kind: Kind) -> list[str] | None:
+        """The device IDs kubelet allocated to `container`'s `kind` (None: not recorded)."""
+        return self.devices.get(container, {}).get(kind)
 
 
 class PublishedInventory(_Wire):

@@ -104,6 +104,12 @@ class Names:
         return f"{self.prefix}/qgpu-assignment"
 
     @property
+    def assignment_mac_annotation(self) -> str:
+        """Pod annotation set by the Binding: the extender's MAC of the assignment
+        (`k8s_bridge.assignment_mac`), which the device plugin checks."""
+        return f"{self.prefix}/qgpu-assignment-mac"
+
+    @property
     def allocated_annotation(self) -> str:
         """Pod annotation written by the device plugin: which parts kubelet allocated."""
         return f"{self.prefix}/qgpu-allocated"

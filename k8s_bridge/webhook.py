@@ -127,7 +127,11 @@ def _preset_binding(names: Names, pod: dict[str, Any], asks: bool) -> RuleViolat
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     if not asks:
-        for key in (names.assignment_annotation, names.allocated_annotation):
+        for key in (
+            names.assignment_annotation,
+            names.assignment_mac_annotation,
+            names.allocated_annotation,
+        ):
             if key in annotations:
                 return RuleViolation(
                     f"metadata.annotations[{key}]",

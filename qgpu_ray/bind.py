@@ -33,11 +33,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from qgpu.errors import NoFit, RuleViolation
 from qgpu.model import Allocation, IsolationPolicy, NodeInventory, PlacementPolicy, SliceRequest
-from qgpu.placement import Engine
 from qgpu_ray import agent_link
 from qgpu_ray.env import slice_env
 from qgpu_ray.fraction import FractionRule, FractionSlice, fraction_slice, whole_gpus
@@ -54,13 +55,13 @@ from qgpu_ray.resources import (
     gpu_resource,
     parse_gpu_resource,
 )
-from qgpu_ray.view import RayNode, live_state, ray_nodes
+from qgpu_ray.view import RayNode, available_flat, live_state, ray_nodes
 
 HOLD_PREFIX = "qgpu-hold"
 WAIT_ENV = "QGPU_RAY_WAIT_S"
 DEFAULT_WAIT_S = 60.0
-HOLD_TIMEOUT_S = 10.0
-ATTEMPTS = 3
+HOLD_TIMEOUT_S = 2.0  # a holder that fits is placed in ~10 ms; one that lost a race waits
+ATTEMPTS = 5
 
 _lock = threading.RLock()
 
@@ -85,6 +86,20 @@ _binding: Binding | None = None
 _last_error: str | None = None
 _recorded = False
 _waited = False  # a num_gpus bind already waited its time in this process
+# seconds this worker spent in each step of binding, wall clock and CPU of the binding
+# thread (read by bench/ray_overhead.py --breakdown)
+PHASES: dict[str, float] = {}
+PHASES_CPU: dict[str, float] = {}
+
+
+@contextmanager
+def _phase(name: str) -> Iterator[None]:
+    start, cpu = time.perf_counter(), time.thread_time()
+    try:
+        yield
+    finally:
+        PHASES[name] = PHASES.get(name, 0.0) + time.perf_counter() - start
+        PHASES_CPU[name] = PHASES_CPU.get(name, 0.0) + time.thread_time() - cpu
 
 
 def holder_name(slice_id: str, node_id: str, pid: int, start_time: int) -> str:
@@ -219,10 +234,12 @@ def _apply(alloc: Allocation, path: str, holder: str = "") -> Binding:
     """Record the slice with the node agent and put device and caps into the environment."""
     global _binding
     # the request the allocation satisfies, isolation included (not the Ray amounts)
-    agent_link.record(alloc, agent_link.request_of(alloc), _ray_meta(path))
-    env = slice_env(alloc)
-    env.pop("LD_PRELOAD", None)  # already loaded in this process
-    os.environ.update(env)
+    with _phase("record"):
+        agent_link.record(alloc, agent_link.request_of(alloc), _ray_meta(path))
+    with _phase("env"):
+        env = slice_env(alloc)
+        env.pop("LD_PRELOAD", None)  # already loaded in this process
+        os.environ.update(env)
     _binding = Binding(alloc, env, holder, path)
     return _binding
 
@@ -250,7 +267,8 @@ def bind(ray_ids: list | None = None) -> Binding | None:
             return _binding
         if os.environ.get("QGPU_SLICE_ID"):
             return None  # the SDK's runtime_env form put this worker in a slice
-        assigned = _assigned()
+        with _phase("assigned"):
+            assigned = _assigned()
         req = _assigned_request(assigned)
         gpus = assigned.get(GPU, 0.0)
         if req is None and not gpus:
@@ -259,7 +277,8 @@ def bind(ray_ids: list | None = None) -> Binding | None:
             raise RuleViolation(
                 "num_gpus", gpus, "ask for num_gpus or for qgpu-core/qgpu-memory, not both"
             )
-        node, rule = this_node()
+        with _phase("node"):
+            node, rule = this_node()
         isolation = _isolation(assigned, node.labels.get(LABEL_ISOLATION))
         if req is None:
             ids = ray_gpu_ids() if ray_ids is None else ray_ids
@@ -279,18 +298,22 @@ def bind(ray_ids: list | None = None) -> Binding | None:
 
 
 def _bind_plain(req: SliceRequest, node: RayNode, isolation: IsolationPolicy) -> Binding:
+    from qgpu.placement import Engine
+
     policy = _policy()
     for attempt in range(ATTEMPTS):
-        state = live_state([node]).state
-        try:
-            decision = Engine(state, policy).decide(req)
-        except NoFit as exc:
-            raise FragmentedError(_fragment_message(req, node.name, state, exc)) from exc
+        with _phase("choose"):
+            state = live_state([node]).state
+            try:
+                decision = Engine(state, policy).decide(req)
+            except NoFit as exc:
+                raise FragmentedError(_fragment_message(req, node.name, state, exc)) from exc
         slice_id, name = _new_holder("p", node.node_id)
         bundle = _gpu_bundle(
             list(decision.gpu_uuids), decision.core_per_gpu, list(decision.memory_gib_per_gpu)
         )
-        holder = _hold(bundle, name)
+        with _phase("hold"):
+            holder = _hold(bundle, name)
         if holder is None:
             time.sleep(0.2 * (attempt + 1))
             continue  # another worker won the race for that GPU: decide again
@@ -325,12 +348,18 @@ def _choose_num_gpus(
 ) -> _Choice | None:
     """Ray's GPU(s) when their qgpu ledger has room, else the node's policy over the GPUs
     that have room; None when no GPU of the node can take it now."""
-    view = live_state([node], include_pending=False)
-    state = view.state
+    available = available_flat([node])
     gpus = {g.uuid: g for g in node.inventory.gpus}
 
     def free(kind: str, u: str) -> float:
-        return view.available.get(gpu_resource(kind, u), 0.0)
+        return available.get(gpu_resource(kind, u), 0.0)
+
+    def decide(req: SliceRequest) -> list[str]:
+        """The node's policy over the engine's state (numpy: only when Ray's choice fails)."""
+        from qgpu.placement import Engine
+
+        view = live_state([node], {node.node_id: available}, include_pending=False)
+        return list(Engine(view.state, _policy()).decide(req).gpu_uuids)
 
     whole = whole_gpus(amount)
     if whole is not None:
@@ -347,7 +376,7 @@ def _choose_num_gpus(
         if picked is None:
             req = SliceRequest(core=100 * whole)
             try:
-                picked = list(Engine(state, _policy()).decide(req).gpu_uuids)
+                picked = decide(req)
             except NoFit:
                 return None
         mem = [gpus[u].memory_gib for u in picked]
@@ -386,7 +415,7 @@ def _choose_num_gpus(
             include_uuids=candidates,
         )
         try:
-            chosen = Engine(state, _policy()).decide(req).gpu_uuids[0]
+            chosen = decide(req)[0]
         except NoFit:
             chosen = candidates[0]
     s = fraction_slice(amount, gpus[chosen].memory_gib, rule)
@@ -411,11 +440,11 @@ def _wait_seconds() -> float:
 
 
 def _busy_message(amount: float, ray_ids: list[str], node: RayNode, waited: float) -> str:
-    view = live_state([node], include_pending=False)
+    available = available_flat([node])
     free = ", ".join(
-        f"{g.uuid} core {view.available.get(gpu_resource(TOTAL_CORE, g.uuid), 0):g}"
-        f"/mem {view.available.get(gpu_resource(TOTAL_MEMORY, g.uuid), 0):g} GiB"
-        f"/slots {view.available.get(gpu_resource(SLOTS, g.uuid), 0):g}"
+        f"{g.uuid} core {available.get(gpu_resource(TOTAL_CORE, g.uuid), 0):g}"
+        f"/mem {available.get(gpu_resource(TOTAL_MEMORY, g.uuid), 0):g} GiB"
+        f"/slots {available.get(gpu_resource(SLOTS, g.uuid), 0):g}"
         for g in node.inventory.gpus
     )
     return (
@@ -438,13 +467,15 @@ def _bind_num_gpus(
     start = time.monotonic()
     said = False
     while True:
-        choice = _choose_num_gpus(amount, ray_ids, node, rule)
+        with _phase("choose"):
+            choice = _choose_num_gpus(amount, ray_ids, node, rule)
         if choice is not None:
             slice_id, name = _new_holder("n", node.node_id)
             bundle = _gpu_bundle(choice.uuids, choice.booked_core, choice.memory)
             bundle[TOTAL_CORE] = choice.booked_core * len(choice.uuids)
             bundle[TOTAL_MEMORY] = float(sum(choice.memory))
-            holder = _hold(bundle, name, timeout=2.0)
+            with _phase("hold"):
+                holder = _hold(bundle, name)
             if holder is not None:
                 alloc = Allocation(
                     slice_id=slice_id,

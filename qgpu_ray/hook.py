@@ -15,7 +15,9 @@ pay next to nothing. It does two things:
    (qgpu resources or ``num_gpus``) that is where the worker binds, so device, caps and
    GPU ids agree from the first line of user code.
 
-The heavy part (placement engine, agent client) is imported only by workers that bind.
+The heavy part (the core model, the agent client, and for plain resources the placement
+engine) is imported only by workers that bind; bench/ray_overhead.py --breakdown measures
+it per step (`MARKS` here, ``qgpu_ray.bind.PHASES``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +37,9 @@ _BIND_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int)
 _callback_ref: object | None = None
 _original_lookup: Callable[[str, str], list[Any]] | None = None
 _installed = threading.Event()
+# wall-clock marks of this worker's start-up (time.time(); ``*_cpu``: thread CPU seconds),
+# read by bench/ray_overhead.py --breakdown
+MARKS: dict[str, float] = {}
 
 
 def wants_slice(assigned: dict[str, float]) -> bool:
@@ -69,8 +75,12 @@ def _lookup(resource_name: str, resource_regex: str) -> list[Any]:
     sdk = _sdk_devices()
     if sdk is not None:
         return sdk
+    if "import_bind_start" not in MARKS:
+        MARKS["import_bind_start"], MARKS["import_bind_start_cpu"] = time.time(), time.thread_time()
     from qgpu_ray import bind
 
+    if "import_bind_end" not in MARKS:
+        MARKS["import_bind_end"], MARKS["import_bind_end_cpu"] = time.time(), time.thread_time()
     binding = bind.bind_quietly(ids)
     return list(binding.allocation.gpu_uuids) if binding is not None else ids
 
@@ -119,10 +129,12 @@ def _register_callback() -> bool:
 
 def install() -> None:
     """Ray worker-process setup hook (see the module docstring)."""
+    MARKS["install_start"] = time.time()
     os.environ.setdefault("QGPU_BIND", "ray")
     _register_callback()
     _patch_lookup()
     _installed.set()
+    MARKS["install_end"] = time.time()
 
 
 def installed() -> bool:

@@ -4,6 +4,9 @@ Built from ``ray.nodes()`` (totals and labels) and per-node available resources,
 core placement engine decides over exactly what Ray will grant. A process-local list of
 recent decisions (not yet visible in Ray's availability) is subtracted for a short time so
 that several ``options()`` calls in a row see each other.
+
+Workers that bind import this module too: numpy and the engine's state are imported only
+when a `LiveView` is built (`available_flat` alone needs neither).
 """
 
 from __future__ import annotations
@@ -11,11 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from qgpu.model import GpuDevice, NodeInventory
-from qgpu.placement import ClusterState
 from qgpu.units import MIB_PER_GIB
 from qgpu_ray.resources import (
     LABEL_GPU_MODEL_PREFIX,
@@ -28,6 +29,9 @@ from qgpu_ray.resources import (
     label_value,
     parse_gpu_resource,
 )
+
+if TYPE_CHECKING:
+    from qgpu.placement import ClusterState
 
 PENDING_TTL_S = 10.0
 
@@ -163,6 +167,19 @@ def _free(avail: dict[str, float], pending: dict[str, float], kind: str, uuid: s
     return max(0.0, avail.get(name, 0.0) - pending.get(name, 0.0))
 
 
+def available_flat(
+    nodes: list[RayNode], available: dict[str, dict[str, float]] | None = None
+) -> dict[str, float]:
+    """Ray's available per-GPU resources of `nodes`, flat: resource name -> amount."""
+    available = available_per_node() if available is None else available
+    flat: dict[str, float] = {}
+    for node in nodes:
+        for key, amount in available.get(node.node_id, {}).items():
+            if parse_gpu_resource(key):
+                flat[key] = amount
+    return flat
+
+
 @dataclass
 class LiveView:
     """The engine's state over Ray's live resources, with what it was built from."""
@@ -180,13 +197,12 @@ def live_state(
 ) -> LiveView:
     """A ClusterState whose free vectors are Ray's available per-GPU resources, minus this
     process's decisions that Ray does not show yet."""
+    import numpy as np
+
+    from qgpu.placement import ClusterState
+
     nodes = ray_nodes() if nodes is None else nodes
-    available = available_per_node() if available is None else available
-    flat: dict[str, float] = {}
-    for node in nodes:
-        for key, amount in available.get(node.node_id, {}).items():
-            if parse_gpu_resource(key):
-                flat[key] = amount
+    flat = available_flat(nodes, available)
     pending = PENDING.outstanding(flat) if include_pending else {}
     state = ClusterState([n.inventory for n in nodes])
     for node in nodes:

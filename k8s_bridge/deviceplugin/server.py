@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from k8s_bridge.assignment_mac import AssignmentKeys
 from k8s_bridge.deviceplugin.allocation import (
     AllocationError,
     AllocationPaths,
@@ -39,6 +40,7 @@ from k8s_bridge.deviceplugin.allocation import (
     k8s_slice_id,
     limits_file_for,
 )
+from k8s_bridge.deviceplugin.claim_record import ClaimRecord
 from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
@@ -51,6 +53,7 @@ from k8s_bridge.protocol import (
     ids_per_gpu,
     parse_device_id,
 )
+from k8s_bridge.resources import PodModel
 from qgpu.errors import QgpuError, RuleViolation, safe_text
 from qgpu.model import NodeInventory
 
@@ -183,11 +186,15 @@ class QgpuDevicePlugin:
         kube: Kube,
         inventory: NodeInventory,
         paths: AllocationPaths,
+        keys: AssignmentKeys | None = None,
     ) -> None:
         self.cfg = cfg
         self.kube = kube
         self.names = kube.names
         self.paths = paths
+        self.keys = keys  # None: assignments are taken unsigned (no --assignment-key-file)
+        self.record = ClaimRecord(paths.state_dir / "k8s" / "claims.json")
+        self._rejected: dict[str, str] = {}  # pod UID -> the reason last logged
         self._inventory = inventory
         self._version = 0
         self._changed = threading.Condition()
@@ -331,12 +338,49 @@ class QgpuDevicePlugin:
 
     # -- kubelet calls ---------------------------------------------------------------
 
-    def _candidates(self) -> list[Any]:
+    def _candidates(self, rejected: list[str] | None = None) -> list[Any]:
+        """The containers assigned to this node; `rejected` gets one entry per pod whose
+        assignment was ignored (MAC missing or wrong), each logged once per pod and reason."""
         try:
             pods = self.kube.pods_on_node(self.cfg.node_name)
         except KubeError as exc:
             raise PluginError(grpc.StatusCode.UNAVAILABLE, f"cannot list pods: {exc}") from exc
-        return pending_pods(self.names, self.cfg.node_name, pods, self.cfg.scheduler_name)
+
+        def reject(pod: PodModel, why: str) -> None:
+            if rejected is not None:
+                rejected.append(pod.key)
+            if self._rejected.get(pod.metadata.uid) != why:
+                self._rejected[pod.metadata.uid] = why
+                log.warning(
+                    "ignoring the qgpu assignment of pod %s (uid %s) on node %s: %s",
+                    pod.key,
+                    pod.metadata.uid,
+                    self.cfg.node_name,
+                    why,
+                )
+
+        self.record.keep_only((p.get("metadata") or {}).get("uid", "") for p in pods)
+        return pending_pods(
+            self.names,
+            self.cfg.node_name,
+            pods,
+            self.cfg.scheduler_name,
+            self.keys,
+            reject,
+            self.record.snapshot(),
+        )
+
+    def _not_found(self, what: str, rejected: list[str]) -> PluginError:
+        """NOT_FOUND for kubelet (which puts it in the pod's events): what was looked for
+        and how many assignments were ignored (the names are in the plugin's log only)."""
+        msg = f"no pod assigned to node {self.cfg.node_name} waits for {what}"
+        if rejected:
+            msg += (
+                f"; ignored {len(rejected)} assignment(s) on this node whose MAC is missing "
+                "or wrong (not written by the qgpu extender for that pod: see the device "
+                "plugin's log)"
+            )
+        return PluginError(grpc.StatusCode.NOT_FOUND, msg)
 
     def preferred(self, kind: Kind, available: list[str], must: list[str], size: int) -> list[str]:
         by_gpu: dict[str, list[str]] = {}
@@ -347,11 +391,10 @@ class QgpuDevicePlugin:
         must_by_gpu: dict[str, list[str]] = {}
         for dev in must:
             must_by_gpu.setdefault(parse_device_id(dev)[0], []).append(dev)
-        candidates = self._candidates()
-        # Containers waiting for this resource first; then containers that already claimed
-        # it: kubelet asks again when its Allocate got no answer (the plugin died after the
-        # claim reached the apiserver), and their IDs are then available again.
-        for cand in [*matching(candidates, kind, None, size), *claimed(candidates, kind, size)]:
+        rejected: list[str] = []
+        candidates = self._candidates(rejected)
+        # Containers waiting for this resource first.
+        for cand in matching(candidates, kind, None, size):
             layout = cand.slice.devices[kind]
             if any(u not in layout or len(ids) > layout[u] for u, ids in must_by_gpu.items()):
                 continue
@@ -366,10 +409,18 @@ class QgpuDevicePlugin:
                 )
                 chosen += (first + rest)[:n]
             return chosen
-        raise PluginError(
-            grpc.StatusCode.NOT_FOUND,
-            f"no pod assigned to node {self.cfg.node_name} waits for {size} {kind} IDs "
-            "available here (was the pod scheduled by the qgpu extender?)",
+        # Then containers that already claimed it: kubelet asks again when its Allocate got
+        # no answer (the plugin died after the claim reached the apiserver), and the IDs
+        # they recorded are then available again: exactly those are offered, or none
+        # (Allocate finds a claimed container by its IDs only).
+        free = set(available)
+        for cand in claimed(candidates, kind, size):
+            recorded = cand.allocated.claimed_ids(cand.container, kind) or []
+            if set(must) <= set(recorded) <= free:
+                return recorded
+        raise self._not_found(
+            f"{size} {kind} IDs available here (was the pod scheduled by the qgpu extender?)",
+            rejected,
         )
 
     def allocate(self, kind: Kind, ids: list[str]) -> pb.ContainerAllocateResponse:
@@ -384,22 +435,19 @@ class QgpuDevicePlugin:
         self._gpus(list(per_gpu))
         with self._alloc_lock:
             for _ in range(self.cfg.claim_retries):
-                candidates = self._candidates()
+                rejected: list[str] = []
+                candidates = self._candidates(rejected)
                 found = matching(candidates, kind, per_gpu, len(ids))
                 if not found:
-                    again = claimed_match(candidates, kind, per_gpu)
+                    again = claimed_match(candidates, kind, ids)
                     if again is not None:
-                        # kubelet allocating a container again from its checkpoint (e.g.
-                        # after a restart): the same devices, the same answer.
+                        # kubelet allocating a container again (its answer was lost, or from
+                        # its checkpoint): the same device IDs, the same answer.
                         return self._response(again, kind)
-                    raise PluginError(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"no pod assigned to node {self.cfg.node_name} waits for {kind} IDs "
-                        f"laid out as {per_gpu}",
-                    )
+                    raise self._not_found(f"{kind} IDs laid out as {per_gpu}", rejected)
                 c = found[0]
                 resp = self._response(c, kind)
-                claim = c.allocated.with_claim(c.container, kind)
+                claim = c.allocated.with_claim(c.container, kind, ids)
                 body = {
                     "metadata": {
                         "resourceVersion": c.pod.metadata.resource_version,
@@ -414,6 +462,10 @@ class QgpuDevicePlugin:
                     raise PluginError(
                         grpc.StatusCode.UNAVAILABLE, f"cannot record the claim: {exc}"
                     ) from exc
+                try:
+                    self.record.put(c.uid, claim)
+                except OSError as exc:  # the annotation holds the claim; say what is lost
+                    log.warning("cannot record the claim of %s on the node: %s", c.pod.key, exc)
                 log.info("allocated %s of %s/%s to %s", kind, c.pod.key, c.container, c.slice.gpus)
                 return resp
         raise PluginError(
@@ -433,10 +485,10 @@ class QgpuDevicePlugin:
         )
 
     def pre_start(self, kind: Kind, ids: list[str]) -> None:
-        kinds, per_gpu = ids_per_gpu(ids)
+        kinds, _ = ids_per_gpu(ids)
         if kinds != {kind}:
             raise PluginError(grpc.StatusCode.INVALID_ARGUMENT, f"not {kind} IDs: {sorted(kinds)}")
-        c = claimed_match(self._candidates(), kind, per_gpu)
+        c = claimed_match(self._candidates(), kind, ids)
         if c is None:
             raise PluginError(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -9,7 +9,8 @@ Owns the bind protocol:
    writer assigned pods there: re-read the pods bound to that node first. A lock this
    extender still holds from a bind moments ago is used again instead (see 5);
 3. choose GPU(s) on the node (`ExtenderState.reserve`, the placement engine);
-4. create the Binding carrying the assignment as annotations, with the pod's UID and
+4. create the Binding carrying the assignment (and, with keys, its MAC over pod UID, node
+   and text: `k8s_bridge.assignment_mac`) as annotations, with the pod's UID and
    resourceVersion as preconditions: the apiserver's binding subresource copies a
    Binding's annotations onto the pod in the same write that sets ``spec.nodeName``, so a
    bound pod always carries its assignment and a failed bind leaves nothing behind
@@ -42,6 +43,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 from pydantic import BaseModel, ConfigDict, Field
 
+from k8s_bridge.assignment_mac import AssignmentKeys
 from k8s_bridge.compat import foreign_reason
 from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
@@ -57,7 +59,7 @@ from k8s_bridge.kube import Conflict, HolderPod, Kube, KubeError, LockHandle, No
 from k8s_bridge.metrics import ExtenderMetrics
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
-from qgpu.model import PlacementPolicy
+from qgpu.model import DEFAULT_PLACEMENT, PlacementPolicy
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class ExtenderConfig(BaseModel):
         min_length=1,
         description="the only spec.schedulerName whose pods bind accepts",
     )
-    node_policy: PlacementPolicy = PlacementPolicy.BINPACK
+    node_policy: PlacementPolicy = DEFAULT_PLACEMENT  # qgpu's one default (frag)
     gpu_policy: PlacementPolicy | None = None
     lock_ttl_s: float = Field(default=30.0, gt=0)
     lock_timeout_s: float = Field(default=5.0, gt=0)
@@ -129,12 +131,15 @@ class ExtenderConfig(BaseModel):
 class Extender:
     """kube-scheduler's extender: decisions from `ExtenderState`, writes through `Kube`."""
 
-    def __init__(self, kube: Kube, cfg: ExtenderConfig | None = None) -> None:
+    def __init__(
+        self, kube: Kube, cfg: ExtenderConfig | None = None, keys: AssignmentKeys | None = None
+    ) -> None:
         self.cfg = cfg or ExtenderConfig()
+        self.keys = keys  # signs every assignment it binds (None: unsigned)
         self.names: Names = kube.names
         self.kube = kube
         self.state = ExtenderState(
-            self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s
+            self.names, self.cfg.node_policy, self.cfg.gpu_policy, self.cfg.assume_ttl_s, keys
         )
         self.metrics = ExtenderMetrics()
         self.metrics.state = self.state
@@ -558,7 +563,10 @@ class Extender:
             assignment = self.state.reserve(uid, ns, name, reqs, node, lock_epoch)
         except NoFit as exc:
             raise NoFit(f"node {node} cannot take pod {ns}/{name}: {exc}", exc.reasons) from exc
-        annotations = {self.names.assignment_annotation: assignment.dumps()}
+        text = assignment.dumps()
+        annotations = {self.names.assignment_annotation: text}
+        if self.keys is not None:
+            annotations[self.names.assignment_mac_annotation] = self.keys.sign(uid, node, text)
         try:
             self._create_binding(pod, node, annotations)
         except QgpuError as exc:

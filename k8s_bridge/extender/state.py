@@ -27,6 +27,7 @@ from itertools import compress
 
 import numpy as np
 
+from k8s_bridge.assignment_mac import AssignmentKeys
 from k8s_bridge.extender.models import MAX_SCORE, HostPriorityTable
 from k8s_bridge.protocol import (
     Assignment,
@@ -146,9 +147,11 @@ class ExtenderState:
         node_policy: PlacementPolicy | str | None = None,
         gpu_policy: PlacementPolicy | str | None = None,
         assume_ttl_s: float = 10.0,
+        keys: AssignmentKeys | None = None,
     ) -> None:
         self.names = names
         self.assume_ttl_s = assume_ttl_s
+        self.keys = keys  # with keys: a held pod's assignment changes only to a signed one
         self.assumed: dict[str, Assumed] = {}
         self.node_policy_name = PlacementPolicy.parse(node_policy) if node_policy else None
         self.gpu_policy_name = PlacementPolicy.parse(gpu_policy) if gpu_policy else None
@@ -320,6 +323,20 @@ class ExtenderState:
             if known is not None and known.assignment == rec.assignment:
                 known.resource_version = max(known.resource_version, rv)
                 return
+            if known is not None and self.keys is not None:
+                mac = pod.annotations.get(self.names.assignment_mac_annotation)
+                why = self.keys.check(uid, rec.node, rec.assignment_text or "", mac)
+                if why is not None:
+                    # rewritten after our bind (the device plugin refuses it too): keep
+                    # holding what we bound, so that GPU is not handed to another pod
+                    log.warning(
+                        "pod %s: keeping the assignment this extender bound; the pod's "
+                        "new one is not signed: %s",
+                        pod.key,
+                        why,
+                    )
+                    known.resource_version = max(known.resource_version, rv)
+                    return
             self.release_pod(uid)
             rec.applied = self._apply(rec)
             self.pods[uid] = rec

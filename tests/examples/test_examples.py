@@ -243,10 +243,14 @@ def test_raycluster_resources_parse_the_way_kuberay_reads_them(raycluster: Obj, 
 
 
 def test_typed_resources_only_where_the_crd_has_them() -> None:
+    # the shape of KubeRay's released CRD (checked by reading it, see docs/ray.md): both
+    # maps are objects of strings, on headGroupSpec and on each workerGroupSpecs item
+    strings = {"type": "object", "additionalProperties": {"type": "string"}}
+
     def crd(with_resources: bool) -> Obj:
-        group = {"type": "object", "properties": {"rayStartParams": {"type": "object"}}}
+        group = {"type": "object", "properties": {"rayStartParams": strings}}
         if with_resources:
-            group["properties"]["resources"] = {"type": "object"}
+            group["properties"]["resources"] = strings
         spec = {"headGroupSpec": group, "workerGroupSpecs": {"type": "array", "items": group}}
         schema = {"properties": {"spec": {"type": "object", "properties": spec}}}
         return {"spec": {"versions": [{"name": "v1", "schema": {"openAPIV3Schema": schema}}]}}

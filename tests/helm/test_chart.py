@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
-from qgpu.model import IsolationPolicy
+from qgpu.model import DEFAULT_PLACEMENT, IsolationPolicy
 from tests.helm.chart import (
     KUBE_VERSIONS,
     Obj,
@@ -85,6 +85,7 @@ def test_default_objects_are_named_as_tke_names_them(default: Rendered) -> None:
             ("Role", "qgpu-scheduler-leader-election"),
             ("RoleBinding", "qgpu-scheduler-auth-reader"),
             ("RoleBinding", "qgpu-scheduler-leader-election"),
+            ("Secret", "qgpu-assignment-key"),
             ("Secret", "qgpu-scheduler-extender-tls"),
             ("Secret", "qgpu-scheduler-webhook-tls"),
             ("Service", "qgpu-manager-metrics"),
@@ -109,6 +110,8 @@ def test_default_objects_are_named_as_tke_names_them(default: Rendered) -> None:
         {"resourcePrefix": "Not A Domain"},
         {"scheduler": {"replicas": 0}},
         {"unknownKey": 1},
+        {"assignmentSigning": {"existingSecret": "Not_A_Name"}},
+        {"assignmentSigning": {"enabled": "yes"}},
     ],
 )
 def test_values_schema_refuses_bad_values(values: dict[str, Any]) -> None:
@@ -290,14 +293,14 @@ def test_scheduler_configuration_registers_the_extender(default: Rendered) -> No
     )["mountPath"]
     assert ext.tls_config.cert_file == f"{client_mount}/client.crt"
     assert ext.tls_config.ca_file == f"{client_mount}/ca.crt"
-    assert extender.client_ca and extender.tls_cert and extender.client_name == [
-        "qgpu-scheduler"
-    ]
+    assert extender.client_ca and extender.tls_cert and extender.client_name == ["qgpu-scheduler"]
     off = render({"scheduler": {"extender": {"auth": {"enabled": False}}}})
     (plain,) = off.scheduler_config()["extenders"]
     assert plain["urlPrefix"].startswith("http://") and "tlsConfig" not in plain
     assert off.find("Secret", "qgpu-scheduler-extender-tls") is None
-    assert extender.placement == "binpack"
+    # no --placement: the extender's default is qgpu's one default placement
+    assert "--placement" not in " ".join(command(containers(default.scheduler)["extender"]))
+    assert extender.placement == DEFAULT_PLACEMENT.value
     assert extender.gpu_placement is None
     assert cfg.leader_election.leader_elect is True
     assert cfg.leader_election.resource_name == "qgpu-scheduler"
@@ -537,12 +540,13 @@ def test_cert_manager_replaces_the_generated_certificate() -> None:
 def test_webhook_off_removes_every_webhook_piece() -> None:
     r = render({"webhook": {"enabled": False}})
     assert r.of_kind("MutatingWebhookConfiguration") == []
-    assert [s["metadata"]["name"] for s in r.of_kind("Secret")] == [
-        "qgpu-scheduler-extender-tls"
+    assert sorted(s["metadata"]["name"] for s in r.of_kind("Secret")) == [
+        "qgpu-assignment-key",
+        "qgpu-scheduler-extender-tls",
     ]
     assert set(containers(r.scheduler)) == {"kube-scheduler", "extender"}
     volumes = [v["name"] for v in r.scheduler["spec"]["template"]["spec"]["volumes"]]
-    assert volumes == ["config", "extender-client", "extender-server"]
+    assert volumes == ["config", "extender-client", "extender-server", "assignment-key"]
     ports = [p["name"] for p in r.get("Service", "qgpu-scheduler")["spec"]["ports"]]
     assert ports == ["extender"]
     assert "set schedulerName: qgpu-scheduler in the pods yourself" in r.notes
@@ -640,3 +644,56 @@ def test_every_value_is_documented_and_in_the_schema() -> None:
         assert lines[i - 1].strip().startswith("#"), f"values.yaml: {path} has no comment"
         found.add(path)
     assert found == known
+
+
+# --- signed assignments ------------------------------------------------------------------
+
+
+def _key_users(r: Rendered, secret: str) -> dict[str, list[str]]:
+    """container name -> its command, for every container that mounts `secret`."""
+    out = {}
+    for workload in (r.manager, r.scheduler):
+        spec = workload["spec"]["template"]["spec"]
+        vols = {
+            v["name"]
+            for v in spec.get("volumes", [])
+            if (v.get("secret") or {}).get("secretName") == secret
+        }
+        for c in spec["containers"] + spec.get("initContainers", []):
+            if any(m["name"] in vols for m in c.get("volumeMounts", [])):
+                out[c["name"]] = c["command"]
+    return out
+
+
+def test_assignment_key_reaches_the_extender_and_the_device_plugin_only(
+    default: Rendered, tmp_path
+) -> None:
+    from k8s_bridge.assignment_mac import MIN_KEY_BYTES, AssignmentKeys
+
+    secret = default.get("Secret", "qgpu-assignment-key")
+    key = base64.b64decode(secret["data"]["key"])
+    assert len(key) >= MIN_KEY_BYTES and set(secret["data"]) == {"key"}
+    users = _key_users(default, "qgpu-assignment-key")
+    assert set(users) == {"device-plugin", "extender"}  # not kube-scheduler, webhook, agent
+    (tmp_path / "key").write_bytes(key)
+    for name, argv in users.items():
+        args = _parse_qgpu(argv)
+        assert args.assignment_key_file == "/etc/qgpu-assignment-key/key", name
+        assert args.assignment_previous_key_file == "/etc/qgpu-assignment-key/previous", name
+        # the mounted Secret is what the command loads (no `previous`: no rotation)
+        keys = AssignmentKeys.from_files(tmp_path / "key", tmp_path / "previous")
+        assert keys == AssignmentKeys(key)
+    # every install generates its own key
+    assert render().get("Secret", "qgpu-assignment-key")["data"]["key"] != secret["data"]["key"]
+
+
+def test_assignment_signing_off_or_from_an_existing_secret() -> None:
+    off = render({"assignmentSigning": {"enabled": False}})
+    assert off.find("Secret", "qgpu-assignment-key") is None
+    for workload in (off.manager, off.scheduler):
+        text = str(workload)
+        assert "assignment-key" not in text, workload["metadata"]["name"]
+    mine = render({"assignmentSigning": {"existingSecret": "my-qgpu-key"}})
+    assert mine.find("Secret", "qgpu-assignment-key") is None
+    assert set(_key_users(mine, "my-qgpu-key")) == {"device-plugin", "extender"}
+    assert validate_all(mine.objects, "1.30") == []

@@ -12,6 +12,7 @@ chart's state directory.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -88,9 +89,22 @@ def manager() -> Iterator[dict[str, Any]]:
     )
     kubelet = FakeKubelet(tmp / "dp").start()
     cs = containers(rendered.manager)
+    # the chart's assignment-key Secret, mounted at a path of this test (the flags the
+    # chart gives point into the container's /etc/qgpu-assignment-key)
+    keydir = tmp / "assignment-key"
+    keydir.mkdir()
+    secret = rendered.get("Secret", "qgpu-assignment-key")
+    for name, data in secret["data"].items():
+        (keydir / name).write_bytes(base64.b64decode(data))
+    moved = [
+        f"--assignment-key-file={keydir / 'key'}",
+        f"--assignment-previous-key-file={keydir / 'previous'}",
+    ]
     procs = [
         _start(command(cs["agent"], NODE_NAME=NODE), []),
-        _start(command(cs["device-plugin"], NODE_NAME=NODE), [f"--apiserver={srv.url}"]),
+        _start(
+            command(cs["device-plugin"], NODE_NAME=NODE), [f"--apiserver={srv.url}", *moved]
+        ),
     ]
     try:
         deadline = time.monotonic() + 90
@@ -104,7 +118,13 @@ def manager() -> Iterator[dict[str, Any]]:
             except TimeoutError:
                 if time.monotonic() > deadline:
                     raise
-        yield {"tmp": tmp, "srv": srv, "kubelet": kubelet, "rendered": rendered}
+        yield {
+            "tmp": tmp,
+            "srv": srv,
+            "kubelet": kubelet,
+            "rendered": rendered,
+            "key": (keydir / "key").read_bytes(),
+        }
     finally:
         stop_processes(procs)
         kubelet.stop()
@@ -151,6 +171,7 @@ def test_agent_metrics_port_of_the_chart_serves_metrics_only(manager: dict[str, 
 
 def test_example_pod_gets_its_slice_recorded_by_the_agent(manager: dict[str, Any]) -> None:
     from enforcement.agent.client import AgentClient
+    from k8s_bridge.assignment_mac import AssignmentKeys
     from k8s_bridge.extender.app import create_app
     from k8s_bridge.extender.service import Extender, ExtenderConfig
     from k8s_bridge.kube import Kube
@@ -160,7 +181,9 @@ def test_example_pod_gets_its_slice_recorded_by_the_agent(manager: dict[str, Any
     pod = yaml.safe_load((ROOT / "examples" / "pod.yaml").read_text())
     pod["metadata"]["namespace"] = "default"
     created = srv.store.create("pods", pod)
-    ext = Extender(Kube(srv.client(), NAMES), ExtenderConfig(watch=False))
+    # the extender signs with the chart's key, which the device plugin checks
+    keys = AssignmentKeys(manager["key"])
+    ext = Extender(Kube(srv.client(), NAMES), ExtenderConfig(watch=False), keys)
     ext.start()
     served = ServedApp(create_app(ext)).start()
     try:

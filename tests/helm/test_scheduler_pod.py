@@ -106,6 +106,8 @@ def scheduler_pod(rendered: Rendered) -> Iterator[dict[str, Any]]:
     ext_secret = rendered.get("Secret", "qgpu-scheduler-extender-tls")
     for key, data in ext_secret["data"].items():
         (certs / key).write_bytes(base64.b64decode(data))
+    key = rendered.get("Secret", "qgpu-assignment-key")["data"]["key"]
+    (certs / "assignment.key").write_bytes(base64.b64decode(key))
     hook_port, ext_port = _free_port(), _free_port()
     srv = FakeApiserver().start()
     publish_node(srv, "gpu-node-1", [gpu("gpu-node-1", 0, gib=16), gpu("gpu-node-1", 1, gib=16)])
@@ -124,6 +126,8 @@ def scheduler_pod(rendered: Rendered) -> Iterator[dict[str, Any]]:
         tls_cert=str(certs / "server.crt"),
         tls_key=str(certs / "server.key"),
         client_ca=str(certs / "ca.crt"),
+        assignment_key_file=str(certs / "assignment.key"),
+        assignment_previous_key_file=str(certs / "no-previous-key"),
     )
     procs = [_start(hook_argv), _start(ext_argv)]
     try:
@@ -250,6 +254,14 @@ def test_extender_binds_the_example_pod_through_the_configured_verbs(
     assignment = load_assignment(stored["metadata"]["annotations"][names.assignment_annotation])
     (slice_,) = assignment.containers.values()
     assert (slice_.core, slice_.memory_gib, slice_.isolation.value) == (30, [8], "fixed-share")
+    # signed with the chart's key, as the device plugin (which mounts it too) checks
+    from k8s_bridge.assignment_mac import AssignmentKeys
+
+    ann = stored["metadata"]["annotations"]
+    keys = AssignmentKeys((scheduler_pod["certs"] / "assignment.key").read_bytes())
+    mac = ann[names.assignment_mac_annotation]
+    text = ann[names.assignment_annotation]
+    assert keys.check(stored["metadata"]["uid"], "gpu-node-1", text, mac) is None
 
 
 def _scheduler_tls(ext: dict[str, Any], certs: Path, with_cert: bool = True) -> ssl.SSLContext:

@@ -18,12 +18,16 @@ from typing import Any
 import httpx
 import uvicorn
 
+from k8s_bridge.assignment_mac import AssignmentKeys
 from k8s_bridge.protocol import PublishedInventory
 from k8s_bridge.resources import Names
 from qgpu.model import GpuDevice
 from tests.fakes.apiserver import FakeApiserver, json_patch, node_object
 
 NAMES = Names()
+# the assignment key the extender and the device plugins of a `Cluster` share (the chart's
+# Secret): assignments are signed, and checked, in every end-to-end test
+TEST_KEYS = AssignmentKeys(b"qgpu-test-assignment-key-0123456789abcdef")
 
 
 def U(node: str, i: int) -> str:
@@ -173,6 +177,7 @@ class Cluster:
         policies: dict[str, str] | None = None,
         shuffle_resources: bool = False,
         watch: bool = True,
+        keys: Any = TEST_KEYS,
     ) -> None:
         from k8s_bridge.deviceplugin.allocation import AllocationPaths
         from k8s_bridge.deviceplugin.server import PluginConfig, QgpuDevicePlugin
@@ -202,6 +207,7 @@ class Cluster:
                 Kube(srv.client(), NAMES),
                 NodeInventory(name=name, gpus=gpus),
                 AllocationPaths(state_dir=self.tmp / f"state{i}", hook_library=self.hook),
+                keys,
             )
             plugin.start()
             self.plugins[name] = plugin
@@ -209,6 +215,7 @@ class Cluster:
         self.extender = Extender(
             Kube(srv.client(), NAMES),
             ExtenderConfig(node_policy=node_policy, gpu_policy=gpu_policy, watch=watch),
+            keys,
         )
         self.extender.start()
         ext = ServedApp(extender_app(self.extender)).start()

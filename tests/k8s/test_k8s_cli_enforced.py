@@ -13,6 +13,7 @@ loaded here with LD_PRELOAD) reads the mounted limits file and caps the simulate
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -80,15 +81,18 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
     kubelet = FakeKubelet(tmp / "dp").start()
     procs: list[subprocess.Popen[str]] = []
     agent_socket = None
+    key = tmp / "assignment.key"  # the chart's Secret: the extender signs, the plugin checks
+    key.write_text(secrets.token_urlsafe(48))
+    signing = f"--assignment-key-file={key}"
     try:
-        extra = []
+        extra = [signing]
         if request.param == "node-agent-records":
             agent_socket = tmp / "agent" / "agent.sock"
             agent = _qgpu(
                 "agent", "--sim=2xT4-16GB", "--node-name=n0", f"--state-dir={tmp / 'agent'}"
             )
             procs.append(agent)
-            extra = [f"--agent-socket={agent_socket}"]
+            extra.append(f"--agent-socket={agent_socket}")
         plugin = _qgpu(
             "device-plugin",
             "--node-name=n0",
@@ -108,6 +112,7 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
             "--host=127.0.0.1",
             f"--port={ext_port}",
             "--placement=spread",
+            signing,
         )
         procs.append(ext)
         web = _qgpu("webhook", "--host=127.0.0.1", f"--port={hook_port}", "--insecure-http")

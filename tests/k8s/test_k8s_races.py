@@ -321,6 +321,9 @@ def test_kubelet_restart_reregisters_and_keeps_allocations(apiserver, node_with_
     )
 
 
+RESOURCES = {"core": NAMES.core, "memory": NAMES.memory}
+
+
 def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
     """Two identical replicas created in the same second, both bound before kubelet admits
     either, bound in the reverse of their names' order: kubelet sees them in binding order,
@@ -343,9 +346,13 @@ def test_two_equal_pods_pending_at_once(apiserver, node_with_plugin) -> None:
             assert {d.rpartition("_")[0] for d in ids} == {envs[n]}
     assert envs == gpus
     for n in order:
-        ann = apiserver.store.get("pods", "default", n)["metadata"]["annotations"]
-        assert json.loads(ann[NAMES.allocated_annotation]) == {
-            "containers": {"c0": ["core", "memory"]}
+        pod = apiserver.store.get("pods", "default", n)
+        claim = json.loads(pod["metadata"]["annotations"][NAMES.allocated_annotation])
+        assert claim["containers"] == {"c0": ["core", "memory"]}
+        # the claim records kubelet's device IDs (a claimed container is known by them)
+        uid = pod["metadata"]["uid"]
+        assert claim["devices"] == {
+            "c0": {k: sorted(kl.allocated[(uid, "c0", r)]) for k, r in RESOURCES.items()}
         }
     # a third equal pod has nowhere to go on this node
     apiserver.store.create("pods", pod_object("third", [(60, 8)]))

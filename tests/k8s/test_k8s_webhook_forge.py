@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.helpers import NAMES, PodDenied, U, assignment_of, pod_object
+from tests.k8s.helpers import NAMES, TEST_KEYS, PodDenied, U, assignment_of, pod_object
 from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
 
 
@@ -36,6 +36,9 @@ def test_pod_presetting_the_assignment_and_node_is_denied(make_cluster) -> None:
     claim = pod_object("thief3", [(30, 4)], annotations={NAMES.allocated_annotation: "{}"})
     with pytest.raises(PodDenied, match="qgpu-allocated"):
         cluster.submit(claim)
+    mac = pod_object("thief5", [(30, 4)], annotations={NAMES.assignment_mac_annotation: "v1.0"})
+    with pytest.raises(PodDenied, match="qgpu-assignment-mac"):
+        cluster.submit(mac)
     # the node alone skips the extender: kubelet would admit it with no assignment at all
     bare = pod_object("thief4", [(30, 4)])
     bare["spec"]["nodeName"] = "n0"
@@ -98,3 +101,20 @@ def test_device_plugin_ignores_an_assignment_the_pod_does_not_ask_for(make_clust
     victim = cluster.srv.store.get("pods", "default", "victim")
     found = pending_pods(NAMES, granted.node, [victim, *pods], "qgpu-scheduler")
     assert sorted(c.pod.metadata.name for c in found) == ["copy", "victim"]
+    # with the assignment key (the chart's default) the copy is not one either: its MAC
+    # (none here) is not the extender's for its UID
+    rejected: list[str] = []
+    found = pending_pods(
+        NAMES,
+        granted.node,
+        [victim, *pods],
+        "qgpu-scheduler",
+        TEST_KEYS,
+        lambda pod, why: rejected.append(f"{pod.metadata.name}: {why}"),
+    )
+    assert [c.pod.metadata.name for c in found] == ["victim"]
+    assert rejected == [
+        "thief-a: its assignment MAC annotation is missing",
+        "thief-b: its assignment MAC annotation is missing",
+        "copy: its assignment MAC annotation is missing",
+    ]

@@ -89,6 +89,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "qgpu.webhookSecret" -}}{{ include "qgpu.schedulerName" . }}-webhook-tls{{- end -}}
 {{- define "qgpu.webhookService" -}}{{ include "qgpu.schedulerName" . }}{{- end -}}
 {{- define "qgpu.extenderSecret" -}}{{ include "qgpu.schedulerName" . }}-extender-tls{{- end -}}
+{{- /* The Secret holding the assignment key (generated, or the user's existing one). */ -}}
+{{- define "qgpu.assignmentKeySecret" -}}{{ default (printf "%s-assignment-key" (include "qgpu.fullname" .)) .Values.assignmentSigning.existingSecret }}{{- end -}}
+{{- define "qgpu.assignmentKeyDir" -}}/etc/qgpu-assignment-key{{- end -}}
+{{- /* The key flags of the extender and the device plugin (one source for both). */ -}}
+{{- define "qgpu.assignmentKeyArgs" -}}
+{{- if .Values.assignmentSigning.enabled }}
+- --assignment-key-file={{ include "qgpu.assignmentKeyDir" . }}/key
+- --assignment-previous-key-file={{ include "qgpu.assignmentKeyDir" . }}/previous
+{{- end }}
+{{- end -}}
 
 {{/* The interposer as installed on the host. */}}
 {{- define "qgpu.hookPath" -}}{{ .Values.manager.interposerDir }}/libqgpu_hook.so{{- end -}}

@@ -1,0 +1,163 @@
+"""Attacks past the webhook on what the device plugin hands out (issue 18, forged placement).
+
+1. A tenant with ``patch`` on its own pods rewrites ``<prefix>/qgpu-assignment`` of its pod
+   after the extender bound it and before kubelet admitted it (plain pod UPDATEs are not
+   routed to the webhook), naming a GPU the scheduler did not choose; or copies another
+   pod's assignment; or a pod that bypassed the webhook carries an assignment of its own.
+   The extender signs what it writes (HMAC-SHA256 over pod UID, node and the assignment's
+   text, `k8s_bridge.assignment_mac`); the device plugin takes no assignment whose MAC is
+   missing or wrong, and says why in its log.
+2. A pod kubelet admits on a node without any assignment the plugin takes asks for the same
+   layout (IDs per GPU) as a container that already claimed: the plugin matched claimed
+   containers by layout and handed it that container's slice (its slice id, its ledger).
+   Claims now record kubelet's device IDs and a claimed container is matched by them.
+
+Everything runs over the real gRPC device plugin, the fake apiserver over HTTP and the
+extender served over HTTP (`tests.k8s.helpers.Cluster`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from k8s_bridge.kube import Kube
+from tests.fakes.kubelet import AdmissionError
+from tests.k8s.helpers import NAMES, U, assignment_of, pod_object, wait_until
+from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
+
+
+def _tenant_patch(cluster, name: str, annotations: dict[str, str | None]) -> None:
+    """What `kubectl annotate --overwrite` does with a tenant's pod `patch` RBAC: a plain
+    merge-patch UPDATE, which the chart does not route to the webhook."""
+    kube = Kube(cluster.srv.client(), NAMES)
+    kube.patch_pod("default", name, {"metadata": {"annotations": annotations}})
+
+
+def _bound(cluster, name: str, containers) -> tuple[str, dict]:
+    """Submit and schedule (filter, prioritize, bind) without kubelet admitting it."""
+    created = cluster.submit(pod_object(name, containers))
+    node, why = cluster.scheduler.schedule("default", created["metadata"]["name"])
+    assert node is not None, why
+    return node, cluster.srv.store.get("pods", "default", name)
+
+
+def test_post_bind_patch_naming_another_gpu_is_refused(make_cluster, caplog) -> None:  # noqa: F811
+    cluster = make_cluster()
+    node, victim = cluster.run(pod_object("victim", [(30, 4)]))
+    victim_gpu = victim["c0"].envs["CUDA_VISIBLE_DEVICES"]
+    node2, _ = _bound(cluster, "thief", [(30, 4)])
+    assert node2 == node  # binpack: the same node
+    granted = assignment_of(cluster.srv, "thief")
+    (chosen,) = granted.containers["c0"].gpus
+    other = U(node, 1) if chosen == U(node, 0) else U(node, 0)
+    ca = granted.containers["c0"]
+    moved = {k: {other: sum(per.values())} for k, per in ca.devices.items()}
+    forged_c0 = ca.model_copy(update={"gpus": [other], "devices": moved})
+    forged = granted.model_copy(update={"containers": {"c0": forged_c0}}).dumps()
+    original = cluster.srv.store.get("pods", "default", "thief")["metadata"]["annotations"]
+    _tenant_patch(cluster, "thief", {NAMES.assignment_annotation: forged})
+    pod = cluster.srv.store.get("pods", "default", "thief")
+    # the extender sees the patch on its watch and keeps holding the GPU it chose (it would
+    # otherwise free `chosen` for the next pod and count `other`)
+    uid, rv = pod["metadata"]["uid"], int(pod["metadata"]["resourceVersion"])
+    held = cluster.extender.state.pods
+    wait_until(lambda: held[uid].resource_version >= rv, what="the extender to see the patch")
+    assert held[uid].assignment.containers["c0"].gpus == [chosen]
+    caplog.set_level(logging.WARNING, logger="k8s_bridge.deviceplugin")
+    # before the MAC the plugin answered CUDA_VISIBLE_DEVICES=<other>: a GPU nobody granted
+    with pytest.raises(AdmissionError, match="ignored 1 assignment"):
+        cluster.kubelets[node].admit(pod)
+    assert any(
+        "default/thief" in r.getMessage() and "MAC" in r.getMessage() for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    assert other != chosen and victim_gpu in (chosen, other)
+    # the tenant puts the extender's own assignment back: admitted where it was bound
+    _tenant_patch(
+        cluster, "thief", {NAMES.assignment_annotation: original[NAMES.assignment_annotation]}
+    )
+    kl = cluster.kubelets[node]
+    kl.release(pod["metadata"]["uid"])
+    res = kl.admit(cluster.srv.store.get("pods", "default", "thief"))
+    assert res["c0"].envs["CUDA_VISIBLE_DEVICES"] == chosen
+
+
+def test_copied_or_dropped_mac_is_refused(make_cluster) -> None:  # noqa: F811
+    """Another pod's assignment with its MAC (the MAC covers the pod's UID), or an assignment
+    whose MAC the tenant removed, is not a candidate."""
+    cluster = make_cluster()
+    node, _ = cluster.run(pod_object("victim", [(30, 4)]))
+    ann = cluster.srv.store.get("pods", "default", "victim")["metadata"]["annotations"]
+    assert ann[NAMES.assignment_mac_annotation].startswith("v1.")
+    # a pod that bypassed the webhook (created straight in, bound by its author), carrying
+    # the victim's assignment and MAC
+    copy = pod_object(
+        "copy",
+        [(30, 4)],
+        annotations={
+            k: ann[k] for k in (NAMES.assignment_annotation, NAMES.assignment_mac_annotation)
+        },
+    )
+    copy["spec"]["nodeName"] = node
+    stored = cluster.srv.store.create("pods", copy)
+    with pytest.raises(AdmissionError, match="ignored 1 assignment"):
+        cluster.kubelets[node].admit(stored)
+    cluster.kubelets[node].release(stored["metadata"]["uid"])
+    # a bound pod whose MAC its owner removed
+    node2, _ = _bound(cluster, "dropped", [(30, 4)])
+    assert node2 == node
+    _tenant_patch(cluster, "dropped", {NAMES.assignment_mac_annotation: None})
+    with pytest.raises(AdmissionError, match="ignored 2 assignment"):
+        cluster.kubelets[node].admit(cluster.srv.store.get("pods", "default", "dropped"))
+
+
+def test_a_second_container_of_the_same_layout_cannot_take_over_a_claim(make_cluster) -> None:  # noqa: F811
+    """A pod with no assignment the plugin takes (here: none at all, bound by its author)
+    asks for the layout a running container claimed. Before claims carried device IDs the
+    plugin answered it with that container's slice: its slice id, limits file and ledger."""
+    cluster = make_cluster()
+    node, victim = cluster.run(pod_object("victim", [(30, 4)]))
+    (gpu_uuid,) = assignment_of(cluster.srv, "victim").containers["c0"].gpus
+    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
+    thief["spec"]["nodeName"] = node
+    stored = cluster.srv.store.create("pods", thief)
+    kl = cluster.kubelets[node]
+    try:
+        got = kl.admit(stored)
+    except AdmissionError as exc:
+        assert "waits for" in str(exc)
+    else:  # the attack won: say what it got
+        pytest.fail(
+            f"thief got slice {got['c0'].envs.get('QGPU_SLICE_ID')} "
+            f"(victim's: {victim['c0'].envs['QGPU_SLICE_ID']}) on {gpu_uuid}"
+        )
+    # the victim's own repeat (kubelet's checkpoint: the same IDs) still gets its answer
+    ids = kl.allocated[
+        (
+            victim_uid := cluster.srv.store.get("pods", "default", "victim")["metadata"]["uid"],
+            "c0",
+            NAMES.core,
+        )
+    ]
+    again = cluster.plugins[node].allocate("core", ids)
+    assert dict(again.envs)["QGPU_SLICE_ID"] == victim["c0"].envs["QGPU_SLICE_ID"]
+    assert victim_uid in dict(again.envs)["QGPU_SLICE_ID"]
+
+
+def test_removing_its_own_claim_does_not_hand_its_slice_to_the_next_pod(make_cluster) -> None:  # noqa: F811
+    """A tenant removes the claim annotation of its running pod: its container looks
+    unallocated, was bound first, and so ranked first for the next pod of the same layout on
+    that GPU, which was then answered with the tenant's slice (one slice's caps and ledger
+    shared by two tenants). The plugin's own record of its claims on the node wins."""
+    cluster = make_cluster()
+    node, mine = cluster.run(pod_object("mine", [(30, 4)]))
+    _tenant_patch(cluster, "mine", {NAMES.allocated_annotation: None})
+    node2, _ = _bound(cluster, "other", [(30, 4)])
+    assert node2 == node
+    theirs = assignment_of(cluster.srv, "other").containers["c0"].gpus
+    assert theirs == assignment_of(cluster.srv, "mine").containers["c0"].gpus  # binpack
+    got = cluster.kubelets[node].admit(cluster.srv.store.get("pods", "default", "other"))["c0"]
+    other_uid = cluster.srv.store.get("pods", "default", "other")["metadata"]["uid"]
+    assert got.envs["QGPU_SLICE_ID"] == f"{other_uid}.c0", (
+        f"other got {got.envs['QGPU_SLICE_ID']}; mine is {mine['c0'].envs['QGPU_SLICE_ID']}"
+    )
