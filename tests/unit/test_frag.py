@@ -569,6 +569,20 @@ def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes
     assert policy._score_memo is not memo  # the mix changed: computed again
 
 
+def _host_work(engine: Engine, name: str) -> None:
+    """Host-only work placed by the engine (when some node has room)."""
+    with contextlib.suppress(NoFit, ValueError):
+        engine.place_host(name, 1000, 1024)
+
+
+def _direct_write(state: ClusterState, rng: random.Random) -> None:
+    """A direct writer (qgpu_ray's view) frees an idle GPU's core, and says so (`touch`)."""
+    g = rng.randrange(state.gpu_total)
+    if state.slices[g] == 0:
+        state.free_core[g] = 100
+        state.touch()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, monkeypatch):
     """A policy that has followed the cluster through placements, releases, host-only work,
@@ -593,13 +607,9 @@ def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, 
         if roll < 0.15 and state.held:
             state.release(rng.choice(sorted(state.held)))
         elif roll < 0.2:
-            with contextlib.suppress(NoFit, ValueError):
-                engine.place_host(f"h{step}", 1000, 1024)
+            _host_work(engine, f"h{step}")
         elif roll < 0.23:
-            g = rng.randrange(state.gpu_total)
-            if state.slices[g] == 0:
-                state.free_core[g] = 100  # a direct writer (qgpu_ray's view) ...
-                state.touch()  # ... says so
+            _direct_write(state, rng)
         else:
             req = rng.choice(kinds)
             arrivals.append(req)
@@ -645,13 +655,9 @@ def test_a_kept_policy_that_observes_nothing_follows_the_live_slices(seed, monke
                         core = rng.choice([10, 20, 40])
                         state.apply(sid, [int(rng.choice(free))], core, [1 + core // 10])
             elif roll < 0.35:
-                with contextlib.suppress(NoFit, ValueError):
-                    engine.place_host(f"h{step}-{roll}", 1000, 1024)
+                _host_work(engine, f"h{step}-{roll}")
             elif roll < 0.38:
-                g = rng.randrange(state.gpu_total)
-                if state.slices[g] == 0:
-                    state.free_core[g] = 100
-                    state.touch()
+                _direct_write(state, rng)
             else:
                 with contextlib.suppress(NoFit):
                     engine.place(f"s{step}-{roll}", rng.choice(kinds), observe=False)
