@@ -13,7 +13,9 @@ unless renewed) and the uid/gid its processes run as.
 
 A ledger whose process is its file's only writer (the node agent) passes
 ``cache_state=True``: the placement state (`ClusterState`) is then built once and updated
-with every committed change, so a reservation costs the same with 10 or 1,000 live slices.
+with every committed change, and the engine that decides over it is kept with it (its
+policies update what they derived from the state, frag's mix of the live slices included),
+so a reservation costs the same with 10 or 1,000 live slices.
 All writes then go through one connection, whose ``PRAGMA data_version`` reveals a commit
 by any other connection or process: the cache is rebuilt before the next decision, and the
 capacity check inside each transaction never trusts the cache anyway.
