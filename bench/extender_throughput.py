@@ -16,7 +16,7 @@ between the cores, and the extender's CPU per pod rises by about a tenth).
         [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
         [--nodes-per-pod all|kube|N] [--pin | --no-pin]
 
-``--policy`` defaults to the extender's own default node policy (binpack).
+``--policy`` defaults to the extender's own default node policy (qgpu's default, frag).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policy",
         default=ExtenderConfig().node_policy.value,
         choices=[p.value for p in PlacementPolicy],
-        help="the extender's node policy (default: the extender's own default, binpack)",
+        help="the extender's node policy (default: the extender's own, qgpu's default)",
     )
     ap.add_argument("--bind-workers", type=int, default=16)
     ap.add_argument(

@@ -94,6 +94,11 @@ class SliceFiles:
         return self.dir / LIMITS_NAME
 
     @property
+    def retired_limits_file(self) -> Path:
+        """Where a limits file waits while its slice's release is being committed."""
+        return self.dir / f".{LIMITS_NAME}.released"
+
+    @property
     def ledger_dir(self) -> Path:
         return self.dir / LEDGER_DIR_NAME
 
@@ -160,8 +165,27 @@ class StateTree:
             fsync=False,
         )
 
+    def retire_limits(self, slice_id: str) -> bool:
+        """Move a slice's limits file aside before its release is committed (a process that
+        starts then finds no caps and refuses to run). False when it has none. Raises
+        OSError, with nothing changed, when the tree cannot be written (a read-only disk):
+        the release is then refused instead of half done."""
+        f = self.files(slice_id)
+        try:
+            os.rename(f.limits_file, f.retired_limits_file)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def unretire_limits(self, slice_id: str) -> None:
+        """Put a retired limits file back (the release was not committed)."""
+        f = self.files(slice_id)
+        os.rename(f.retired_limits_file, f.limits_file)
+
     def remove_limits(self, slice_id: str) -> None:
-        self.files(slice_id).limits_file.unlink(missing_ok=True)
+        f = self.files(slice_id)
+        f.limits_file.unlink(missing_ok=True)
+        f.retired_limits_file.unlink(missing_ok=True)
 
     def remove(self, slice_id: str) -> None:
         """Delete the slice's directory (its processes are gone)."""

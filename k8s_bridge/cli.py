@@ -19,10 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qgpu.cli_common import add_placement_options, choice
+from qgpu.cli_common import DEFAULT_PLACEMENT_HELP, add_placement_options, choice
 from qgpu.errors import QgpuError, RuleViolation
 from qgpu.mix_prior import add_prior_option, use_prior
-from qgpu.model import DEFAULT_MAX_SLICES_PER_GPU, PlacementPolicy, SlicesPerGpu
+from qgpu.model import (
+    DEFAULT_MAX_SLICES_PER_GPU,
+    DEFAULT_PLACEMENT,
+    PlacementPolicy,
+    SlicesPerGpu,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -447,8 +452,9 @@ def register_extender(sub: Any) -> None:
     _serving_flags(p, "kube-scheduler's extender tlsConfig certificate")
     add_placement_options(
         p,
-        default="binpack",
-        help="node-level placement: binpack, spread or frag (pod annotations override)",
+        default=DEFAULT_PLACEMENT.value,
+        help="node-level placement: binpack, spread or frag (pod annotations override) "
+        + DEFAULT_PLACEMENT_HELP,
         old=["--node-policy"],
         old_gpu=["--gpu-policy"],
     )

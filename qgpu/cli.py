@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qgpu.cli_common import (
+    DEFAULT_PLACEMENT_HELP,
     REQUEST_FLAGS,
     Parser,
     add_isolation_option,
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_options(
         plan_p,
         help="node-level (and GPU-level) placement: frag, binpack or spread "
-        "(default: frag, the engine's default)",
+        + DEFAULT_PLACEMENT_HELP,
         old=["--policy"],
         old_gpu=["--gpu-policy"],
     )

@@ -33,7 +33,13 @@ from typing import Any
 from rich.console import Console
 
 from qgpu.errors import RuleViolation
-from qgpu.model import IsolationPolicy, PlacementPolicy, SliceRequest, parse_choice
+from qgpu.model import (
+    DEFAULT_PLACEMENT,
+    IsolationPolicy,
+    PlacementPolicy,
+    SliceRequest,
+    parse_choice,
+)
 
 EXIT_INVALID = 2
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a filter killed by SIGPIPE
@@ -162,8 +168,10 @@ ISOLATION_HELP = (
 )
 PLACEMENT_HELP = (
     "where the slice lands: frag (fragmentation-aware), binpack (fullest first) or spread "
-    "(emptiest first) (default: frag)"
+    f"(emptiest first) (default: {DEFAULT_PLACEMENT.value})"
 )
+# the one default every entry point that places slices names in its help
+DEFAULT_PLACEMENT_HELP = f"(default: {DEFAULT_PLACEMENT.value}, qgpu's default placement)"
 
 
 class _DeprecatedAlias(argparse.Action):

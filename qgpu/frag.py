@@ -68,7 +68,7 @@ from typing import Literal
 
 import numpy as np
 
-from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps
+from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps, warm_up
 from qgpu.mix_prior import PriorSetting, configured_prior, resolve_prior
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
 from qgpu.placement import (
@@ -188,6 +188,7 @@ class FragPolicy(Policy):
         self._seen = np.zeros(0, dtype=np.int64)  # node_version the per-GPU copies reflect
         self._per_gpu = np.zeros((0, 0))
         self._per_node = np.zeros((0, 0))
+        self._gpu_cols = self._node_cols = _Columns(np.zeros((0, 0)))
         self._last_view: CandidateView | None = None
         # the state version the incremental per-GPU copies were last brought up to date at
         self._snap_version = -1
@@ -195,6 +196,10 @@ class FragPolicy(Policy):
         self._score_memo: tuple[ClusterState, tuple, np.ndarray] | None = None
         self._last_gpu_scores = np.zeros(0)
         self._keys: _StateKeys | None = None
+        # per node the host CPU and memory its GPUs' copies need (`_host_need`)
+        self._need_key: tuple[ClusterState, tuple[int, int]] | None = None
+        self._need_seen = np.zeros(0, dtype=np.int64)
+        self._need = np.zeros((0, 2))
 
     # -- the request mix ------------------------------------------------------------------
 
@@ -337,6 +342,9 @@ class FragPolicy(Policy):
         self.k_count = np.asarray(self._k_count, dtype=np.int64)
         self.k_whole = self.k_core >= WHOLE_GPU_CORE
         self.whole_cols = np.flatnonzero(self.k_whole)
+        self.share_cols = np.flatnonzero(~self.k_whole)
+        self.k_core_f = self.k_core.astype(np.float64)  # a class asks for core >= 1
+        self.k_mem_f = np.maximum(self.k_mem, 1).astype(np.float64)
         self.t_class = np.asarray(self._t_class, dtype=np.int64)
         # types grouped by class (every class has at least one type)
         self.t_by_class = np.argsort(self.t_class, kind="stable")
@@ -415,8 +423,11 @@ class FragPolicy(Policy):
         if self.measure == "fgd":
             fits = (u_core >= k_core) & (u_mem >= k_mem) & (u_room >= 1)
             return (fits * u_core).astype(np.float64)[at]
-        n = np.minimum(u_core // k_core, u_mem // np.maximum(k_mem, 1))
-        return np.minimum(n, u_room).astype(np.float64)[at]
+        # floor(free / need) in float64: exact (integers below 2**21, so a true quotient
+        # that is not whole is at least 1 / need >> 2**-32 away from the next whole number),
+        # and several times faster than integer division
+        per = np.minimum(u_core / self.k_core_f[None, cls], u_mem / self.k_mem_f[None, cls])
+        return np.minimum(np.floor(per, out=per), u_room, out=per)[at]
 
     def _rows(self, s: ClusterState, idx: np.ndarray, cls: slice = slice(None)) -> np.ndarray:
         """Per GPU x class (classes `cls`): copies of a share class, or 1 for a free whole
@@ -435,8 +446,9 @@ class FragPolicy(Policy):
         if self._cache_key is None or self._cache_key[0] is not s:
             self._cache_key = (s, k)
             self._seen = s.node_version.copy()
-            self._per_gpu = self._rows(s, np.arange(s.gpu_total))
-            self._per_node = _sum_per_node(s, self._per_gpu)
+            self._gpu_cols = _Columns(self._rows(s, np.arange(s.gpu_total)))
+            self._node_cols = _Columns(_sum_per_node(s, self._gpu_cols.table))
+            self._per_gpu, self._per_node = self._gpu_cols.table, self._node_cols.table
             self._snap_version = s.version
             return self._per_gpu, self._per_node
         known = self._cache_key[1]
@@ -444,8 +456,8 @@ class FragPolicy(Policy):
             return self._per_gpu, self._per_node  # nothing changed since the last call
         if known < k:  # new classes: their columns from the current state
             new = self._rows(s, np.arange(s.gpu_total), slice(known, k))
-            self._per_gpu = np.concatenate([self._per_gpu, new], axis=1)
-            self._per_node = np.concatenate([self._per_node, _sum_per_node(s, new)], axis=1)
+            self._per_gpu = self._gpu_cols.append(new)
+            self._per_node = self._node_cols.append(_sum_per_node(s, new))
             self._cache_key = (s, k)
         nodes = np.flatnonzero(s.node_version != self._seen)
         if len(nodes):
@@ -532,6 +544,49 @@ class FragPolicy(Policy):
                 return out
         self._refresh(s)
         per_gpu, per_node = self._usable_per_gpu(s)
+        # Where the node's host can still feed every copy its GPUs hold of every type after
+        # the request, the score is exactly minus the sum of the dropped copies' values
+        # (`_lost_on_roomy_hosts`); elsewhere the full measure (`_full_scores`).
+        roomy = self._roomy_after(s, per_node, cand, req.cpu_milli, req.host_memory_mib)
+        if roomy.all():
+            out[cand] = 0.0 - self._lost_on_roomy_hosts(view, cand, per_gpu, per_node)
+        else:
+            easy, hard = cand[roomy], cand[~roomy]
+            if len(easy):
+                out[easy] = 0.0 - self._lost_on_roomy_hosts(view, easy, per_gpu, per_node)
+            out[hard] = self._full_scores(view, hard, per_gpu, per_node)
+        if self.gap_weight and view.core < WHOLE_GPU_CORE:
+            # gap values: what the GPU's gap is worth afterwards, less what it was worth (a
+            # gap holds at most as many more shares as the GPU has slices left)
+            free = s.free_core[cand]
+            by_room = self.gap_by_room(s)
+            top = by_room.shape[0] - 1
+            room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
+            after = by_room[np.maximum(room - 1, 0), free - view.core]
+            out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
+        self._score_memo = (s, depends, out)
+        return out
+
+    def _drop(self, view: CandidateView, gpus: np.ndarray, per_gpu: np.ndarray) -> np.ndarray:
+        """Per GPU of `gpus` x class: copies of each share class the request takes away from
+        the GPU (times its GPU count); for a whole class, 1 per GPU count where the GPU is a
+        free whole GPU (turned into whole copies per node by `_whole`)."""
+        s = view.state
+        room_after = np.where(s.healthy[gpus], s.max_slices[gpus] - s.slices[gpus] - 1, 0)
+        share_after = self._copies(
+            s.free_core[gpus] - view.core, s.free_mem[gpus] - view.memory[gpus], room_after
+        )
+        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[gpus]
+        return view.request.gpu_count * (per_gpu[gpus] - after_gpu)
+
+    def _full_scores(
+        self, view: CandidateView, cand: np.ndarray, per_gpu: np.ndarray, per_node: np.ndarray
+    ) -> np.ndarray:
+        """Per GPU of `cand`: the change of expected usable core (times the total weight)
+        if the request went there -- the measure itself, host copies before and after
+        included (see the module docstring)."""
+        s = view.state
+        req = view.request
         # score each distinct (node state, GPU state) once
         reps, inverse, gpu_key = self._state_keys(s).distinct(cand)
         g = cand[reps]
@@ -547,13 +602,7 @@ class FragPolicy(Policy):
         # copies of each class the candidate GPU(s) would take away from their node
         # (computed once per distinct GPU state, then spread to the candidates)
         _, first, state_of = np.unique(gpu_key[g], return_index=True, return_inverse=True)
-        gu = g[first]
-        room_after = np.where(s.healthy[gu], s.max_slices[gu] - s.slices[gu] - 1, 0)
-        share_after = self._copies(
-            s.free_core[gu] - view.core, s.free_mem[gu] - view.memory[gu], room_after
-        )
-        after_gpu = np.where(self.k_whole[None, :], 0.0, share_after) * self._allowed[gu]
-        drop = (req.gpu_count * (per_gpu[gu] - after_gpu))[state_of]
+        drop = self._drop(view, g[first], per_gpu)[state_of]
         cols = self.whole_cols
         if len(cols):  # whole classes count groups of `count` free GPUs: not linear
             free = per_node[:, cols][n]
@@ -572,18 +621,76 @@ class FragPolicy(Policy):
             short = slack[:, tight][at]
             d = drop[:, self.t_class[tight]]
             lost += np.where(short < 0, np.maximum(short + d, 0.0), 0.0) @ values[tight]
-        out[cand] = (host_only[at] - lost - before[at])[inverse]
-        if self.gap_weight and view.core < WHOLE_GPU_CORE:
-            # gap values: what the GPU's gap is worth afterwards, less what it was worth (a
-            # gap holds at most as many more shares as the GPU has slices left)
-            free = s.free_core[cand]
-            by_room = self.gap_by_room(s)
-            top = by_room.shape[0] - 1
-            room = np.minimum(s.max_slices[cand] - s.slices[cand], top)
-            after = by_room[np.maximum(room - 1, 0), free - view.core]
-            out[cand] += self.gap_weight * self.total_weight * (after - by_room[room, free])
-        self._score_memo = (s, depends, out)
-        return out
+        return (host_only[at] - lost - before[at])[inverse]
+
+    def _lost_on_roomy_hosts(
+        self, view: CandidateView, cand: np.ndarray, per_gpu: np.ndarray, per_node: np.ndarray
+    ) -> np.ndarray:
+        """`_full_scores` negated, for GPUs whose node's host has slack for every type after
+        the request (`_roomy_after`): host copies limit nothing there, so a type loses all
+        of its drop, and the score is minus the dropped copies' values -- sum over classes
+        of drop x the class's value. Share classes' drops depend on the GPU's state alone
+        (each distinct state once); whole classes' on the node's free whole GPUs too.
+        Integers throughout: bit for bit what `_full_scores` gives."""
+        values = self.t_weight * self.t_unit
+        by_class = np.add.reduceat(values[self.t_by_class], self.class_starts)
+        # each distinct (node state, GPU state) once, as in `_full_scores`
+        reps, inverse, gpu_key = self._state_keys(view.state).distinct(cand)
+        g = cand[reps]
+        _, first, state_of = np.unique(gpu_key[g], return_index=True, return_inverse=True)
+        drop = self._drop(view, g[first], per_gpu)
+        cols = self.whole_cols
+        if not len(cols):
+            return (drop @ by_class)[state_of][inverse]
+        shares = self.share_cols
+        lost = (drop[:, shares] @ by_class[shares])[state_of]
+        # only a free whole GPU drops whole copies (a share on a used GPU drops none)
+        hit = np.flatnonzero(drop[:, cols].any(axis=1)[state_of])
+        if len(hit):
+            free = per_node[:, cols][view.state.gpu_node[g[hit]]]
+            d = drop[:, cols][state_of[hit]]
+            lost[hit] += (self._whole(free, cols) - self._whole(free - d, cols)) @ by_class[cols]
+        return lost[inverse]
+
+    def _roomy_after(
+        self, s: ClusterState, per_node: np.ndarray, cand: np.ndarray, cpu: int, hostmem: int
+    ) -> np.ndarray:
+        """Per GPU of `cand`: does its node keep, after `cpu` and `hostmem` are taken, the
+        host CPU and memory to feed every copy of every type its GPUs hold (H >= G for all
+        types in `_full_scores`)? A sufficient test, exact in float64."""
+        need = self._host_need(s, per_node)
+        if not need.any():
+            return np.ones(len(cand), dtype=bool)
+        n = s.gpu_node[cand]
+        free_cpu = np.minimum(s.node_free_cpu[n] - cpu, np.int64(_MANY))
+        free_mem = np.minimum(s.node_free_hostmem[n] - hostmem, np.int64(_MANY))
+        return (free_cpu >= need[n, 0]) & (free_mem >= need[n, 1])
+
+    def _host_need(self, s: ClusterState, per_node: np.ndarray) -> np.ndarray:
+        """Per node: (host CPU, host memory) that feeding every copy its GPUs hold of the
+        hungriest type would take; kept per node like the copies (`_usable_per_gpu`), and
+        afresh when a type arrives."""
+        types = self._arrays_shape
+        if self._need_key is None or self._need_key[0] is not s or self._need_key[1] != types:
+            self._need_key = (s, types)
+            self._need_seen = s.node_version.copy()
+            self._need = np.zeros((len(s.nodes), 2))
+            if self.t_cpu.any() or self.t_hostmem.any():
+                self._need = self._need_of(per_node)
+            return self._need
+        if not (self.t_cpu.any() or self.t_hostmem.any()):
+            return self._need
+        nodes = np.flatnonzero(s.node_version != self._need_seen)
+        if len(nodes):
+            self._need[nodes] = self._need_of(per_node[nodes])
+            self._need_seen[nodes] = s.node_version[nodes]
+        return self._need
+
+    def _need_of(self, per_node: np.ndarray) -> np.ndarray:
+        copies = self._gpu_copies(per_node).astype(np.float64)
+        return np.stack(
+            [(copies * self.t_cpu).max(axis=1), (copies * self.t_hostmem).max(axis=1)], axis=1
+        )
 
     def gap_values(self, state: ClusterState) -> np.ndarray:
         """V[x], x = 0..100: what a gap of x free qgpu-core is worth to the mix
@@ -705,14 +812,20 @@ class FragPolicy(Policy):
             self._keys.update()
         return self._keys
 
+    def prepare(self, state: ClusterState) -> None:
+        """Load the LP solver (`qgpu.gap_prices.warm_up`) and key the state's GPUs and
+        nodes, so that the first decision costs what any other does (fill measure only:
+        the paper's measure prices nothing)."""
+        if self.gap_weight:
+            warm_up()
+        self._state_keys(state)
+
     def node_scores(self, view: CandidateView) -> np.ndarray:
         per_gpu = self._keep_empty(view, self._score(view))
         self._last_view = view
         self._last_gpu_scores = per_gpu
         s = view.state
-        best = np.full(len(s.nodes), -np.inf)
-        finite = np.isfinite(per_gpu)
-        np.maximum.at(best, s.gpu_node[finite], per_gpu[finite])
+        best = _best_per_node(s, per_gpu)
         req = view.request
         host = self._host_term(
             s,
@@ -763,12 +876,42 @@ def reprice_threshold(arrived: float) -> float:
     return max(REPRICE_DRIFT, 1.0 / max(arrived, 1.0) ** 0.5)
 
 
+def _best_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
+    """Per node the best of its GPUs' scores (-inf for a node without a candidate GPU)."""
+    best = np.full(len(state.nodes), -np.inf)
+    has = np.flatnonzero(state.node_gpu_count > 0)  # (reduceat cannot take an empty node)
+    if len(has):
+        best[has] = np.maximum.reduceat(per_gpu, state.node_start[has])
+    return best
+
+
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
     """Sum rows of a (GPU x class) array per node (GPUs are stored grouped by node)."""
     csum = np.zeros((per_gpu.shape[0] + 1, per_gpu.shape[1]), dtype=np.float64)
     np.cumsum(per_gpu, axis=0, out=csum[1:])
     start = state.node_start
     return csum[start + state.node_gpu_count] - csum[start]
+
+
+class _Columns:
+    """A float table that grows by columns (a class arriving adds one): a buffer with
+    spare columns, so that appending does not copy the whole table each time."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self._buf = np.empty((table.shape[0], max(16, 2 * table.shape[1])))
+        self._buf[:, : table.shape[1]] = table
+        self.table = self._buf[:, : table.shape[1]]
+
+    def append(self, new: np.ndarray) -> np.ndarray:
+        """The table with `new`'s columns appended (also as `table`)."""
+        have, add = self.table.shape[1], new.shape[1]
+        if have + add > self._buf.shape[1]:
+            buf = np.empty((self._buf.shape[0], 2 * (have + add)))
+            buf[:, :have] = self.table
+            self._buf = buf
+        self._buf[:, have : have + add] = new
+        self.table = self._buf[:, : have + add]
+        return self.table
 
 
 def _mixed(values: np.ndarray) -> np.ndarray:

@@ -154,6 +154,13 @@ def _priced(
     )
 
 
+def warm_up() -> None:
+    """Load the LP solver and solve one tiny mix, so that the first real pricing does not
+    pay for the import (~0.4 s) and HiGHS's first call; frag calls this when an engine is
+    made (`qgpu.frag.FragPolicy.prepare`). The tiny mix's prices are remembered like any."""
+    price_gaps({50: 1.0}, {}, 1)
+
+
 def _single(i: int, core: int, max_items: int, n: int) -> np.ndarray:
     col = np.zeros(n, dtype=np.int64)
     col[i] = min(max_items, WHOLE_GPU_CORE // core)
@@ -199,14 +206,20 @@ def _knapsack(
     value = np.full((max_items + 1, width), -np.inf)
     value[0, 0] = 0.0
     choice = np.full((max_items + 1, width), -1, dtype=np.int64)
+    items = [
+        (i, c, v)
+        for i, (c, v) in enumerate(zip(sizes.tolist(), reduced.tolist(), strict=True))
+        if v > 0
+    ]
     for j in range(1, max_items + 1):
-        for i, (c, v) in enumerate(zip(sizes.tolist(), reduced.tolist(), strict=True)):
-            if v <= 0:
-                continue
+        if not np.isfinite(value[j - 1]).any():
+            break  # j - 1 shares fit nowhere: neither do j (the rows stay -inf)
+        for i, c, v in items:
             cand = value[j - 1, : width - c] + v
-            better = cand > value[j, c:] + 1e-12
-            value[j, c:] = np.where(better, cand, value[j, c:])
-            choice[j, c:] = np.where(better, i, choice[j, c:])
+            row = value[j, c:]
+            better = cand > row + 1e-12
+            np.copyto(row, cand, where=better)
+            np.copyto(choice[j, c:], i, where=better)
     return value, choice
 
 
@@ -234,4 +247,4 @@ def _gap_values(reduced: np.ndarray, sizes: np.ndarray, max_items: int) -> np.nd
     return np.maximum.accumulate(np.maximum(at_most, 0.0), axis=1)
 
 
-__all__ = ["BEYOND", "NO_PRICES", "GapPrices", "price_gaps"]
+__all__ = ["BEYOND", "NO_PRICES", "GapPrices", "price_gaps", "warm_up"]

@@ -7,7 +7,8 @@ anything would be over-committed. SQLite's write lock serialises writers across 
 and processes; WAL keeps readers unblocked; a committed slice survives ``kill -9``.
 
 Release is idempotent. Each slice records its owner (pid, Ray actor, pod uid, ...) so the
-node agent's reconcile can release slices whose owner is gone, and optionally `SliceAttrs`
+node agent's reconcile can release slices whose owner is gone (`adopt` records a restarted
+process of the same owner), and optionally `SliceAttrs`
 (written in the same transaction): a lease (``expires_at``, the slice returns by itself
 unless renewed) and the uid/gid its processes run as.
 
@@ -32,7 +33,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,14 @@ CREATE TABLE IF NOT EXISTS slice_attrs (
 CREATE INDEX IF NOT EXISTS slice_attrs_by_expiry ON slice_attrs(expires_at)
     WHERE expires_at IS NOT NULL;
 """
+
+
+Prepare = Callable[[Allocation], None]
+"""Work that must be done before a new slice is committed (the node agent makes the
+slice's files): called inside the write transaction after the checked insert; raising
+rolls the transaction back, so the slice is recorded only when its `Prepare` succeeded. A
+rollback writes nothing to the database file, so it works on a disk that turned
+read-only."""
 
 
 class OverCommit(QgpuError):
@@ -271,11 +280,13 @@ class Ledger:
         policy: PlacementPolicy | str | None = None,
         gpu_policy: PlacementPolicy | str | None = None,
         attrs: SliceAttrs | None = None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
         """Place and record a slice atomically. Raises NoFit, RuleViolation or OverCommit.
 
         With a `slice_id` that already exists for the same owner, returns the existing
-        allocation (a retried reservation is not placed twice).
+        allocation (a retried reservation is not placed twice). `prepare` (see `Prepare`)
+        runs for a new slice inside the transaction, before the commit.
         """
         owner = owner or Owner()
         slice_id = slice_id or new_slice_id()
@@ -293,6 +304,8 @@ class Ledger:
                 alloc = _allocation(slice_id, decision, request, inv, owner)
                 mems = decision.memory_gib_per_gpu
                 self._insert_checked(db, alloc, mems, request, inv, attrs)
+                if prepare is not None:
+                    prepare(alloc)
             self._cached_apply(alloc, mems, request)
         return alloc
 
@@ -301,13 +314,19 @@ class Ledger:
         alloc: Allocation,
         request: SliceRequest | None = None,
         attrs: SliceAttrs | None = None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
-        """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked."""
+        """Record a placement decided elsewhere (Ray SDK, scheduler extender), checked;
+        `prepare` as for `reserve`."""
         with self._wlock:
-            return self._record(alloc, request, attrs)
+            return self._record(alloc, request, attrs, prepare)
 
     def _record(
-        self, alloc: Allocation, request: SliceRequest | None, attrs: SliceAttrs | None
+        self,
+        alloc: Allocation,
+        request: SliceRequest | None,
+        attrs: SliceAttrs | None,
+        prepare: Prepare | None = None,
     ) -> Allocation:
         with self._tx() as db:
             existing = self._get(db, alloc.slice_id)
@@ -328,6 +347,8 @@ class Ledger:
                 isolation=alloc.isolation,
             )
             self._insert_checked(db, alloc, mems, req, inv, attrs)
+            if prepare is not None:
+                prepare(alloc)
         self._cached_apply(alloc, mems, req)
         return alloc
 
@@ -340,6 +361,22 @@ class Ledger:
             if released:
                 self._cached_release(slice_id)
         return released
+
+    def adopt(self, slice_id: str, owner: Owner) -> Allocation | None:
+        """Record `owner` (the same kind and id, other ``meta``: a restarted process of the
+        same holder) as the holder of an existing slice; None when the slice is gone.
+        Which holder may adopt is the caller's rule (the node agent: when the previous
+        process is gone)."""
+        with self._wlock, self._tx() as db:
+            existing = self._get(db, slice_id)
+            if existing is None:
+                return None
+            _same_owner_or_raise(existing, owner)
+            db.execute(
+                "UPDATE slices SET owner_meta=? WHERE slice_id=?",
+                (json.dumps(owner.meta, sort_keys=True), slice_id),
+            )
+            return existing.model_copy(update={"owner": owner})
 
     # -- slice attributes (leases, identity) -------------------------------------------
 

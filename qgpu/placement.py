@@ -346,6 +346,10 @@ class Policy(ABC):
     def observe(self, request: SliceRequest) -> None:  # noqa: B027 - optional hook
         """See a request arrive (policies that learn the request mix override this)."""
 
+    def prepare(self, state: ClusterState) -> None:  # noqa: B027 - optional hook
+        """Do, when an engine is made over `state`, the one-time work the first decision
+        would otherwise pay for (imports, tables); must not change any decision."""
+
     def host_scores(self, view: HostView) -> np.ndarray:
         """One score per node in `view.node_ids` for a host-only workload.
 
@@ -459,6 +463,9 @@ class Engine:
         # extender asks again for the same pod's request between its filter and prioritize
         self._candidates_memo: tuple[SliceRequest, int, np.ndarray, np.ndarray] | None = None
         self._node_fit = NodeFitCache(state, self.shortfall)
+        self.node_policy.prepare(state)
+        if self.gpu_policy is not self.node_policy:
+            self.gpu_policy.prepare(state)
 
     def node_policy_for(self, req: SliceRequest) -> Policy:
         """The node-level policy that decides `req` (its own ``placement``, or the engine's)."""

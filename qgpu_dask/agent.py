@@ -8,11 +8,18 @@ adapter's local clusters); it is re-exported here.
 that runs the worker's nanny (the worker process is its child and dies with it). The agent
 pins that pid's start time, and its reconcile releases the slice once that process is gone,
 so a SIGKILLed worker does not keep its slice.
+
+`worker_slice_id` derives a worker's slice id from its node, scheduler and name, so a
+worker restarted under the same name reserves the same id: the agent hands it the slice
+its previous process held (idempotent ``slice_id``, the owner taken over once that process
+is gone) instead of placing a second one beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +48,13 @@ def worker_owner(worker_id: str, pid: int | None = None) -> Owner:
     )
 
 
+def worker_slice_id(scheduler: str, name: str, node: str | None = None) -> str:
+    """The stable slice id of the worker `name` of `scheduler` on `node` (this host):
+    ``dask-`` and 24 hex digits of their SHA-256, within the slice id rule."""
+    key = "\0".join((node or socket.gethostname(), scheduler, name))
+    return "dask-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
 __all__ = [
     "REAL_GPUS",
     "LocalAgent",
@@ -48,4 +62,5 @@ __all__ = [
     "parse_request",
     "with_policy",
     "worker_owner",
+    "worker_slice_id",
 ]

@@ -4,11 +4,14 @@
                      [--placement binpack] [--agent-socket /run/qgpu/agent.sock]
 
 Reserves the slice from this node's qgpu agent (owner: a ``dask-worker`` whose ``meta.pid``
-is this process), runs a `SliceNanny` whose worker process starts inside the slice and
-advertises ``qgpu-core`` / ``qgpu-memory``, installs `NoFitPlugin` on the scheduler (once,
-idempotently), and releases the slice when it stops: on SIGTERM/SIGINT or when the nanny
-ends. After a SIGKILL nothing runs here; the worker process exits with its nanny and the
-agent's reconcile releases the slice because its owner process is gone.
+is this process; with ``--name`` under a slice id derived from the node, the scheduler and
+the name, so a worker restarted under its name gets back the slice it held, see
+`qgpu_dask.agent.worker_slice_id`), runs a `SliceNanny` whose worker process starts inside
+the slice and advertises ``qgpu-core`` / ``qgpu-memory``, installs `NoFitPlugin` on the
+scheduler (once, idempotently), and releases the slice when it stops: on SIGTERM/SIGINT or
+when the nanny ends. After a SIGKILL nothing runs here; the worker process exits with its
+nanny and the agent's reconcile releases the slice because its owner process is gone — or a
+restart under the same ``--name`` takes it over first.
 
 Exit codes: 0 after a clean stop; 2 for an invalid request or option (the message names the
 field, the value and the rule, from the core model or the agent); 1 when the agent cannot be
@@ -45,7 +48,7 @@ from qgpu.cli_common import (
 )
 from qgpu.errors import QgpuError, RuleViolation, first_violation
 from qgpu.model import SliceRequest
-from qgpu_dask.agent import worker_owner
+from qgpu_dask.agent import worker_owner, worker_slice_id
 from qgpu_dask.nanny import SliceNanny, check_spawn_method
 from qgpu_dask.nofit import PLUGIN_NAME, NoFitPlugin
 from qgpu_dask.resources import slice_resources
@@ -191,15 +194,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     request = _request(args)
     check_spawn_method()
     name = options.name or f"qgpu-{socket.gethostname()}-{os.getpid()}"
+    slice_id = worker_slice_id(options.scheduler, name) if options.name else None
     with AgentClient(options.agent_socket or default_socket(), timeout=30.0) as agent:
-        try:
-            reservation = agent.reserve(request, owner=worker_owner(name))
-        except AgentError as exc:
-            if exc.is_no_fit:
-                raise QgpuError(f"the slice does not fit on this node's GPUs: {exc}") from exc
-            if exc.status == 422:
-                raise flag_violation(exc.as_violation(), REQUEST_FLAGS) from exc
-            raise
+        reservation = _reserve(agent, request, name, slice_id)
         print(
             f"qgpu-dask-worker: slice {reservation.slice_id} on {reservation.device_uuid} "
             f"(qgpu-core={reservation.core}, qgpu-memory={reservation.memory_gib})",
@@ -210,6 +207,43 @@ def run(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(serve(options, reservation, name))
         finally:
             _release(agent, reservation.slice_id)
+
+
+def _reserve(
+    agent: AgentClient, request: SliceRequest, name: str, slice_id: str | None
+) -> Reservation:
+    """The worker's slice: a new one, or (a restart under the same name) the one its
+    previous process held — released and placed again if the request changed since."""
+    try:
+        reservation = agent.reserve(request, owner=worker_owner(name), slice_id=slice_id)
+        if slice_id is not None and not _same_size(reservation, request):
+            print(
+                f"qgpu-dask-worker: slice {slice_id} of {name} was reserved with "
+                f"qgpu-core={reservation.core}, qgpu-memory={reservation.memory_gib}; "
+                "releasing it to reserve the new request",
+                file=sys.stderr,
+                flush=True,
+            )
+            agent.release(slice_id)
+            reservation = agent.reserve(request, owner=worker_owner(name), slice_id=slice_id)
+    except AgentError as exc:
+        if exc.is_no_fit:
+            raise QgpuError(f"the slice does not fit on this node's GPUs: {exc}") from exc
+        if exc.status == 422 and exc.field == "slice_id":
+            rule = f"another worker of this name still holds its slice: {exc.rule}"
+            raise RuleViolation("--name", name, rule) from exc
+        if exc.status == 422:
+            raise flag_violation(exc.as_violation(), REQUEST_FLAGS) from exc
+        raise
+    return reservation
+
+
+def _same_size(reservation: Reservation, request: SliceRequest) -> bool:
+    return (
+        reservation.core == request.core_per_gpu
+        and len(reservation.device_uuids) == request.gpu_count
+        and (request.memory_gib is None or reservation.memory_gib == request.memory_gib)
+    )
 
 
 def _release(agent: AgentClient, slice_id: str, attempts: int = 3) -> None:

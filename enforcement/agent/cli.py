@@ -27,6 +27,7 @@ from enforcement.agent.config import DEFAULT_STATE_DIR, SOCKET_ENV, AgentConfig
 from enforcement.agent.models import Health
 from enforcement.discovery import node_slice_policy
 from qgpu.cli_common import (
+    DEFAULT_PLACEMENT_HELP,
     ISOLATION_HELP,
     add_isolation_option,
     add_placement_options,
@@ -213,7 +214,7 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     add_placement_options(
         p,
         help="GPU choice of the core engine for slices that name none: frag, binpack or "
-        "spread (default: frag)",
+        "spread " + DEFAULT_PLACEMENT_HELP,
     )
     add_prior_option(p)
     p.add_argument(

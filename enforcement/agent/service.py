@@ -4,7 +4,9 @@ State lives in two places, both under the state directory and both rebuilt from 
 ledger on start: the core SQLite ledger (``ledger.sqlite``, WAL, synchronous=FULL: a
 reservation is acknowledged only after it is committed) and one directory per slice
 (``slices/<slice>/``: its limits file and the interposer's ledger, owned by the slice's
-user, see `enforcement.state_tree`), made after the commit and before the answer. A
+user, see `enforcement.state_tree`), made inside the transaction that records a new slice,
+before its commit (`Ledger.reserve(prepare=...)`): a slice whose files cannot be made is
+never recorded, even when the disk turned read-only and nothing can be undone. A
 restart — even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file,
 deletes the directories of slices that are gone, and reconciles owners. Running processes
 keep their caps: the interposer read its limits at ``cuInit`` and shares per-slice state
@@ -19,6 +21,7 @@ A write that fails because the state directory is full or read-only is answered 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -28,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -62,7 +66,7 @@ from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, disco
 from enforcement.native import HOOK_LIBRARY
 from enforcement.state_tree import Identity, StateTree, process_identity
 from qgpu.errors import QgpuError, RuleViolation
-from qgpu.ledger import Ledger, OverCommit, SliceAttrs
+from qgpu.ledger import Ledger, OverCommit, Prepare, SliceAttrs
 from qgpu.model import Allocation, NodeInventory, Owner, OwnerKind, is_slice_id
 from qgpu.units import BYTES_PER_GIB
 
@@ -294,19 +298,24 @@ class Agent:
         who = self._identity(owner, body.uid, body.gid)
         attrs = SliceAttrs(expires_at=self._expiry(body.expires_s), uid=who.uid, gid=who.gid)
         with self._stripe(slice_id):
-            existed = self.ledger.get(slice_id) is not None
             with self._write_lock:
-                alloc = self.ledger.reserve(
-                    body.request,
-                    owner,
-                    slice_id=slice_id,
-                    node=self.node,
-                    policy=self.config.placement,
-                    gpu_policy=self.config.gpu_placement,
-                    attrs=attrs,
+                alloc, created = self._commit_with_files(
+                    lambda prepare: self.ledger.reserve(
+                        body.request,
+                        owner,
+                        slice_id=slice_id,
+                        node=self.node,
+                        policy=self.config.placement,
+                        gpu_policy=self.config.gpu_placement,
+                        attrs=attrs,
+                        prepare=prepare,
+                    ),
+                    who,
                 )
                 self._storage_error = None
-            self._prepare_or_undo(alloc, created=not existed)
+            if not created:
+                alloc = self._adopted(alloc, owner)
+                self._recheck_files(alloc)
         self.counters.add("reservations", "ok")
         log.info(
             "reserved %s on %s core=%d memory=%dGiB owner=%s:%s",
@@ -319,18 +328,55 @@ class Agent:
         )
         return self.reservation(alloc)
 
-    def _prepare_or_undo(self, alloc: Allocation, *, created: bool) -> None:
-        """The slice's files (stripe lock held). A slice this call created whose files
-        cannot be made is not kept; a repeat only re-checks an older slice's files."""
-        stored = self.ledger.attrs(alloc.slice_id)
+    def _commit_with_files(
+        self, commit: Callable[[Prepare], Allocation], who: Identity
+    ) -> tuple[Allocation, bool]:
+        """Run a ledger commit whose new slice gets its files inside the transaction
+        (`qgpu.ledger.Prepare`): a slice whose files cannot be made is never recorded (the
+        rollback needs no disk write, so a disk that turned read-only leaves no orphan row),
+        and files whose commit then failed are removed (or, on a read-only disk, dropped by
+        `restore` at the next start). Returns the allocation and whether it is new."""
+        made: list[str] = []
+
+        def prepare(alloc: Allocation) -> None:
+            made.append(alloc.slice_id)
+            self._prepare_slice(alloc, who)
+
         try:
-            self._prepare_slice(alloc, self._stored_identity(alloc, stored))
+            alloc = commit(prepare)
         except BaseException:
-            if created:  # neither its row nor its half-made directory is kept
-                with self._write_lock:
-                    self.ledger.release(alloc.slice_id)
-                self.tree.remove(alloc.slice_id)
+            for sid in made:
+                with contextlib.suppress(OSError):
+                    self.tree.remove(sid)
             raise
+        return alloc, bool(made)
+
+    def _adopted(self, alloc: Allocation, owner: Owner) -> Allocation:
+        """A repeated reservation by a restarted process of the slice's owner (same kind
+        and id, another ``meta.pid``: a Dask worker restarted under its name) takes the slice
+        over, so that reconcile follows the new process; while the previous process still
+        runs, the slice stays its own (stripe lock held)."""
+        before = _owner_process(alloc.owner)
+        if before == _owner_process(owner):
+            return alloc
+        if self.registry.check(alloc.owner) is Liveness.ALIVE:
+            raise RuleViolation(
+                "slice_id",
+                alloc.slice_id,
+                f"is held by {alloc.owner.kind.value} {alloc.owner.id!r} in process "
+                f"{before[0]}, which is still running; stop it or choose another slice id",
+            )
+        with self._write_lock:
+            adopted = self.ledger.adopt(alloc.slice_id, owner)
+        if adopted is None:
+            raise NotFound("slice_id", alloc.slice_id, "was released meanwhile; reserve again")
+        log.info("%s taken over by %s:%s", alloc.slice_id, owner.kind.value, owner.id)
+        return adopted
+
+    def _recheck_files(self, alloc: Allocation) -> None:
+        """A repeated reservation re-checks its older slice's files (never undoes it)."""
+        stored = self.ledger.attrs(alloc.slice_id)
+        self._prepare_slice(alloc, self._stored_identity(alloc, stored))
 
     def record(self, body: RecordRequest) -> Reservation:
         """Account for and enforce a placement decided elsewhere (checked by the ledger)."""
@@ -366,20 +412,26 @@ class Agent:
         )
         who = self._identity(owner, body.uid, body.gid)
         attrs = SliceAttrs(expires_at=self._expiry(body.expires_s), uid=who.uid, gid=who.gid)
-        existed = self.ledger.get(alloc.slice_id) is not None
+        placed = alloc
+
+        def commit() -> tuple[Allocation, bool]:
+            with self._stripe(placed.slice_id), self._write_lock:
+                return self._commit_with_files(
+                    lambda prepare: self.ledger.record(placed, req, attrs, prepare), who
+                )
+
         try:
-            with self._stripe(alloc.slice_id), self._write_lock:
-                alloc = self.ledger.record(alloc, req, attrs)
+            alloc, created = commit()
         except OverCommit:
             # The placer (Ray, the extender) freed and re-used the GPU before this agent's
             # periodic reconcile saw the old owner die: reconcile now, then check again.
             if not self.reconcile():
                 raise
-            with self._stripe(alloc.slice_id), self._write_lock:
-                alloc = self.ledger.record(alloc, req, attrs)
+            alloc, created = commit()
         self._storage_error = None
-        with self._stripe(alloc.slice_id):
-            self._prepare_or_undo(alloc, created=not existed)
+        if not created:
+            with self._stripe(alloc.slice_id):
+                self._recheck_files(alloc)
         self.counters.add("reservations", "ok")
         log.info("recorded %s on %s (placed elsewhere)", alloc.slice_id, ",".join(alloc.gpu_uuids))
         return self.reservation(alloc)
@@ -423,10 +475,18 @@ class Agent:
         return ReleaseResult(slice_id=slice_id, released=released)
 
     def _release_locked(self, slice_id: str, reason: str) -> bool:
-        """Release with the slice's stripe lock held."""
-        with self._write_lock:
-            released = self.ledger.release(slice_id)
-            self._storage_error = None
+        """Release with the slice's stripe lock held. The limits file is moved aside first:
+        where the slice files cannot be written (a read-only disk) the release is refused
+        with nothing changed, and where the commit fails (a full disk) it is put back."""
+        retired = is_slice_id(slice_id) and self.tree.retire_limits(slice_id)
+        try:
+            with self._write_lock:
+                released = self.ledger.release(slice_id)
+                self._storage_error = None
+        except BaseException:
+            if retired:
+                self.tree.unretire_limits(slice_id)
+            raise
         if is_slice_id(slice_id):
             self.tree.remove_limits(slice_id)
             self._drop_slice_dir(slice_id)
@@ -747,6 +807,12 @@ def _new_id() -> str:
     from qgpu.ledger import new_slice_id
 
     return new_slice_id()
+
+
+def _owner_process(owner: Owner) -> tuple[str | None, str | None]:
+    """The process an owner names (pid and start time), if any."""
+    pid = owner.id if owner.kind is OwnerKind.PID else owner.meta.get("pid")
+    return pid, owner.meta.get("start_time")
 
 
 def _environ_slice_id(pid: int) -> str | None:

@@ -57,7 +57,7 @@ from k8s_bridge.kube import Conflict, HolderPod, Kube, KubeError, LockHandle, No
 from k8s_bridge.metrics import ExtenderMetrics
 from k8s_bridge.resources import ContainerRequest, Names, PodModel, parse_pod
 from qgpu.errors import NoFit, QgpuError, RuleViolation
-from qgpu.model import PlacementPolicy
+from qgpu.model import DEFAULT_PLACEMENT, PlacementPolicy
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ExtenderConfig(BaseModel):
         min_length=1,
         description="the only spec.schedulerName whose pods bind accepts",
     )
-    node_policy: PlacementPolicy = PlacementPolicy.BINPACK
+    node_policy: PlacementPolicy = DEFAULT_PLACEMENT  # qgpu's one default (frag)
     gpu_policy: PlacementPolicy | None = None
     lock_ttl_s: float = Field(default=30.0, gt=0)
     lock_timeout_s: float = Field(default=5.0, gt=0)

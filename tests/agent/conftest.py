@@ -153,6 +153,19 @@ def start_agent(
     raise RuntimeError("agent did not come up in 30 s")
 
 
+def rows_and_dirs(state_dir: Path, node: str = "node-a") -> tuple[set[str], set[str]]:
+    """The slices an agent's SQLite ledger holds, and the slices that have a directory."""
+    from qgpu.ledger import Ledger
+
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    try:
+        rows = {a.slice_id for a in ledger.allocations(node)}
+    finally:
+        ledger.close()
+    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
+    return rows, dirs
+
+
 def stop_agent(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()

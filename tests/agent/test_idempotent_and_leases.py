@@ -134,6 +134,42 @@ def test_a_repeat_with_the_same_id_is_the_same_slice(agent_dir: Path) -> None:
         client.release("job-1")
 
 
+def test_a_restarted_process_of_the_owner_takes_its_slice_over(agent_dir: Path) -> None:
+    """Same owner kind and id, another process (a worker restarted under its name): the
+    slice is handed over once the first process is gone, never while it runs."""
+    import subprocess
+    import sys
+
+    def sleeper() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+    def owner(proc: subprocess.Popen[bytes]) -> dict[str, object]:
+        return {"kind": "dask-worker", "id": "w0", "meta": {"pid": str(proc.pid)}}
+
+    first, second = sleeper(), sleeper()
+    try:
+        with AgentClient(agent_dir / "agent.sock") as client:
+            held = client.reserve(OK_REQUEST, owner(first), slice_id="worker-w0")
+            with pytest.raises(AgentError) as info:
+                client.reserve(OK_REQUEST, owner(second), slice_id="worker-w0")
+            assert info.value.status == 422 and info.value.field == "slice_id"
+            assert f"process {first.pid}, which is still running" in info.value.rule
+            assert client.get("worker-w0").owner.meta["pid"] == str(first.pid)
+
+            first.kill()
+            first.wait()
+            taken = client.reserve(OK_REQUEST, owner(second), slice_id="worker-w0")
+            assert (taken.device_uuid, taken.created_at) == (held.device_uuid, held.created_at)
+            assert taken.owner.meta["pid"] == str(second.pid)
+            assert client.get("worker-w0").owner == taken.owner  # recorded: reconcile follows it
+            assert [s.slice_id for s in client.slices().slices] == ["worker-w0"]
+            client.release("worker-w0")
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
+
+
 def test_a_lease_not_renewed_returns_the_slice(agent_dir: Path) -> None:
     with AgentClient(agent_dir / "agent.sock") as client:
         gone = client.reserve(OK_REQUEST, {"id": "lease"}, expires_s=1)

@@ -21,8 +21,8 @@ import pytest
 from enforcement.agent.client import AgentClient, AgentError
 from enforcement.agent.service import Agent
 from enforcement.limits import read_limits_file
-from qgpu.ledger import Ledger
 from tests.agent.conftest import REPO, agent_command, start_agent, stop_agent
+from tests.agent.conftest import rows_and_dirs as _state
 
 pytestmark = pytest.mark.slow
 SIM = ("--sim", "2xH100-80GB")
@@ -31,17 +31,6 @@ SIM = ("--sim", "2xH100-80GB")
 def _set_fsize(pid: int, soft: int) -> None:
     _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
-
-
-def _state(state_dir: Path) -> tuple[set[str], set[str]]:
-    """The slices the SQLite ledger holds, and the slices that have a directory."""
-    ledger = Ledger(state_dir / "ledger.sqlite")
-    try:
-        rows = {a.slice_id for a in ledger.allocations("node-a")}
-    finally:
-        ledger.close()
-    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
-    return rows, dirs
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from kubernetes.utils import parse_quantity
 
-from qgpu.model import IsolationPolicy
+from qgpu.model import DEFAULT_PLACEMENT, IsolationPolicy
 from tests.helm.chart import (
     KUBE_VERSIONS,
     Obj,
@@ -297,7 +297,9 @@ def test_scheduler_configuration_registers_the_extender(default: Rendered) -> No
     (plain,) = off.scheduler_config()["extenders"]
     assert plain["urlPrefix"].startswith("http://") and "tlsConfig" not in plain
     assert off.find("Secret", "qgpu-scheduler-extender-tls") is None
-    assert extender.placement == "binpack"
+    # no --placement: the extender's default is qgpu's one default placement
+    assert "--placement" not in " ".join(command(containers(default.scheduler)["extender"]))
+    assert extender.placement == DEFAULT_PLACEMENT.value
     assert extender.gpu_placement is None
     assert cfg.leader_election.leader_elect is True
     assert cfg.leader_election.resource_name == "qgpu-scheduler"
