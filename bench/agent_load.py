@@ -6,8 +6,10 @@ directory, fills it with L held slices (1 % / 1 GiB each, spread over the GPUs),
 - sequential: one client (`AgentClient`, what the adapters use), reserve then release;
 - concurrent: C asyncio workers, each looping reserve -> release (slices of 5 % / 4 GiB).
 Every operation's latency is recorded; the script prints ops/s, p50 and p99 per mode and
-live count, and each mode's ops/s as a ratio to the smallest live count (a flat curve is
-1.00: the cost of a reservation does not grow with the slices already held).
+live count, the agent process's CPU time per operation (user + system, from
+``/proc/<pid>/stat``: what the agent itself spends, whatever else runs on the machine),
+and each mode's ops/s as a ratio to the smallest live count (a flat curve is 1.00: the
+cost of a reservation does not grow with the slices already held).
 
     .venv/bin/python bench/agent_load.py [--ops 2000] [--concurrency 1 16] [--live 10 100 1000]
 """
@@ -78,6 +80,12 @@ async def fill(sock: Path, live: int, workers: int = 8) -> None:
     await asyncio.gather(*(worker(w) for w in range(workers)))
     for conn in conns:
         conn.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -180,6 +188,7 @@ def measure(live: int, ops: int, concurrency: list[int]) -> dict[str, tuple]:
         asyncio.run(fill(sock, live))
         run_sequential(sock, 100)  # warm-up
         for c in concurrency:
+            cpu0 = cpu_seconds(proc.pid)
             if c == 1:
                 elapsed, lat, no_fit = run_sequential(sock, ops)
                 mode = "sequential"
@@ -192,6 +201,7 @@ def measure(live: int, ops: int, concurrency: list[int]) -> dict[str, tuple]:
                 statistics.median(lat) * 1e3,
                 pct(lat, 0.99) * 1e3,
                 no_fit,
+                (cpu_seconds(proc.pid) - cpu0) / len(lat) * 1e3,
             )
     finally:
         proc.terminate()
@@ -213,14 +223,14 @@ def main() -> int:
     print(f"qgpu agent over a unix socket, simulated 64xH100-80GB, {os.cpu_count()} CPUs")
     print(
         f"{'live':>6}  {'mode':<16}{'ops':>7}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
-        f"{'409s':>7}{'ratio':>8}"
+        f"{'409s':>7}{'cpu ms/op':>11}{'ratio':>8}"
     )
     for live, rows in results.items():
-        for mode, (n, rate, p50, p99, no_fit) in rows.items():
+        for mode, (n, rate, p50, p99, no_fit, cpu) in rows.items():
             ratio = rate / results[base][mode][1]
             print(
                 f"{live:>6}  {mode:<16}{n:>7}{rate:>10.0f}{p50:>10.2f}{p99:>10.2f}"
-                f"{no_fit:>7}{ratio:>8.2f}"
+                f"{no_fit:>7}{cpu:>11.2f}{ratio:>8.2f}"
             )
     return 0
 

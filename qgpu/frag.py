@@ -55,9 +55,10 @@ Vectorised over GPUs x request types; the engine's per-node and per-GPU vectors 
 directly, usable counts per GPU are kept incrementally, and candidates in identical
 situations (same node state, same GPU state) are scored once.
 
-A policy that has observed nothing (an engine made for one decision, as the ledger and the
-Ray SDK do) takes the slices already placed in the cluster as the mix; in an empty cluster it
-then chooses exactly like binpack.
+A policy that has observed nothing (an engine made for one decision, as the Ray SDK does, or
+the node agent's ledger's, kept with its state) takes the slices already placed in the
+cluster as the mix, and keeps following them (placed and released ones) while it observes
+nothing; in an empty cluster it then chooses exactly like binpack.
 
 Before the mix is known (fill measure only): frag counts a prior (`qgpu.mix_prior`) as
 arrivals, and while the cluster's GPU core is less than half allocated a share never opens
@@ -81,6 +82,7 @@ from qgpu.placement import (
     ClusterState,
     HostView,
     Policy,
+    _Held,
     _host_fill,
     _leftover,
     _node_fill,
@@ -177,7 +179,12 @@ class FragPolicy(Policy):
         self.prior: PriorSetting = prior
         self._started = False
         self._observed = 0  # real arrivals counted (not the prior)
-        self._evidence = 0  # real arrivals and seeded live slices (not the prior)
+        # while nothing is observed, the live slices counted in the mix (`_follow_live`):
+        # slice id -> the state's record of it, the state and its version when counted
+        self._live: dict[str, _Held] | None = None
+        self._live_state: ClusterState | None = None
+        self._live_version = -1
+        self._live_counted = 0  # live GPU slices counted in the mix (`_count_live`)
         # the priced mix (gap values), and the mix and slice limit it was priced for
         self.prices: GapPrices | None = None
         self._priced_mix: dict[int, float] = {}
@@ -224,7 +231,7 @@ class FragPolicy(Policy):
     def observe(self, request: SliceRequest) -> None:
         """Count one arrival of the request's type (the mix frag optimises for)."""
         self._observed += 1
-        self._evidence += 1
+        self._live = None  # the mix now learns from arrivals; the live slices stay counted
         self._count_request(request)
 
     def _count_request(self, request: SliceRequest, arrivals: int = 1) -> None:
@@ -240,8 +247,10 @@ class FragPolicy(Policy):
 
     def _start(self, state: ClusterState) -> None:
         """Before the first decision: count the prior's shapes, and with nothing observed
-        the live slices (see `_seed_from_live`)."""
+        the live slices (see `_seed_from_live`); before every later one, while nothing is
+        observed, follow the live slices (`_follow_live`)."""
         if self._started:
+            self._follow_live(state)
             return
         self._started = True
         prior = resolve_prior(self.prior, state.nodes)
@@ -255,18 +264,52 @@ class FragPolicy(Policy):
         """With nothing observed, take the live slices as the mix seen so far (beside the
         prior).
 
-        Engines made for a single decision (the ledger's `reserve`, the Ray SDK) never call
-        `observe` before deciding; the slices already placed are then the best record of the
-        requests this cluster gets. Model constraints are not recorded in the state, so the
-        seeded types allow any model.
+        Engines that never call `observe` (the ledger's `reserve`, the Ray SDK) decide from
+        the slices already placed: they are then the best record of the requests this
+        cluster gets. Model constraints are not recorded in the state, so the seeded types
+        allow any model.
         """
-        for held in state.held.values():
-            count = len(held.gpus)
-            if count == 0:
-                continue  # host-only work does not use GPUs
-            memory = 0 if held.core >= WHOLE_GPU_CORE else int(held.memory[0])
-            self._count(held.core, memory, count, (), held.cpu_milli, held.host_memory_mib)
-            self._evidence += 1
+        self._live = {}
+        self._live_state = state
+        self._live_version = state.version
+        for sid, held in state.held.items():
+            self._live[sid] = held
+            self._count_live(held, 1)
+
+    def _follow_live(self, state: ClusterState) -> None:
+        """A policy kept across decisions without observing (the node agent's ledger keeps
+        one with its state): the mix stays the live slices, updated by what was placed and
+        released since the last decision -- the same mix a fresh policy would seed, without
+        counting every live slice again."""
+        live = self._live
+        if live is None or (state is self._live_state and state.version == self._live_version):
+            return
+        held = state.held
+        ids = state.held_changed_since(self._live_version) if state is self._live_state else None
+        if ids is None:  # another state, or further back than its log: compare every record
+            ids = {sid for sid, h in held.items() if live.get(sid) is not h}
+            ids.update(live.keys() - held.keys())
+        changed = [(sid, live.get(sid), held.get(sid)) for sid in ids]
+        for sid, before, after in changed:
+            if before is after:
+                continue  # placed and released again since (or unchanged)
+            if before is not None:
+                self._count_live(before, -1)
+                del live[sid]
+            if after is not None:
+                self._count_live(after, 1)
+                live[sid] = after
+        self._live_state = state
+        self._live_version = state.version
+
+    def _count_live(self, held: _Held, arrivals: int) -> None:
+        """Count a live slice of the state (its shape) as `arrivals` arrivals (-1: gone)."""
+        count = len(held.gpus)
+        if count == 0:
+            return  # host-only work does not use GPUs
+        memory = 0 if held.core >= WHOLE_GPU_CORE else int(held.memory[0])
+        self._count(held.core, memory, count, (), held.cpu_milli, held.host_memory_mib, arrivals)
+        self._live_counted += arrivals
 
     def _count(
         self,
@@ -312,6 +355,8 @@ class FragPolicy(Policy):
         total = sum(self._t_weight) or 1
         out: dict[tuple[int, int, int, int], float] = {}
         for t, k in enumerate(self._t_class):
+            if not self._t_weight[t]:
+                continue  # a type whose live slices are all gone (`_follow_live`)
             key = (self._k_core[k], self._k_count[k], self._t_cpu[t], self._t_hostmem[t])
             out[key] = out.get(key, 0.0) + self._t_weight[t] / total
         return out
@@ -707,6 +752,11 @@ class FragPolicy(Policy):
             self._priced_slots = slots
         return prices.values
 
+    def _requests_seen(self) -> int:
+        """Requests frag has seen (the keep-empty rule's evidence): arrivals observed and the
+        live slices counted in the mix; the prior's pseudo-arrivals do not count."""
+        return self._observed + self._live_counted
+
     def _keep_empty(self, view: CandidateView, per_gpu: np.ndarray) -> np.ndarray:
         """Below `keep_empty` fill, for a share, while fewer than `keep_empty_until` requests
         have been seen: `per_gpu` with every empty candidate GPU ranked below every used one
@@ -719,7 +769,7 @@ class FragPolicy(Policy):
             return per_gpu
         if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
             return per_gpu
-        if self.keep_empty_until and self._evidence >= self.keep_empty_until:
+        if self.keep_empty_until and self._requests_seen() >= self.keep_empty_until:
             return per_gpu
         cand = np.flatnonzero(np.isfinite(per_gpu))
         empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]

@@ -14,7 +14,9 @@ unless renewed) and the uid/gid its processes run as.
 
 A ledger whose process is its file's only writer (the node agent) passes
 ``cache_state=True``: the placement state (`ClusterState`) is then built once and updated
-with every committed change, so a reservation costs the same with 10 or 1,000 live slices.
+with every committed change, and the engine that decides over it is kept with it (its
+policies update what they derived from the state, frag's mix of the live slices included),
+so a reservation costs the same with 10 or 1,000 live slices.
 All writes then go through one connection, whose ``PRAGMA data_version`` reveals a commit
 by any other connection or process: the cache is rebuilt before the next decision, and the
 capacity check inside each transaction never trusts the cache anyway.
@@ -152,6 +154,10 @@ class Ledger:
         self._seen_version: int | None = None
         # node filter -> (inventories, state with every committed slice applied)
         self._cache: dict[str | None, tuple[list[NodeInventory], ClusterState]] = {}
+        # (node filter, policies) -> the engine deciding over that cached state: its
+        # policies keep what they derived from the state (frag's mix of the live slices,
+        # usable copies per GPU, gap prices) and update it with each change
+        self._engines: dict[tuple[str | None, str, str], Engine] = {}
         # executescript() commits on its own, so the schema gets its own script transaction
         self._conn().executescript(
             "BEGIN IMMEDIATE;"
@@ -228,6 +234,7 @@ class Ledger:
                 self._wconn.close()
                 self._wconn = None
             self._cache.clear()
+            self._engines.clear()
 
     # -- nodes -------------------------------------------------------------------------
 
@@ -291,7 +298,7 @@ class Ledger:
                     return _same_owner_or_raise(existing, owner)
                 inventories, state = self._placement_state(db, node)
                 _reject_never_fits(request, inventories)
-                engine = Engine(state, policy, gpu_policy)
+                engine = self._engine(state, node, policy, gpu_policy)
                 decision = engine.decide(request)
                 inv = next(n for n in inventories if n.name == decision.node)
                 alloc = _allocation(slice_id, decision, request, inv, owner)
@@ -487,6 +494,23 @@ class Ledger:
             cached = (inventories, self._state(db, inventories))
             self._cache[node] = cached
         return cached
+
+    def _engine(
+        self,
+        state: ClusterState,
+        node: str | None,
+        policy: PlacementPolicy | str | None,
+        gpu_policy: PlacementPolicy | str | None,
+    ) -> Engine:
+        """An engine over `state`: made once per cached state (kept while the state is),
+        else for this decision only."""
+        if not self._cache_state:
+            return Engine(state, policy, gpu_policy)
+        key = (node, str(policy), str(gpu_policy))
+        engine = self._engines.get(key)
+        if engine is None or engine.state is not state:
+            engine = self._engines[key] = Engine(state, policy, gpu_policy)
+        return engine
 
     def _cached_apply(
         self, alloc: Allocation, memory_per_gpu: tuple[int, ...] | list[int], req: SliceRequest

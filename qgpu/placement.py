@@ -15,6 +15,7 @@ names come from `qgpu.model.PlacementPolicy` (the one list of names).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ class _Held:
     cpu_milli: int
     host_memory_mib: int
     node: int
+
+
+HELD_LOG = 4096  # placements and releases a ClusterState remembers (`held_changed_since`)
 
 
 class ClusterState:
@@ -120,6 +124,21 @@ class ClusterState:
         # per node, the `version` at which that node last changed (what is cached per node
         # stays valid while its entry is unchanged)
         self.node_version = np.zeros(len(self.nodes), dtype=np.int64)
+        # (version, slice id) of the latest placements and releases (`held_changed_since`)
+        self._held_log: deque[tuple[int, str]] = deque(maxlen=HELD_LOG)
+
+    def held_changed_since(self, version: int) -> set[str] | None:
+        """The ids placed or released since `version` (what a policy that follows `held`
+        must look at again), or None when that is further back than the log keeps."""
+        log = self._held_log
+        if len(log) == log.maxlen and log[0][0] > version + 1:
+            return None
+        out = set()
+        for v, sid in reversed(log):
+            if v <= version:
+                break
+            out.add(sid)
+        return out
 
     def touch(self) -> None:
         """Record a change made to the vectors directly (see `version`): every node."""
@@ -192,6 +211,7 @@ class ClusterState:
         self.node_free_cpu[node] -= cpu_milli
         self.node_free_hostmem[node] -= host_memory_mib
         self.held[slice_id] = _Held(idx, core_per_gpu, mem, cpu_milli, host_memory_mib, node)
+        self._held_log.append((self.version, slice_id))
 
     def apply_host(
         self, slice_id: str, node: int | str, cpu_milli: int, host_memory_mib: int
@@ -217,6 +237,7 @@ class ClusterState:
         self.held[slice_id] = _Held(
             empty, 0, np.zeros(0, dtype=np.int32), cpu_milli, host_memory_mib, n
         )
+        self._held_log.append((self.version, slice_id))
 
     def apply_allocation(self, alloc: Allocation, cpu_milli: int = 0, host_mib: int = 0) -> None:
         ids = [self.uuid_index[u] for u in alloc.gpu_uuids]
@@ -251,6 +272,7 @@ class ClusterState:
         self.node_free_mem[node] += int(held.memory.sum())
         self.node_free_cpu[node] += held.cpu_milli
         self.node_free_hostmem[node] += held.host_memory_mib
+        self._held_log.append((self.version, slice_id))
         return True
 
     def check_invariants(self) -> None:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from qgpu import frag as frag_module
+from qgpu import placement as placement_module
 from qgpu.cli import main as cli_main
 from qgpu.errors import NoFit
 from qgpu.frag import FragPolicy
@@ -568,6 +569,20 @@ def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes
     assert policy._score_memo is not memo  # the mix changed: computed again
 
 
+def _host_work(engine: Engine, name: str) -> None:
+    """Host-only work placed by the engine (when some node has room)."""
+    with contextlib.suppress(NoFit, ValueError):
+        engine.place_host(name, 1000, 1024)
+
+
+def _direct_write(state: ClusterState, rng: random.Random) -> None:
+    """A direct writer (qgpu_ray's view) frees an idle GPU's core, and says so (`touch`)."""
+    g = rng.randrange(state.gpu_total)
+    if state.slices[g] == 0:
+        state.free_core[g] = 100
+        state.touch()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, monkeypatch):
     """A policy that has followed the cluster through placements, releases, host-only work,
@@ -592,13 +607,9 @@ def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, 
         if roll < 0.15 and state.held:
             state.release(rng.choice(sorted(state.held)))
         elif roll < 0.2:
-            with contextlib.suppress(NoFit, ValueError):
-                engine.place_host(f"h{step}", 1000, 1024)
+            _host_work(engine, f"h{step}")
         elif roll < 0.23:
-            g = rng.randrange(state.gpu_total)
-            if state.slices[g] == 0:
-                state.free_core[g] = 100  # a direct writer (qgpu_ray's view) ...
-                state.touch()  # ... says so
+            _direct_write(state, rng)
         else:
             req = rng.choice(kinds)
             arrivals.append(req)
@@ -612,5 +623,49 @@ def test_what_frag_keeps_between_calls_gives_the_scores_of_a_fresh_policy(seed, 
         for ids in (np.arange(len(nodes)), np.asarray([rng.randrange(len(nodes))])):
             view = CandidateView(state, req, mask, req.core_per_gpu, memory, ids)
             assert np.array_equal(kept.node_scores(view), fresh.node_scores(view))
+        if kept._k_core:
+            assert kept.gap_values(state).tolist() == fresh.gap_values(state).tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_policy_that_observes_nothing_follows_the_live_slices(seed, monkeypatch):
+    """The node agent's ledger keeps one engine with its state and never observes: its frag
+    policy's mix follows the live slices (placed, released, released and placed again
+    under the same id, host-only work, a direct write) and it scores exactly as a fresh
+    policy seeded from the same live slices -- also once more changes happened between two
+    decisions than the state's change log keeps."""
+    monkeypatch.setattr(frag_module, "reprice_threshold", lambda arrived: 0.0)
+    monkeypatch.setattr(placement_module, "HELD_LOG", 6)
+    rng = random.Random(seed)
+    nodes = [node(f"n{i}", rng.choice([1, 2, 4]), cpu_milli=16000) for i in range(20)]
+    state = ClusterState(nodes)
+    kept = FragPolicy()
+    engine = Engine(state, kept)
+    kinds = [share(10), share(25), share(30, cpu=2000), share(50), WHOLE]
+    for step in range(60):
+        for _ in range(rng.choice([1, 1, 1, 3, 9])):  # 9 > the log: compared in full
+            roll = rng.random()
+            if roll < 0.3 and state.held:
+                sid = rng.choice(sorted(state.held))
+                state.release(sid)
+                if rng.random() < 0.7:  # the same id placed again elsewhere (no decision:
+                    # a recorded slice), maybe with another shape
+                    free = np.flatnonzero(state.free_core >= 40)
+                    if len(free):
+                        core = rng.choice([10, 20, 40])
+                        state.apply(sid, [int(rng.choice(free))], core, [1 + core // 10])
+            elif roll < 0.35:
+                _host_work(engine, f"h{step}-{roll}")
+            elif roll < 0.38:
+                _direct_write(state, rng)
+            else:
+                with contextlib.suppress(NoFit):
+                    engine.place(f"s{step}-{roll}", rng.choice(kinds), observe=False)
+        req = rng.choice(kinds)
+        fresh = FragPolicy()
+        mask, memory, _ = engine.candidates(req)
+        view = CandidateView(state, req, mask, req.core_per_gpu, memory, np.arange(len(nodes)))
+        assert np.array_equal(kept.node_scores(view), fresh.node_scores(view))
+        assert kept.mix() == pytest.approx(fresh.mix())
         if kept._k_core:
             assert kept.gap_values(state).tolist() == fresh.gap_values(state).tolist()
