@@ -310,7 +310,9 @@ def test_kubelet_restart_reregisters_and_keeps_allocations(apiserver, node_with_
     before = plugin.registrations
     kl.restart()
     kl.wait_ready([NAMES.core, NAMES.memory])
-    assert plugin.registrations >= before + 2
+    # kubelet lists a resource's devices as soon as its Register call arrives; the plugin
+    # counts the registration when that call has returned to it, a moment later
+    wait_until(lambda: plugin.registrations >= before + 2, timeout=10)
     assert kl.capacity(NAMES.core) == (200, 170)
     apiserver.store.create("pods", pod_object("b", [(30, 4)]))
     assert ext.bind(_bind_args(apiserver, "b", "n0")).error == ""
