@@ -61,6 +61,7 @@ def test_sim_cuda_bindings_through_the_interposer(sim: Sim) -> None:
     """A 4 GiB slice seen through NVIDIA's Python bindings: the slice's size, allocations
     charged, CUDA_ERROR_OUT_OF_MEMORY over the cap, and a kernel-free stream/event path."""
     import cuda.bindings.driver  # noqa: F401  (the dev extra installs it: a failure if not)
+
     out = run_json(sim.slice_env("nv-bindings", memory=SLICE), CUDA_BINDINGS)
     assert out["init"] == 0 and out["version"] == 13000 and out["ctx"] == 0
     assert out["meminfo"] == [0, SLICE - CTX, SLICE]  # its context is charged to the slice
@@ -121,7 +122,9 @@ def test_sim_nvidia_runtime_stops_at_the_private_export_tables(
     this test starts failing, the runtime changed: re-read what it asks for."""
     lib = find_libcudart()
     if lib is None:
-        pytest.skip("no NVIDIA runtime (libcudart.so.13): no CUDA toolkit or runtime wheel")
+        pytest.fail(
+            "no NVIDIA runtime (libcudart.so.13): neither the CUDA toolkit nor its wheel is here"
+        )
     cfg = write_sim_config(short_tmp / "rt.conf", "H100-80GB", node="rt", cuda_version=version)
     env = Sim(cfg, short_tmp / "l").slice_env("nv-runtime", memory=SLICE)
     env.update(QGPU_SIM_TRACE_EXPORT_TABLES="1", QGPU_SIM_TRACE_PROCADDR="1")
