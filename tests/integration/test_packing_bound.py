@@ -4,27 +4,18 @@ trace the replay it runs is the replay's own, with re-packing never needing more
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+# a bench script, run from bench/ (it imports trace_replay from there too)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import packing_bound as pb
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tr = _load("trace_replay")
-pb = _load("packing_bound")
+tr = pb.tr
 
 
 @pytest.mark.parametrize(
