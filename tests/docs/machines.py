@@ -14,7 +14,10 @@ namespaces, not containers or VMs, and need no root:
   its own) and mount namespace with private ``/run``, ``/var/lib`` and ``/dev/shm``
   (tmpfs: the agent's ``/var/lib/qgpu`` and ``/run/qgpu/agent.sock`` are the machine's
   own and vanish with it) and a private ``/tmp`` (a directory of the test, so Ray's
-  session logs stay readable from outside).
+  session logs stay readable from outside);
+- an ``/etc/hosts`` that names every machine, as a cluster's DNS would, and an
+  ``/etc/resolv.conf`` with no server (there is none on the private network: other names
+  fail at once instead of after the resolver's timeouts).
 
 The rest of the file system (the repository, its ``.venv``) is shared, as a fleet built
 from one image shares its software. Where user namespaces (or veth/bridge devices in them)
@@ -44,8 +47,10 @@ MACHINE_NS = [
 # with it)
 SETUP = r"""
 set -e
-name=$1 addr=$2 link=$3 io=$4
+name=$1 addr=$2 link=$3 io=$4 etc=$5
 exec 2>"$io/.setup.log"
+mount --bind "$etc/hosts" /etc/hosts
+mount --bind "$etc/resolv.conf" /etc/resolv.conf
 mount --bind "$io" /tmp
 mount -t tmpfs machine-run /run
 mount -t tmpfs machine-var-lib /var/lib
@@ -132,6 +137,11 @@ class Machines:
         try:
             _in_holder(self.holder, "ip", "link", "add", "lan", "type", "bridge")
             _in_holder(self.holder, "ip", "link", "set", "lan", "up")
+            etc = root / ".etc"
+            etc.mkdir(parents=True)
+            hosts = [f"{addr}\t{name}" for name, addr in self.address.items()]
+            (etc / "hosts").write_text("\n".join(["127.0.0.1\tlocalhost", *hosts, ""]))
+            (etc / "resolv.conf").write_text("# no DNS server on the machines' network\n")
             for i, name in enumerate(names):
                 self._start(name, f"m{i}", env)
             for name, proc in self.proc.items():
@@ -156,6 +166,7 @@ class Machines:
                 self.address[name],
                 "eth0",
                 str(io),
+                str(self.root / ".etc"),
             ],
             cwd=self.cwd,
             env=env,
@@ -166,13 +177,16 @@ class Machines:
             start_new_session=True,
         )
         self.proc[name] = proc
-        # nsenter execs unshare (no fork without --pid); wait until it has its own netns
-        holder_net = os.readlink(f"/proc/{self.holder.pid}/ns/net")
+        # nsenter enters the holder's namespaces, then execs unshare (no fork without
+        # --pid), which makes the machine's: wait until it is in a netns of its own
+        before = {os.readlink(f"/proc/{pid}/ns/net") for pid in (os.getpid(), self.holder.pid)}
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        while True:
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{proc.pid}/ns/net") != holder_net:
+                if os.readlink(f"/proc/{proc.pid}/ns/net") not in before:
                     break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise OSError(f"machine {name}: {' '.join(MACHINE_NS)} did not start")
             time.sleep(0.01)
         _in_holder(
             self.holder,
