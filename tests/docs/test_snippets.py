@@ -411,3 +411,15 @@ def test_a_python_snippet_must_print_what_the_docs_show(tmp_path: Path) -> None:
     (block,) = blocks(doc)
     with pytest.raises(AssertionError, match="did not print what the docs show"):
         _run_python(block, tmp_path, _environment(tmp_path))
+
+
+def test_the_parser_reads_which_machines_a_snippet_runs_on(tmp_path: Path) -> None:
+    doc = tmp_path / "z.md"
+    doc.write_text(
+        "<!-- snippet: on: head -->\n```bash\nqgpu agent &\n```\n\n"
+        "<!-- snippet: on: worker, head -->\n```bash\nray stop\n```\n\n"
+        "```bash\necho here\n```\n"
+    )
+    head, both, here = blocks(doc)
+    assert (head.on, both.on, here.on) == (("head",), ("worker", "head"), ())
+    assert head.skip is both.skip is here.skip is None
