@@ -20,7 +20,9 @@ namespaces, not containers or VMs, and need no root:
   fail at once instead of after the resolver's timeouts).
 
 The rest of the file system (the repository, its ``.venv``) is shared, as a fleet built
-from one image shares its software. Where user namespaces (or veth/bridge devices in them)
+from one image shares its software. A machine's first process is a shell reading its
+commands from the test: if the test dies, the shell reads end-of-file and exits, and the
+machine's processes end with it. Where user namespaces (or veth/bridge devices in them)
 are not allowed, `problem()` says why in one line, naming the command and its error.
 """
 
