@@ -25,7 +25,11 @@ Two measures of "usable by a type" (``measure=``):
   usable is what copies of the type could actually fill: per GPU ``k`` copies, where ``k``
   is limited by free core, free memory and slice room; per node at most as many copies as its
   free host CPU and memory can feed. A GPU with 19% free core is then worth 16 to a 16%
-  type, not 19, and a node with GPUs free but CPU for one more pod is worth one pod.
+  type, not 19, and a node with GPUs free but CPU for one more pod is worth one pod. Where
+  the node's host feeds the mix as a whole on all its free GPU core (at the host term's
+  average rates, below), the host bounds no type's copies in GPU placements: each type is
+  judged as if it alone filled the node, and there the rest of the mix would use the CPU a
+  CPU-heavy type cannot (`_feeds_mix`).
 
 The node score adds a **host term** (``host_weight``, fill measure only): the GPU core a
 placement strands behind the node's host CPU and memory, judged with the mix's *average*
