@@ -326,6 +326,8 @@ class FakeKubelet:
             if plugin is None or not plugin.alive:
                 raise AdmissionError(f"no device plugin for {resource}")
             key = (uid, cname, resource)
+            ask = False
+            free: list[str] = []
             if key in self.allocated:  # kubelet re-uses the checkpointed devices
                 ids = self.allocated[key]
             else:
@@ -336,8 +338,11 @@ class FakeKubelet:
                 if len(free) < n:
                     raise AdmissionError(f"{resource}: requested {n}, available {len(free)}")
                 ids = free[:n]
-                if plugin.options.get_preferred_allocation_available:
-                    ids = self._preferred(plugin, free, n) or ids
+                ask = plugin.options.get_preferred_allocation_available
+        # kubelet unlocks its device manager around the GetPreferredAllocation call (the
+        # plugin may read the pod-resources API meanwhile)
+        if key not in self.allocated and ask:
+            ids = self._preferred(plugin, free, n) or ids
         try:
             resp = plugin.stub.Allocate(
                 pb.AllocateRequest(

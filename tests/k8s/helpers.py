@@ -203,7 +203,12 @@ class Cluster:
             kl = FakeKubelet(self.tmp / f"dp{i}", shuffle_resources=shuffle_resources, seed=i)
             self.kubelets[name] = kl.start()
             plugin = QgpuDevicePlugin(
-                PluginConfig(node_name=name, plugin_dir=kl.dir, poll_s=0.05),
+                PluginConfig(
+                    node_name=name,
+                    plugin_dir=kl.dir,
+                    poll_s=0.05,
+                    pod_resources_socket=kl.pod_resources_socket,
+                ),
                 Kube(srv.client(), NAMES),
                 NodeInventory(name=name, gpus=gpus),
                 AllocationPaths(state_dir=self.tmp / f"state{i}", hook_library=self.hook),
