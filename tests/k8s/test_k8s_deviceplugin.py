@@ -46,7 +46,12 @@ class Node:
             state_dir=self.tmp / "state", hook_library=self.hook, dev_dir=dev
         )
         self.plugin = QgpuDevicePlugin(
-            PluginConfig(node_name="n0", plugin_dir=self.kubelet.dir, poll_s=0.05),
+            PluginConfig(
+                node_name="n0",
+                plugin_dir=self.kubelet.dir,
+                poll_s=0.05,
+                pod_resources_socket=self.kubelet.pod_resources_socket,
+            ),
             Kube(srv.client(), NAMES),
             self.inventory,
             self.paths,
@@ -234,7 +239,13 @@ def test_plugin_started_before_kubelet_registers_when_it_comes(apiserver) -> Non
     (tmp / "dp").mkdir()
     apiserver.store.create("nodes", {"metadata": {"name": "n0"}})
     plugin = QgpuDevicePlugin(
-        PluginConfig(node_name="n0", plugin_dir=tmp / "dp", poll_s=0.05, register_timeout_s=0.5),
+        PluginConfig(
+            node_name="n0",
+            plugin_dir=tmp / "dp",
+            poll_s=0.05,
+            register_timeout_s=0.5,
+            pod_resources_socket=tmp / "dp-podres" / "kubelet.sock",  # the fake kubelet's
+        ),
         Kube(apiserver.client(), NAMES),
         NodeInventory(name="n0", gpus=[gpu("n0", 0)]),
         AllocationPaths(state_dir=tmp / "state", hook_library=None),
