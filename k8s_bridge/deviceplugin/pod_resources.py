@@ -63,7 +63,12 @@ class PodResourcesClient:
             if self._stub is None:
                 self._channel = grpc.insecure_channel(
                     f"unix://{self.socket}",
-                    options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                    options=[
+                        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                        # kubelet restarts recreate the socket: reconnect within a second
+                        ("grpc.initial_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000),
+                    ],
                 )
                 self._stub = pr_grpc.PodResourcesListerStub(self._channel)
             return self._stub
@@ -77,7 +82,10 @@ class PodResourcesClient:
     def devices(self) -> dict[tuple[ContainerRef, str], frozenset[str]]:
         """(container, resource name) -> the device IDs kubelet holds for it, now."""
         try:
-            resp = self._lister().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
+            # wait_for_ready: a kubelet restarting answers within the timeout
+            resp = self._lister().List(
+                pr.ListPodResourcesRequest(), timeout=self.timeout_s, wait_for_ready=True
+            )
         except grpc.RpcError as exc:
             raise PodResourcesUnavailable(
                 f"kubelet's pod-resources API on {self.socket} did not answer List: "

@@ -208,6 +208,24 @@ def test_a_pod_past_the_extender_cannot_take_a_pending_pods_slice(make_cluster) 
     assert claim.claimed_ids("c0", "core") == sorted(kl.allocated[(victim_uid, "c0", NAMES.core)])
 
 
+def test_a_bound_pod_admitted_while_the_thief_waits_gets_its_slice(make_cluster) -> None:  # noqa: F811
+    """The same attack, with the bound pod admitted between the thief's admission and its
+    container start (an image pull takes that long): the thief's claim on the bound pod's
+    container is withdrawn at the bound pod's Allocate (kubelet lists those IDs under the
+    thief), so it is not refused for want of a pending container."""
+    cluster = make_cluster()
+    node, _ = _bound(cluster, "victim", [(30, 4)])
+    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
+    thief["spec"]["nodeName"] = node
+    stored = cluster.srv.store.create("pods", thief)
+    kl = cluster.kubelets[node]
+    kl.admit_only(stored)
+    res = kl.admit(cluster.srv.store.get("pods", "default", "victim"))["c0"]
+    assert res.envs["QGPU_SLICE_ID"] == f"{_uid(cluster, 'victim')}.c0"
+    with pytest.raises(StartError, match="kubelet gave them to default/thief/c0"):
+        kl.start_containers(stored)
+
+
 def test_two_bound_pods_admitted_out_of_order_do_not_swap(make_cluster) -> None:  # noqa: F811
     """Two bound pods of one layout on different GPUs of a node, admitted in the reverse of
     their binding order (a batch delivered at once): the first admitted was answered with
