@@ -107,6 +107,17 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):
         return self.kubelet.list_pod_resources()
 
 
+def _serve(socket: Path, add: Any, servicer: Any) -> grpc.Server:
+    """A gRPC server for one servicer on a (fresh) unix socket."""
+    socket.parent.mkdir(parents=True, exist_ok=True)
+    socket.unlink(missing_ok=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add(servicer, server)
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
+    return server
+
+
 class FakeKubelet:
     def __init__(self, plugin_dir: str | Path, shuffle_resources: bool = False, seed: int = 0):
         self.dir = Path(plugin_dir)
@@ -133,20 +144,14 @@ class FakeKubelet:
 
     # -- lifecycle --
     def start(self) -> FakeKubelet:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.socket.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port(f"unix://{self.socket}")
-        server.start()
-        self._server = server
-        self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-        self.pod_resources_socket.unlink(missing_ok=True)
-        lister = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), lister)
-        lister.add_insecure_port(f"unix://{self.pod_resources_socket}")
-        lister.start()
-        self._pod_resources = lister
+        self._server = _serve(
+            self.socket, pb_grpc.add_RegistrationServicer_to_server, _Registration(self)
+        )
+        self._pod_resources = _serve(
+            self.pod_resources_socket,
+            pr_grpc.add_PodResourcesListerServicer_to_server,
+            _PodResources(self),
+        )
         return self
 
     def stop(self) -> None:

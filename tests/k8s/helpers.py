@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -80,6 +83,26 @@ def pod_object(
         "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
         "spec": spec,
     }
+
+
+def run_qgpu(*args: str) -> subprocess.CompletedProcess[str]:
+    """`qgpu <args>` as a process of this checkout (text output captured, 60 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "qgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The command's one `error:` line (exit 2, no traceback), or an assertion."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:

@@ -168,6 +168,15 @@ def _uid(cluster, name: str) -> str:
     return cluster.srv.store.get("pods", "default", name)["metadata"]["uid"]
 
 
+def _victim_and_thief(cluster) -> tuple[str, dict]:
+    """A pod "victim" bound (not admitted) and a pod "thief" of its layout that names the
+    victim's node itself (no scheduler, no extender, no webhook): (node, the thief)."""
+    node, _ = _bound(cluster, "victim", [(30, 4)])
+    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
+    thief["spec"]["nodeName"] = node
+    return node, cluster.srv.store.create("pods", thief)
+
+
 def test_a_pod_past_the_extender_cannot_take_a_pending_pods_slice(make_cluster) -> None:  # noqa: F811
     """The residual of the forge attacks: a pod with no assignment the plugin takes
     (``spec.nodeName`` preset: it skipped the scheduler, the extender and the webhook)
@@ -177,10 +186,7 @@ def test_a_pod_past_the_extender_cannot_take_a_pending_pods_slice(make_cluster) 
     these IDs: not the claimed one, so its start is refused and the claim withdrawn; the
     bound pod is then admitted with its own slice."""
     cluster = make_cluster()
-    node, _ = _bound(cluster, "victim", [(30, 4)])
-    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
-    thief["spec"]["nodeName"] = node
-    stored = cluster.srv.store.create("pods", thief)
+    node, stored = _victim_and_thief(cluster)
     kl = cluster.kubelets[node]
     victim_uid = _uid(cluster, "victim")
     try:
@@ -214,10 +220,7 @@ def test_a_bound_pod_admitted_while_the_thief_waits_gets_its_slice(make_cluster)
     container is withdrawn at the bound pod's Allocate (kubelet lists those IDs under the
     thief), so it is not refused for want of a pending container."""
     cluster = make_cluster()
-    node, _ = _bound(cluster, "victim", [(30, 4)])
-    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
-    thief["spec"]["nodeName"] = node
-    stored = cluster.srv.store.create("pods", thief)
+    node, stored = _victim_and_thief(cluster)
     kl = cluster.kubelets[node]
     kl.admit_only(stored)
     res = kl.admit(cluster.srv.store.get("pods", "default", "victim"))["c0"]

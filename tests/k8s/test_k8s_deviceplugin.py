@@ -322,29 +322,23 @@ def test_device_plugin_does_not_start_without_the_pod_resources_api(tmp_path: Pa
     """Fail closed at start-up: no socket at --pod-resources-socket is one line naming the
     flag, the path and the way out (exit 2); a socket that does not answer List too."""
     import argparse
-    import os
-    import subprocess
-    import sys
 
     from k8s_bridge.cli import _pod_resources_socket
     from qgpu.errors import RuleViolation
+    from tests.k8s.helpers import one_error_line, run_qgpu
 
     missing = tmp_path / "kubelet.sock"
-    argv = ["device-plugin", "--node-name=n0", f"--pod-resources-socket={missing}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "qgpu.cli", *argv, "--apiserver=http://127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    proc = run_qgpu(
+        "device-plugin",
+        "--node-name=n0",
+        f"--pod-resources-socket={missing}",
+        "--apiserver=http://127.0.0.1:9",
     )
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
+    assert one_error_line(proc) == (
         f"error: --pod-resources-socket {missing}: is not a socket (kubelet's pod-resources "
         "API): mount kubelet's pod-resources directory into the plugin, or pass "
         "--no-pod-resources-check to run without this check"
-    ], proc.stderr
+    )
     kubelet = FakeKubelet(Path(tempfile.mkdtemp(dir="/tmp", prefix="qs")) / "dp").start()
     try:  # kubelet's Registration socket serves no PodResourcesLister
         args = argparse.Namespace(
