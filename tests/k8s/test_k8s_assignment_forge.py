@@ -253,3 +253,22 @@ def test_two_bound_pods_admitted_out_of_order_do_not_swap(make_cluster) -> None:
     assert [got.envs["CUDA_VISIBLE_DEVICES"]] == gpus["first"]
     with pytest.raises(StartError, match="kubelet gave them to default/second/c0"):
         kl.start_containers(second)
+
+
+def test_a_swap_on_full_gpus_starts_neither_pod_in_the_other_s_slice(make_cluster) -> None:  # noqa: F811
+    """The same out-of-order admission where the pod admitted first holds device IDs the
+    pod bound first needs (60 + 60 > 100 core IDs on one GPU): that pod cannot be given its
+    own GPU, and is not given the other's slice either (the other's container was allocated
+    by kubelet already): its admission fails, and the out-of-order pod is refused at start.
+    Both are recreated by their controllers; neither runs in a slice that is not its own."""
+    cluster = make_cluster(gib=16)
+    node, _ = _bound(cluster, "first", [(60, 8)])
+    assert _bound(cluster, "second", [(60, 8)])[0] == node
+    kl = cluster.kubelets[node]
+    second = cluster.srv.store.get("pods", "default", "second")
+    kl.admit_only(second)
+    with pytest.raises(AdmissionError, match="no pod assigned to node") as info:
+        kl.admit(cluster.srv.store.get("pods", "default", "first"))
+    assert info.value.code is not None and info.value.code.name == "NOT_FOUND"
+    with pytest.raises(StartError, match="kubelet gave them to default/second/c0"):
+        kl.start_containers(second)
