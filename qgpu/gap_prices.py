@@ -251,16 +251,13 @@ def _solve(
         # feasible, fill is bounded)
         raise RuntimeError(f"pricing the request mix failed: {highs.modelStatusToString(status)}")
     solution = highs.getSolution()
+    fun = highs.getObjectiveValue()
     x = np.asarray(solution.col_value)
     slack = rhs - np.asarray(solution.row_value)
-    fun = float(highs.getInfo().objective_function_value)
     tol = _FEASIBLE_TOL
-    if (
-        np.isnan(x).any()
-        or np.isnan(fun)
-        or np.isnan(slack).any()
-        or not np.all((x >= -tol) & (x <= upper + tol))
-        or (slack < -tol).any()
+    # linprog's check of a solution HiGHS calls optimal (NaN fails every comparison)
+    if not (
+        fun == fun and (x >= -tol).all() and (x <= upper + tol).all() and (slack >= -tol).all()
     ):
         raise RuntimeError("pricing the request mix failed: the solution breaks a constraint")
     duals = -np.asarray(solution.row_dual)
