@@ -23,7 +23,7 @@ and the prices say which leaving-out costs least (on the Alibaba traces: lone 81
 gap is worth 0; far beyond it only the best patterns are used and rare sizes look common.
 Only the mix's proportions matter, not its scale or the cluster's size.
 
-The LP is solved by column generation with HiGHS (`scipy.optimize.linprog`): start from
+The LP is solved by column generation with HiGHS (the `highspy` package, see `_solve`): start from
 single-size patterns, add the pattern of highest reduced value (a small knapsack over core
 and slice count) while it beats ``mu``, and stop when none does (then the prices are optimal
 for all patterns, not only the generated ones).
@@ -158,7 +158,7 @@ def _priced(
 
 def warm_up() -> None:
     """Load the LP solver and solve one tiny mix, so that the first real pricing does not
-    pay for the import (~0.4 s) and HiGHS's first call; frag calls this when an engine is
+    pay for the import (~0.15 s) and HiGHS's first call; frag calls this when an engine is
     made (`qgpu.frag.FragPolicy.prepare`). The tiny mix's prices are remembered like any."""
     price_gaps({50: 1.0}, {}, 1)
 
