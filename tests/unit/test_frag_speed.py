@@ -16,6 +16,7 @@ other prices, so equal prices are not a given).
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -188,15 +189,9 @@ def test_copies_match_integer_division(gpus: int) -> None:
     assert got.tobytes() == want.tobytes()
 
 
-def _solve_by_linprog(
-    columns: list[np.ndarray],
-    sizes: np.ndarray,
-    demand: np.ndarray,
-    counts: list[int],
-    whole_demand: np.ndarray,
-    gpus: float,
-) -> tuple[np.ndarray, float, float]:
+def _solve_by_linprog(*lp: Any) -> tuple[np.ndarray, float, float]:
     """`gap_prices._solve` as it was before highspy: the same LP through scipy's linprog."""
+    columns, sizes, demand, counts, whole_demand, gpus = lp
     patterns = np.stack(columns, axis=1)
     n_pat, n_whole = patterns.shape[1], len(counts)
     fill = np.concatenate([sizes @ patterns, 100 * np.asarray(counts, dtype=float)])
