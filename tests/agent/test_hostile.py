@@ -1,5 +1,5 @@
 """Hostile input against the agent as a real process (uvicorn on its unix socket, the
-guarded h11 protocol): lone surrogates, huge integers, wrong types, 10 MB bodies, deep
+guarded httptools protocol): lone surrogates, huge integers, wrong types, 10 MB bodies, deep
 nesting, non-UTF-8, path tricks in slice ids, half-sent requests. The rule: never a
 response >= 500, every refusal an `ErrorBody` naming the field, every answer small."""
 
