@@ -4,8 +4,10 @@ and bodies that are not plain JSON.
 - `guarded_httptools` — uvicorn's httptools protocol with deadlines: a request head must
   arrive within ``head_timeout_s`` of the connection opening (or of its first byte after a
   keep-alive pause), its body within ``body_timeout_s`` of the head; otherwise the
-  connection is closed. uvicorn itself only times out idle keep-alive connections, so a
-  client that sends half a request would hold a connection (and its memory) for ever.
+  connection is closed; a head longer than `MAX_HEAD_BYTES` is answered 431 and the
+  connection closed (httptools buffers an unfinished head without limit). uvicorn itself
+  only times out idle keep-alive connections, so a client that sends half a request would
+  hold a connection (and its memory) for ever.
 - `BodyGuard` — an ASGI middleware: a body over ``max_body_bytes`` is answered 413 without
   being read further (a ``Content-Length`` over the limit without being read at all); a
   body that is not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, or that holds a lone
@@ -30,6 +32,7 @@ MAX_DEPTH = 32
 DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_HEAD_BYTES = 16 * 1024  # as uvicorn's h11 limit (h11_max_incomplete_event_size)
 
 
 def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[HttpToolsProtocol]:
@@ -46,6 +49,7 @@ def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[Http
         _timer: asyncio.TimerHandle | None = None
         _phase: str | None = None  # the phase whose deadline runs
         _parsed: str | None = None  # where the parser stands
+        _head_bytes = 0  # bytes received while the head was incomplete
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -56,11 +60,31 @@ def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[Http
             if self._phase is None:
                 self._parsed = "head"  # a new request begins (after a keep-alive pause)
             super().data_received(data)
+            if self._parsed == "head" and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
             self._enter(None if self.transport.is_closing() else self._parsed)
+
+        def _refuse_head(self) -> None:
+            """431 and close: a head that does not end within `MAX_HEAD_BYTES` (the parser
+            would keep buffering it until the deadline)."""
+            rule = f"a request head must end within {MAX_HEAD_BYTES} bytes"
+            answer = error_response(
+                431, "too-large", [RuleViolation("head", f"{self._head_bytes} bytes", rule)]
+            )
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                + f"content-length: {len(answer.body)}\r\n\r\n".encode()
+                + bytes(answer.body)
+            )
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._parsed = "head"  # also a pipelined request behind the one just read
+            self._head_bytes = 0
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
@@ -225,6 +249,7 @@ __all__ = [
     "DEFAULT_HEAD_TIMEOUT_S",
     "DEFAULT_MAX_BODY",
     "MAX_DEPTH",
+    "MAX_HEAD_BYTES",
     "BodyGuard",
     "guarded_httptools",
     "json_violation",

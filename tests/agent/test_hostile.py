@@ -261,6 +261,27 @@ def test_a_trickled_request_is_cut_off_at_its_deadline(agent_dir: Path) -> None:
         assert _cut_off_after(s, trickle) < 3
 
 
+def test_an_endless_head_is_refused_at_its_size_limit(agent_dir: Path) -> None:
+    """A head that never ends is refused (431, connection closed) once it passes the limit,
+    not buffered until its deadline."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(agent_dir / "agent.sock"))
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nhost: a\r\nx-big: ")
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < 64 << 20:
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        assert sent < 1 << 20  # cut off long before 64 MiB
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["field"] == "head"
+
+
 def test_the_server_never_answered_5xx(agent_dir: Path) -> None:
     """Runs last in this module: the agent counted no internal error for all of the above."""
     with AgentClient(agent_dir / "agent.sock") as client:
