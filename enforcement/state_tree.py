@@ -33,6 +33,7 @@ import shutil
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from enforcement.limits import SliceLimits, write_limits_file
@@ -77,32 +78,34 @@ def process_identity(pid: int) -> Identity | None:
         return None
     return Identity(ids["Uid"], ids["Gid"])
 
+FILES_KEPT = 4096  # slices whose paths StateTree.files keeps built
+
 
 @dataclass(frozen=True)
 class SliceFiles:
-    """The paths of one slice under a slices root."""
+    """The paths of one slice under a slices root (each built once, on first use)."""
 
     root: Path
     slice_id: str
 
-    @property
+    @cached_property
     def dir(self) -> Path:
         return self.root / self.slice_id
 
-    @property
+    @cached_property
     def limits_file(self) -> Path:
         return self.dir / LIMITS_NAME
 
-    @property
+    @cached_property
     def retired_limits_file(self) -> Path:
         """Where a limits file waits while its slice's release is being committed."""
         return self.dir / f".{LIMITS_NAME}.released"
 
-    @property
+    @cached_property
     def ledger_dir(self) -> Path:
         return self.dir / LEDGER_DIR_NAME
 
-    @property
+    @cached_property
     def ledger(self) -> Path:
         return self.ledger_dir / f"slice-{self.slice_id}.ledger"
 
@@ -128,6 +131,7 @@ class StateTree:
         self.root = Path(root)
         self.privileged = privileged
         self.workload_gid = workload_gid
+        self._files: dict[str, SliceFiles] = {}
 
     def prepare(self) -> None:
         """The root itself: created, root-owned, 0711 (a legacy 1777 root is tightened)."""
@@ -135,7 +139,14 @@ class StateTree:
         self._own(self.root, 0, 0, ROOT_MODE)
 
     def files(self, slice_id: str) -> SliceFiles:
-        return slice_files(self.root, slice_id)
+        """The slice's paths (checked id); recent ones are kept, a reservation and its
+        answer ask for them several times."""
+        found = self._files.get(slice_id)
+        if found is None:
+            if len(self._files) >= FILES_KEPT:
+                self._files.clear()
+            found = self._files[slice_id] = slice_files(self.root, slice_id)
+        return found
 
     def create(self, slice_id: str, who: Identity) -> SliceFiles:
         """The slice's directories and (empty) ledger, owned as the layout says. Idempotent:

@@ -41,6 +41,7 @@ from pathlib import Path
 from qgpu.errors import NoFit, QgpuError, RuleViolation
 from qgpu.model import (
     Allocation,
+    GpuDevice,
     IsolationPolicy,
     NodeInventory,
     Owner,
@@ -158,6 +159,8 @@ class Ledger:
         # policies keep what they derived from the state (frag's mix of the live slices,
         # usable copies per GPU, gap prices) and update it with each change
         self._engines: dict[tuple[str | None, str, str], Engine] = {}
+        # model names asked for -> (the inventory list it was found in, the biggest card)
+        self._biggest: dict[tuple[str, ...], tuple[list[NodeInventory], GpuDevice | None]] = {}
         # executescript() commits on its own, so the schema gets its own script transaction
         self._conn().executescript(
             "BEGIN IMMEDIATE;"
@@ -297,7 +300,7 @@ class Ledger:
                 if existing is not None:
                     return _same_owner_or_raise(existing, owner)
                 inventories, state = self._placement_state(db, node)
-                _reject_never_fits(request, inventories)
+                self._reject_never_fits(request, inventories)
                 engine = self._engine(state, node, policy, gpu_policy)
                 decision = engine.decide(request)
                 inv = next(n for n in inventories if n.name == decision.node)
@@ -495,6 +498,22 @@ class Ledger:
             self._cache[node] = cached
         return cached
 
+    def _reject_never_fits(self, request: SliceRequest, inventories: list[NodeInventory]) -> None:
+        """A request bigger than every card is a rule violation, not a 'try later'. The
+        biggest matching card is remembered per inventory list (the cached one is kept until
+        an inventory changes), so the check does not walk every GPU per reservation."""
+        if request.memory_gib is None:
+            return
+        key = request.model_names
+        known = self._biggest.get(key)
+        if known is None or known[0] is not inventories:
+            known = (inventories, _biggest_card(request, inventories))
+            if self._cache_state:
+                self._biggest[key] = known
+        biggest = known[1]
+        if biggest is not None and request.memory_gib > biggest.memory_gib:
+            request.check_against(biggest)
+
     def _engine(
         self,
         state: ClusterState,
@@ -643,14 +662,10 @@ class Ledger:
                 )
 
 
-def _reject_never_fits(request: SliceRequest, inventories: list[NodeInventory]) -> None:
-    """A request bigger than every card is a rule violation, not a 'try later'."""
+def _biggest_card(request: SliceRequest, inventories: list[NodeInventory]) -> GpuDevice | None:
+    """The card with the most memory among those `request` may use (None: no such card)."""
     cards = [g for n in inventories for g in n.gpus if g.matches_model(request.model_names)]
-    if not cards or request.memory_gib is None:
-        return
-    biggest = max(cards, key=lambda g: g.memory_gib)
-    if request.memory_gib > biggest.memory_gib:
-        request.check_against(biggest)
+    return max(cards, key=lambda g: g.memory_gib) if cards else None
 
 
 def _allocation(

@@ -43,6 +43,7 @@ from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,6 +80,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 WRITE_THREADS = 1
+JSON_TYPE = "application/json"
 # SQLite's errors when its file cannot be written; OSErrors of a full or read-only disk
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG}
 
@@ -176,14 +178,14 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
         return error_response(500, "internal", [RuleViolation("request", None, rule)])
 
     @app.get("/v1/node", response_model=NodeInfo, tags=["devices"])
-    def node() -> NodeInfo:
+    def node() -> Response:
         """The node's inventory and the environment its workloads need (for adapters)."""
-        return agent.node_info()
+        return answer(agent.node_info())
 
     @app.get("/v1/devices", response_model=DeviceList, tags=["devices"])
-    def devices() -> DeviceList:
+    def devices() -> Response:
         """The node's GPUs: inventory, health, committed slices and live memory/utilisation."""
-        return agent.devices()
+        return answer(agent.devices())
 
     # Mutations are serialised by the ledger anyway; a small limiter keeps them from
     # crowding the shared thread pool (40 threads fighting over the GIL and one lock).
@@ -202,43 +204,46 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
         return Response(status_code=499)  # nobody reads it; uvicorn drops it
 
     @app.post("/v1/slices", response_model=Reservation, status_code=201, tags=["slices"])
-    async def reserve(request: Request, body: ReserveRequest) -> Reservation:
+    async def reserve(request: Request, body: ReserveRequest) -> Response:
         """Reserve a slice. The answer carries the environment the workload must apply.
         A repeat with the same ``slice_id`` and owner returns the same slice."""
-        return await write(request, agent.reserve, body)
+        return answer(await write(request, agent.reserve, body), 201)
 
     @app.post("/v1/slices/record", response_model=Reservation, status_code=201, tags=["slices"])
-    async def record(request: Request, body: RecordRequest) -> Reservation:
+    async def record(request: Request, body: RecordRequest) -> Response:
         """Account for and enforce a slice placed elsewhere (scheduler extender, Ray SDK):
         the ledger checks the GPUs exist and have room; a repeat by the same owner is a no-op.
         """
-        return await write(request, agent.record, body)
+        return answer(await write(request, agent.record, body), 201)
 
     @app.get("/v1/slices", response_model=SliceList, tags=["slices"])
-    def slices() -> SliceList:
+    def slices() -> Response:
         """Every slice of this node with its live usage."""
-        return agent.slices()
+        return answer(agent.slices())
 
     @app.get("/v1/slices/{slice_id}", response_model=Reservation, tags=["slices"])
-    def get_slice(slice_id: SliceId) -> Reservation:
+    def get_slice(slice_id: SliceId) -> Response:
         """One slice (the same answer its reservation got)."""
-        return agent.get(slice_id)
+        return answer(agent.get(slice_id))
 
     @app.delete("/v1/slices/{slice_id}", response_model=ReleaseResult, tags=["slices"])
-    async def release(slice_id: SliceId) -> ReleaseResult:
+    async def release(slice_id: SliceId) -> Response:
         """Release a slice; releasing one that is already gone answers released=false."""
-        return await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes)
+        return answer(await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes))
 
     @app.post("/v1/slices/{slice_id}/release", response_model=ReleaseResult, tags=["slices"])
-    async def release_post(slice_id: SliceId) -> ReleaseResult:
+    async def release_post(slice_id: SliceId) -> Response:
         """Release a slice (POST form of DELETE)."""
-        return await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes)
+        return answer(await anyio.to_thread.run_sync(agent.release, slice_id, limiter=writes))
 
     @app.post("/v1/slices/{slice_id}/lease", response_model=Reservation, tags=["slices"])
-    async def lease(slice_id: SliceId, body: LeaseRequest) -> Reservation:
+    async def lease(slice_id: SliceId, body: LeaseRequest) -> Response:
         """Renew a slice's lease (``expires_s`` from now) or end it (``null``: the slice is
         kept until released). 404 when the slice is gone (its lease may have run out)."""
-        return await anyio.to_thread.run_sync(agent.renew, slice_id, body.expires_s, limiter=writes)
+        renewed = await anyio.to_thread.run_sync(
+            agent.renew, slice_id, body.expires_s, limiter=writes
+        )
+        return answer(renewed)
 
     @app.get(
         "/v1/health",
@@ -251,7 +256,7 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
         read-only, so no slice can be recorded)."""
         h = agent.health()
         status = 503 if h.status == "failing" else 200
-        return JSONResponse(h.model_dump(mode="json"), status_code=status)
+        return answer(h, status)
 
     @app.get("/metrics", tags=["metrics"], response_class=Response)
     def metrics() -> Response:
@@ -259,6 +264,15 @@ def create_app(agent: Agent, *, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastA
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def answer(model: BaseModel, status_code: int = 200) -> Response:
+    """A model's JSON, serialised once. Returned as a model, FastAPI would validate it
+    against the route's ``response_model`` again before serialising it (the decorators
+    keep ``response_model`` for the OpenAPI document)."""
+    return Response(
+        model.model_dump_json(by_alias=True), status_code=status_code, media_type=JSON_TYPE
+    )
 
 
 class RequestTimer:

@@ -1,11 +1,13 @@
 """What the agent's HTTP servers refuse before any route runs: slow or oversized requests,
 and bodies that are not plain JSON.
 
-- `guarded_h11` — uvicorn's h11 protocol with deadlines: a request head must arrive within
-  ``head_timeout_s`` of the connection opening (or of its first byte after a keep-alive
-  pause), its body within ``body_timeout_s`` of the head; otherwise the connection is
-  closed. uvicorn itself only times out idle keep-alive connections, so a client that sends
-  half a request would hold a connection (and its memory) for ever.
+- `guarded_httptools` — uvicorn's httptools protocol with deadlines: a request head must
+  arrive within ``head_timeout_s`` of the connection opening (or of its first byte after a
+  keep-alive pause), its body within ``body_timeout_s`` of the head; otherwise the
+  connection is closed; a head longer than `MAX_HEAD_BYTES` is answered 431 and the
+  connection closed (httptools buffers an unfinished head without limit). uvicorn itself
+  only times out idle keep-alive connections, so a client that sends half a request would
+  hold a connection (and its memory) for ever.
 - `BodyGuard` — an ASGI middleware: a body over ``max_body_bytes`` is answered 413 without
   being read further (a ``Content-Length`` over the limit without being read at all); a
   body that is not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, or that holds a lone
@@ -20,9 +22,8 @@ import asyncio
 import json
 from typing import Any
 
-import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from enforcement.agent.errors import error_response
 from qgpu.errors import RuleViolation
@@ -31,29 +32,71 @@ MAX_DEPTH = 32
 DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+MAX_HEAD_BYTES = 16 * 1024  # as uvicorn's h11 limit (h11_max_incomplete_event_size)
 
 
-def guarded_h11(head_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
-    """An h11 protocol class for ``uvicorn.Config(http=...)`` with the two deadlines."""
+def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (a C parser: ~0.1 ms less CPU per request than h11's
+    pure-Python one) with the two deadlines, for ``uvicorn.Config(http=...)``.
 
-    class GuardedH11Protocol(H11Protocol):
+    The phases follow the parser's callbacks: the head runs from the connection's opening,
+    or from the first byte after a keep-alive pause, to ``on_headers_complete``; the body
+    from there to ``on_message_complete``. While the app answers there is no deadline. The
+    timer is armed once the bytes at hand are parsed: a request that arrives whole (the
+    usual case) costs no timer at all."""
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
-        _phase: str | None = None
+        _phase: str | None = None  # the phase whose deadline runs
+        _parsed: str | None = None  # where the parser stands
+        _head_bytes = 0  # bytes received while the head was incomplete
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._parsed = "head"
             self._enter("head")
 
         def data_received(self, data: bytes) -> None:
+            if self._phase is None:
+                self._parsed = "head"  # a new request begins (after a keep-alive pause)
             super().data_received(data)
-            if self.transport.is_closing():
-                self._enter(None)
-                return
-            state = self.conn.their_state
-            self._enter("head" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None)
+            if self._parsed == "head" and not self.transport.is_closing():
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
+            self._enter(None if self.transport.is_closing() else self._parsed)
+
+        def _refuse_head(self) -> None:
+            """431 and close: a head that does not end within `MAX_HEAD_BYTES` (the parser
+            would keep buffering it until the deadline)."""
+            rule = f"a request head must end within {MAX_HEAD_BYTES} bytes"
+            answer = error_response(
+                431, "too-large", [RuleViolation("head", f"{self._head_bytes} bytes", rule)]
+            )
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                + f"content-length: {len(answer.body)}\r\n\r\n".encode()
+                + bytes(answer.body)
+            )
+            self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._parsed = "head"  # also a pipelined request behind the one just read
+            self._head_bytes = 0
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._parsed = "body"
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._parsed = None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._parsed = None
             self._enter(None)  # uvicorn's keep-alive timer waits for the next request
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -77,7 +120,7 @@ def guarded_h11(head_timeout_s: float, body_timeout_s: float) -> type[H11Protoco
                 self.logger.info("closing a connection whose request %s is late", self._phase)
                 self.transport.close()
 
-    return GuardedH11Protocol
+    return GuardedHttpToolsProtocol
 
 
 def json_violation(body: bytes) -> RuleViolation | None:
@@ -206,7 +249,8 @@ __all__ = [
     "DEFAULT_HEAD_TIMEOUT_S",
     "DEFAULT_MAX_BODY",
     "MAX_DEPTH",
+    "MAX_HEAD_BYTES",
     "BodyGuard",
-    "guarded_h11",
+    "guarded_httptools",
     "json_violation",
 ]

@@ -5,7 +5,7 @@ The unix socket is created under a 0177 umask, so it is 0600 from the moment it 
 connect. TCP is opt-in, loopback only (the config refuses any other address) and every
 request on it needs the bearer token (`enforcement.agent.app.TokenGuard`).
 
-Both listeners run uvicorn's h11 protocol with deadlines (`enforcement.agent.http_guard`):
+Both listeners run uvicorn's httptools protocol with deadlines (`enforcement.agent.http_guard`):
 a request head must arrive within ``head_timeout_s``, its body within ``body_timeout_s``;
 bodies are limited to ``max_body_bytes``.
 
@@ -34,7 +34,7 @@ import uvicorn
 
 from enforcement.agent.app import TokenGuard, create_app
 from enforcement.agent.config import AgentConfig
-from enforcement.agent.http_guard import guarded_h11
+from enforcement.agent.http_guard import guarded_httptools
 from enforcement.agent.metrics_http import MetricsListener
 from enforcement.agent.mps import MpsManager
 from enforcement.agent.service import Agent, check_state_dir, storage_reason
@@ -194,7 +194,9 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             asgi,
-            http=guarded_h11(config.head_timeout_s, config.body_timeout_s),
+            http=guarded_httptools(config.head_timeout_s, config.body_timeout_s),
+            loop="uvloop",
+            proxy_headers=False,  # no proxy in front of a unix socket or loopback port
             lifespan="off",
             access_log=False,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),

@@ -175,6 +175,8 @@ class Agent:
         self._environ_cache: dict[tuple[int, int], str | None] = {}
         self._busy = BusyRate()
         self._storage_error: str | None = None
+        self._last_limits: tuple[Allocation, dict[str, str]] | None = None
+        self._gpu_index: tuple[NodeInventory | None, dict[str, int]] = (None, {})
         self.privileged = not config.test_mode and os.geteuid() == 0
         config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.state_dir, 0o755)
@@ -326,7 +328,7 @@ class Agent:
             alloc.owner.kind.value,
             alloc.owner.id,
         )
-        return self.reservation(alloc)
+        return self.reservation(alloc, attrs if created else None)
 
     def _commit_with_files(
         self, commit: Callable[[Prepare], Allocation], who: Identity
@@ -535,13 +537,20 @@ class Agent:
         return "mps" if self.mps is not None else "interposer"
 
     def _limits(self, alloc: Allocation) -> dict[str, str]:
-        return slice_env.limits_values(
+        """The slice's limits (not to be changed by the caller). The last ones computed are
+        kept with their allocation: a new slice's answer needs what its files got."""
+        last = self._last_limits
+        if last is not None and last[0] is alloc:
+            return last[1]
+        values = slice_env.limits_values(
             alloc,
             state_dir=self.config.slices_dir,
             limits_file=self._limits_path(alloc.slice_id),
             real_libcuda=self.config.real_libcuda,
             extra=self.backend.workload_env,
         )
+        self._last_limits = (alloc, values)
+        return values
 
     def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
         """An interposer slice's directory, ledger and limits file (idempotent)."""
@@ -570,7 +579,11 @@ class Agent:
             )
             limits_file = str(self._limits_path(alloc.slice_id))
             slice_dir = str(self.tree.files(alloc.slice_id).dir)
-        index = {g.uuid: g.index for g in self.inventory.gpus}
+        inventory, index = self._gpu_index
+        if inventory is not self.inventory:
+            inventory = self.inventory
+            index = {g.uuid: g.index for g in inventory.gpus}
+            self._gpu_index = (inventory, index)
         return Reservation(
             slice_id=alloc.slice_id,
             node=alloc.node,

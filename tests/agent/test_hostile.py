@@ -1,5 +1,5 @@
 """Hostile input against the agent as a real process (uvicorn on its unix socket, the
-guarded h11 protocol): lone surrogates, huge integers, wrong types, 10 MB bodies, deep
+guarded httptools protocol): lone surrogates, huge integers, wrong types, 10 MB bodies, deep
 nesting, non-UTF-8, path tricks in slice ids, half-sent requests. The rule: never a
 response >= 500, every refusal an `ErrorBody` naming the field, every answer small."""
 
@@ -216,6 +216,70 @@ def test_a_half_sent_request_is_cut_off(agent_dir: Path) -> None:
         assert time.monotonic() - started < 5
     with AgentClient(agent_dir / "agent.sock") as client:
         assert client.health().status in ("ok", "degraded")  # and it still serves
+
+
+def _cut_off_after(s: socket.socket, trickle: bytes) -> float:
+    """Send `trickle` a byte every 0.1 s until the agent closes; seconds until it did."""
+    started = time.monotonic()
+    for byte in trickle:
+        try:
+            s.sendall(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - started
+        time.sleep(0.1)
+    s.settimeout(10)
+    assert s.recv(100) == b""
+    return time.monotonic() - started
+
+
+def test_a_trickled_request_is_cut_off_at_its_deadline(agent_dir: Path) -> None:
+    """Bytes that keep coming do not extend a deadline (it runs from the start of the head,
+    or of the body), and a kept-alive connection's next request gets its own deadline."""
+    trickle = b"x-padding: " + b"a" * 60
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(agent_dir / "agent.sock"))
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nhost: a\r\n")
+        assert _cut_off_after(s, trickle) < 3  # head deadline 0.5 s; 6 s of bytes offered
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(agent_dir / "agent.sock"))
+        s.sendall(b"POST /v1/slices HTTP/1.1\r\nhost: a\r\ncontent-length: 1000\r\n\r\n")
+        assert _cut_off_after(s, b" " * 60) < 4  # body deadline 1 s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(agent_dir / "agent.sock"))
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nhost: a\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += s.recv(4096)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += s.recv(4096)
+        time.sleep(1)  # a keep-alive pause longer than the head deadline is fine
+        s.sendall(b"GET /v1/health HTTP/1.1\r\n")
+        assert _cut_off_after(s, trickle) < 3
+
+
+def test_an_endless_head_is_refused_at_its_size_limit(agent_dir: Path) -> None:
+    """A head that never ends is refused (431, connection closed) once it passes the limit,
+    not buffered until its deadline."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(agent_dir / "agent.sock"))
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nhost: a\r\nx-big: ")
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < 64 << 20:
+                s.sendall(b"a" * 65536)
+                sent += 65536
+        assert sent < 1 << 20  # cut off long before 64 MiB
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["field"] == "head"
 
 
 def test_the_server_never_answered_5xx(agent_dir: Path) -> None:
