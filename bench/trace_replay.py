@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,8 +295,11 @@ def replay(
     seed: int,
     memory_mode: str = "fraction",
     keep_state: bool = False,
+    observer: Callable[[int, SliceRequest, bool, ClusterState], None] | None = None,
 ) -> RunResult:
-    """Replay one seed with one policy; returns the allocation ratio at each checkpoint."""
+    """Replay one seed with one policy; returns the allocation ratio at each checkpoint.
+    `observer`, if given, is called after every GPU pod's decision with its arrival index,
+    its request, whether it was placed, and the state."""
     rng = np.random.default_rng(seed)
     capacity = sum(len(n.gpus) for n in nodes) * MILLI_PER_GPU
     arrivals = workload(pods, capacity, rng)
@@ -331,9 +334,13 @@ def replay(
                 engine.place(slice_id, req)
             except NoFit:
                 failed_gpu += 1
+                ok = False
             else:
                 placed += 1
                 allocated += req.core_per_gpu * req.gpu_count * 10
+                ok = True
+            if observer is not None:
+                observer(i, req, ok, state)
             arrived += demand
         while next_mark <= 130 and arrived * 100 >= next_mark * capacity:
             curve.append(allocated / capacity)

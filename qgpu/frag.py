@@ -25,7 +25,11 @@ Two measures of "usable by a type" (``measure=``):
   usable is what copies of the type could actually fill: per GPU ``k`` copies, where ``k``
   is limited by free core, free memory and slice room; per node at most as many copies as its
   free host CPU and memory can feed. A GPU with 19% free core is then worth 16 to a 16%
-  type, not 19, and a node with GPUs free but CPU for one more pod is worth one pod.
+  type, not 19, and a node with GPUs free but CPU for one more pod is worth one pod. Where
+  the node's host feeds the mix as a whole on all its free GPU core (at the host term's
+  average rates, below), the host bounds no type's copies in GPU placements: each type is
+  judged as if it alone filled the node, and there the rest of the mix would use the CPU a
+  CPU-heavy type cannot (`_feeds_mix`).
 
 The node score adds a **host term** (``host_weight``, fill measure only): the GPU core a
 placement strands behind the node's host CPU and memory, judged with the mix's *average*
@@ -572,8 +576,16 @@ class FragPolicy(Policy):
         per_gpu, per_node = self._usable_per_gpu(s)
         # Where the node's host can still feed every copy its GPUs hold of every type after
         # the request, the score is exactly minus the sum of the dropped copies' values
-        # (`_lost_on_roomy_hosts`); elsewhere the full measure (`_full_scores`).
+        # (`_lost_on_roomy_hosts`); so it is where the host feeds the mix as a whole on all
+        # the node's free GPU core before and after the request (`_feeds_mix`: the host
+        # limits no type there); elsewhere the full measure (`_full_scores`).
         roomy = self._roomy_after(s, per_node, cand, req.cpu_milli, req.host_memory_mib)
+        if not roomy.all():
+            nodes, at = np.unique(s.gpu_node[cand], return_inverse=True)
+            core = req.core_per_gpu * req.gpu_count
+            feeds = self._feeds_mix(s, nodes, 0, 0, 0)
+            feeds &= self._feeds_mix(s, nodes, core, req.cpu_milli, req.host_memory_mib)
+            roomy |= feeds[at]
         if roomy.all():
             out[cand] = 0.0 - self._lost_on_roomy_hosts(view, cand, per_gpu, per_node)
         else:
@@ -623,7 +635,12 @@ class FragPolicy(Policy):
         values = self.t_weight * self.t_unit
         gpu_before = self._gpu_copies(per_node[nodes])
         host_after = self._host_copies(cpu - req.cpu_milli, hostmem - req.host_memory_mib)
-        before = self._expected_usable(gpu_before, self._host_copies(cpu, hostmem))
+        host_before = self._host_copies(cpu, hostmem)
+        # a host that feeds the mix on all the node's free GPU core limits no type
+        core = req.core_per_gpu * req.gpu_count
+        host_before[self._feeds_mix(s, nodes, 0, 0, 0)] = _MANY
+        host_after[self._feeds_mix(s, nodes, core, req.cpu_milli, req.host_memory_mib)] = _MANY
+        before = self._expected_usable(gpu_before, host_before)
         host_only = self._expected_usable(gpu_before, host_after)  # GPUs untouched
         # copies of each class the candidate GPU(s) would take away from their node
         # (computed once per distinct GPU state, then spread to the candidates)
@@ -677,6 +694,21 @@ class FragPolicy(Policy):
             d = drop[:, cols][state_of[hit]]
             lost[hit] += (self._whole(free, cols) - self._whole(free - d, cols)) @ by_class[cols]
         return lost[inverse]
+
+    def _feeds_mix(
+        self, s: ClusterState, nodes: np.ndarray, core: int, cpu: int, hostmem: int
+    ) -> np.ndarray:
+        """Per node of `nodes`: once `core`, `cpu` and `hostmem` are taken, can its host
+        still feed the mix, at the mix's average host CPU and memory per qgpu-core, on all
+        of its free GPU core (the host term's `_aggregate` caps nothing)? If so, its host
+        limits no type's copies (fill measure only): the per-type host bound judges each
+        type as if it alone filled the node, and on such a node that is an artefact -- it
+        made an empty 8-GPU node whose CPU could not feed 16 copies of a CPU-heavy 47%
+        type look cheaper to break than the last free GPUs of a used node (docs/placement.md,
+        "The host feeds the mix")."""
+        if self.measure != "fill":
+            return np.zeros(len(nodes), dtype=bool)
+        return self._aggregate(s, nodes, core, cpu, hostmem) >= s.node_free_core[nodes] - core
 
     def _roomy_after(
         self, s: ClusterState, per_node: np.ndarray, cand: np.ndarray, cpu: int, hostmem: int
@@ -895,6 +927,10 @@ class FragPolicy(Policy):
         gpu_copies = self._gpu_copies(per_node[ids])
         cpu = s.node_free_cpu[ids]
         hostmem = s.node_free_hostmem[ids]
+        # every type's host bound counts here, even where the host feeds the mix on all its
+        # free GPU core (`_feeds_mix`): CPU-only work spends exactly the host, and the bound
+        # is what tells a CPU-poor node from a rich one while the mix's average rate is low
+        # (a fresh cluster's prior of whole GPUs asks for no CPU)
         before = self._expected_usable(gpu_copies, self._host_copies(cpu, hostmem))
         after = self._expected_usable(
             gpu_copies, self._host_copies(cpu - view.cpu_milli, hostmem - view.host_memory_mib)

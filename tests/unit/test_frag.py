@@ -188,10 +188,14 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
     def whole(cpu: int) -> SliceRequest:
         return SliceRequest(core=100, cpu_milli=cpu)
 
+    class _NoRule(FragPolicy):  # each type's host bound counted everywhere (as before)
+        def _feeds_mix(self, s, nodes, core, cpu, hostmem):  # type: ignore[no-untyped-def]
+            return np.zeros(len(nodes), dtype=bool)
+
     placed = {}
-    for host_weight in (0.0, None):
+    for rule, host_weight in itertools.product((_NoRule, FragPolicy), (0.0, None)):
         nodes = [node("poor", 2, cpu_milli=16000), node("rich", 2, cpu_milli=64000)]
-        policy = FragPolicy(host_weight=host_weight, prior=None, keep_empty=0)
+        policy = rule(host_weight=host_weight, prior=None, keep_empty=0)
         engine = Engine(ClusterState(nodes), policy)
         engine.observe(whole(4000))
         first = engine.place("first", share(50, cpu=8000)).node
@@ -204,10 +208,52 @@ def test_gpu_work_goes_where_it_strands_no_gpu_behind_the_host():
             except NoFit:
                 pass
         engine.state.check_invariants()
-        placed[host_weight] = (first, count)
-    # without the host term the last 50% slice finds a GPU (poor's) but not the 8 cores
-    assert placed[0.0] == ("poor", 3)
-    assert placed[None] == ("rich", 4)
+        placed[rule.__name__, host_weight] = (first, count)
+    # without the host term (and with each type's host bound counted everywhere) the last
+    # 50% slice finds a GPU (poor's) but not the 8 cores
+    assert placed["_NoRule", 0.0] == ("poor", 3)
+    assert placed["_NoRule", None] == ("rich", 4)
+    # poor feeds the mix (16 cores for its 200 free core at 80 milli-cores per qgpu-core)
+    # before the slice and not after it: there every type's host bound counts again, and
+    # the 50% type's copies fall from 4 to 1 -- the measure alone now sees the stranding
+    assert placed["FragPolicy", 0.0] == ("rich", 4)
+    assert placed["FragPolicy", None] == ("rich", 4)
+
+
+def test_an_empty_node_is_not_broken_for_a_host_limit_of_one_type_alone():
+    # Two 8-GPU nodes with 128 cores: "used" holds 6 whole GPUs (3 cores each), "empty"
+    # nothing. The mix: 47% shares with 11 cores (10 seen), whole GPUs with 11 cores and
+    # 8-GPU pods with 88 cores (1 each). Judged alone, the 47% type could use only 11 of
+    # empty's 16 copies (128 / 11 cores), so a whole GPU there seems to cost it nothing,
+    # while on used it takes 2 of its 4 copies: frag without the rule breaks empty (cost
+    # 100 + 800 against 100 + 2 x 47 x 10), and the 8-GPU pod that follows fails. Yet both
+    # hosts feed the mix on all their free GPU core at its average 0.15 cores per qgpu-core,
+    # so the host limits no type there: empty's GPUs are worth all 16 copies, and frag keeps
+    # empty whole for the 8-GPU pod.
+    class _NoRule(FragPolicy):
+        def _feeds_mix(self, s, nodes, core, cpu, hostmem):  # type: ignore[no-untyped-def]
+            return np.zeros(len(nodes), dtype=bool)
+
+    placed = {}
+    for policy in (_NoRule(prior=None, keep_empty=0), FragPolicy(prior=None, keep_empty=0)):
+        nodes = [node("used", 8, cpu_milli=128_000), node("empty", 8, cpu_milli=128_000)]
+        engine = Engine(ClusterState(nodes), policy)
+        s = engine.state
+        for i in range(6):
+            s.apply(f"pre-{i}", [gpu_of(s, f"used-g{i}")], 100, [16], 3000, 0)
+        for _ in range(10):
+            engine.observe(share(47, cpu=11_000))
+        engine.observe(SliceRequest(core=100, cpu_milli=11_000))
+        engine.observe(SliceRequest(core=800, cpu_milli=88_000))
+        first = engine.place("whole", SliceRequest(core=100, cpu_milli=3000)).node
+        try:
+            engine.place("eight", SliceRequest(core=800, cpu_milli=88_000), observe=False)
+            eight = True
+        except NoFit:
+            eight = False
+        s.check_invariants()
+        placed[type(policy).__name__] = (first, eight)
+    assert placed == {"_NoRule": ("empty", False), "FragPolicy": ("used", True)}
 
 
 def test_host_and_gap_terms_are_frag_only_and_validated():
@@ -357,7 +403,13 @@ def test_a_fresh_engine_learns_the_mix_from_the_live_slices():
 
 
 def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
-    """Expected usable qgpu-core over all nodes, by the documented measure, with loops."""
+    """Expected usable qgpu-core over all nodes, by the documented measure, with loops: a
+    node whose host feeds the mix on all its free GPU core (`_naive_aggregate`) limits no
+    type's copies."""
+    feeds = [
+        _naive_aggregate(state, policy, n) >= int(state.node_free_core[n])
+        for n in range(len(state.nodes))
+    ]
     total = 0.0
     for t, k in enumerate(policy._t_class):
         core, mem, count = policy._k_core[k], policy._k_mem[k], policy._k_count[k]
@@ -381,9 +433,9 @@ def _naive_usable(state: ClusterState, policy: FragPolicy) -> float:
                 )
                 unit = core
             host = math.inf
-            if cpu:
+            if cpu and not feeds[n]:
                 host = min(host, int(state.node_free_cpu[n]) // cpu)
-            if hostmem:
+            if hostmem and not feeds[n]:
                 host = min(host, int(state.node_free_hostmem[n]) // hostmem)
             total += weight * min(gpu_copies, host) * unit
     return total
@@ -411,11 +463,9 @@ def _naive_gap_values(
     return values
 
 
-def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
-    """The documented objective: expected usable core, plus host_weight x total weight x the
-    aggregate usable core of every node (free core capped by free host CPU and memory at
-    the mix's average rates per qgpu-core), plus gap_weight x total weight x the gap value
-    V of every GPU's free core, with loops."""
+def _naive_aggregate(state: ClusterState, policy: FragPolicy, n: int) -> float:
+    """Node n's free core, capped by its free host CPU and memory at the mix's average
+    host CPU and memory per qgpu-core."""
     weight = core = cpu = hostmem = 0.0
     for t, k in enumerate(policy._t_class):
         w = policy._t_weight[t]
@@ -424,14 +474,21 @@ def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
         core += w * unit
         cpu += w * policy._t_cpu[t]
         hostmem += w * policy._t_hostmem[t]
-    aggregate = 0.0
-    for n in range(len(state.nodes)):
-        usable = float(state.node_free_core[n])
-        if cpu:
-            usable = min(usable, int(state.node_free_cpu[n]) / (cpu / core))
-        if hostmem:
-            usable = min(usable, int(state.node_free_hostmem[n]) / (hostmem / core))
-        aggregate += usable
+    usable = float(state.node_free_core[n])
+    if cpu:
+        usable = min(usable, int(state.node_free_cpu[n]) / (cpu / core))
+    if hostmem:
+        usable = min(usable, int(state.node_free_hostmem[n]) / (hostmem / core))
+    return usable
+
+
+def _naive_objective(state: ClusterState, policy: FragPolicy) -> float:
+    """The documented objective: expected usable core, plus host_weight x total weight x the
+    aggregate usable core of every node (free core capped by free host CPU and memory at
+    the mix's average rates per qgpu-core), plus gap_weight x total weight x the gap value
+    V of every GPU's free core, with loops."""
+    weight = float(sum(policy._t_weight))
+    aggregate = sum(_naive_aggregate(state, policy, n) for n in range(len(state.nodes)))
     # a GPU's gap holds at most as many more shares as it has slices left (and at most the
     # typical slice limit the mix was priced for)
     typical = int(np.median(state.max_slices))
