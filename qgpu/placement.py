@@ -636,7 +636,10 @@ class Engine:
                 reasons["host CPU or memory (nodes)"] = host_short
             raise NoFit(_no_fit_message(req, reasons), reasons)
         view = CandidateView(s, req, mask, req.core_per_gpu, memory, node_ids)
-        node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])
+        if len(node_ids) == 1:  # one node can take it (a request pinned to a node's GPUs,
+            node = int(node_ids[0])  # as the extender places a pod): nothing to rank
+        else:
+            node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])
         start = int(s.node_start[node])
         local = np.flatnonzero(mask[start : start + int(s.node_gpu_count[node])]) + start
         scores = gpu_policy.gpu_scores(view, local)
