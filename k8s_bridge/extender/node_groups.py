@@ -109,8 +109,11 @@ class NodeGroups:
         order given; for each of `nodes` the position of its group's representative in
         that list)."""
         ids = self.current()[nodes]
-        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-        order = np.argsort(first)  # representatives in the order of `nodes`
-        rank = np.empty(len(first), dtype=np.int64)
-        rank[order] = np.arange(len(first))
-        return nodes[first[order]], rank[inverse]
+        n = len(ids)
+        # per group its first position among `nodes`, then the groups present in that order
+        first = np.full(len(self._members), n, dtype=np.int64)
+        np.minimum.at(first, ids, np.arange(n, dtype=np.int64))
+        at = np.sort(first[first < n])
+        rank = np.empty(len(self._members), dtype=np.int64)
+        rank[ids[at]] = np.arange(len(at), dtype=np.int64)
+        return nodes[at], rank[ids]
