@@ -114,13 +114,14 @@ def _nvidia_driver_present() -> bool:
 
 
 def sim_backend(spec: str | None, state_dir: str) -> Backend:
+    from enforcement.discovery import SIM_SPEC_ENV
     from enforcement.sim import load_sim_config, sim_environment, write_sim_config
 
     existing = os.environ.get("QGPU_SIM_CONFIG")
     if spec is None and existing and Path(existing).is_file():
         cfg = load_sim_config(existing)
     else:
-        spec = spec or os.environ.get("QGPU_SIM_SPEC") or DEFAULT_SIM_SPEC
+        spec = spec or os.environ.get(SIM_SPEC_ENV) or DEFAULT_SIM_SPEC
         node = socket.gethostname()
         digest = hashlib.sha256(f"{node}/{spec}".encode()).hexdigest()[:12]
         cfg = write_sim_config(Path(state_dir) / "sim" / f"{digest}.conf", spec, node=node)

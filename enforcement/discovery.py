@@ -45,6 +45,7 @@ from qgpu.model import (
 log = logging.getLogger("qgpu.discovery")
 
 BACKEND_ENV = "QGPU_BACKEND"
+SIM_SPEC_ENV = "QGPU_SIM_SPEC"  # the simulated GPUs when no spec is passed (like --sim)
 BACKENDS = ("auto", "nvml", "sim")
 
 # Xids that say nothing about the GPU's health (application errors, resets on request):
@@ -358,10 +359,12 @@ def open_backend(
 ) -> NvmlBackend:
     """Open the GPU backend: ``nvml``, ``sim`` or ``auto`` (``QGPU_BACKEND`` overrides auto).
 
-    ``auto`` uses real NVML when it loads, else the simulator when `sim_spec` is given,
-    else fails with a message saying what to do.
+    `sim_spec` defaults to ``QGPU_SIM_SPEC``. ``auto`` uses the simulator when a spec is
+    given, else real NVML when it loads, else fails with a message saying what to do.
     """
     mode = (mode or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
+    spec_field = "sim" if sim_spec else SIM_SPEC_ENV  # what an error names
+    sim_spec = sim_spec or os.environ.get(SIM_SPEC_ENV) or None
     if mode not in BACKENDS:
         raise RuleViolation("backend", mode, "must be one of " + ", ".join(BACKENDS))
     if mode == "auto" and sim_spec:
@@ -369,23 +372,27 @@ def open_backend(
     if mode == "auto":
         if not nvml_available():
             raise BackendUnavailable(
-                "NVML (libnvidia-ml.so.1) is not available on this machine; "
-                "run with --sim 2xH100-80GB (or QGPU_BACKEND=sim) for the simulated GPUs"
+                "NVML (libnvidia-ml.so.1) is not available on this machine; run with "
+                f"--sim 2xH100-80GB (or {SIM_SPEC_ENV}=2xH100-80GB) for the simulated GPUs"
             )
         mode = "nvml"
     if mode == "nvml":
         return NvmlBackend(kind="nvml", watch_xid=watch_xid)
     if not sim_spec:
         raise RuleViolation(
-            "sim", sim_spec, "the simulated backend needs a spec such as 2xH100-80GB"
+            "sim",
+            sim_spec,
+            f"the simulated backend needs a spec such as 2xH100-80GB (--sim or {SIM_SPEC_ENV})",
         )
     if state_dir is None:
         raise RuleViolation("state_dir", None, "the simulated backend needs a state directory")
-    env = _load_sim(sim_spec, Path(state_dir), node_name)
+    env = _load_sim(sim_spec, Path(state_dir), node_name, spec_field)
     return NvmlBackend(kind="sim", workload_env=env, watch_xid=watch_xid)
 
 
-def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, str]:
+def _load_sim(
+    spec: str, state_dir: Path, node_name: str | None, field: str = "sim"
+) -> dict[str, str]:
     """Write the simulator's config, point pynvml at the simulated libnvidia-ml.
 
     Returns the environment a workload needs to use the same simulated GPUs.
@@ -401,7 +408,7 @@ def _load_sim(spec: str, state_dir: Path, node_name: str | None) -> dict[str, st
     try:
         sim.write_sim_config(config_path, spec, node=node_name or "sim-node")
     except ValueError as exc:
-        raise RuleViolation("sim", spec, str(exc)) from exc
+        raise RuleViolation(field, spec, str(exc)) from exc
     try:
         sim.load_sim_nvml(config_path)
         env = sim.sim_environment(config_path)

@@ -111,12 +111,17 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_reaper(args: argparse.Namespace) -> int:
     import ray
 
-    from qgpu_ray.reaper import reap_once
+    from qgpu_ray.reaper import local_raylet, raylet_alive, reap_once
 
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    local = {ray.get_runtime_context().get_node_id()} if args.local_node else None
+    node = ray.get_runtime_context().get_node_id()
+    local = {node} if args.local_node else None
+    raylet = local_raylet(node) if args.local_node else None
     try:
         while True:
+            if raylet is not None and not raylet_alive(raylet):
+                print(f"qgpu-ray reaper: node {node}'s raylet has exited; stopping", flush=True)
+                os._exit(0)  # Ray's exit handlers would wait for the raylet that is gone
             reap_once(local)
             if args.once:
                 return 0

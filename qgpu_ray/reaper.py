@@ -8,9 +8,11 @@ and start time, on the node where the reaper runs) or when its node is dead (che
 cluster-wide).
 
 ``qgpu-ray start`` runs one reaper per node; `qgpu_ray.local.init_local` runs one as a
-thread of the driver. A ``num_gpus`` *task* gets a fresh worker that exits after it (Ray's
-``max_calls=1`` for GPU tasks), so its slice ends with the task. SDK-path slices need no
-reaper: they are plain Ray resources of the actor or task and Ray frees them itself.
+thread of the driver. A node's reaper ends when its node's raylet does (`local_raylet`:
+``ray stop`` stops the raylet, not the reaper, which Ray does not know). A ``num_gpus``
+*task* gets a fresh worker that exits after it (Ray's ``max_calls=1`` for GPU tasks), so
+its slice ends with the task. SDK-path slices need no reaper: they are plain Ray
+resources of the actor or task and Ray frees them itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from pathlib import Path
 
 from qgpu_ray.bind import parse_holder_name, process_start_time
 
@@ -32,6 +35,27 @@ def _pid_alive(pid: int, start_time: int) -> bool:
     except PermissionError:
         return True
     return process_start_time(pid) == start_time
+
+
+def local_raylet(node_id: str) -> tuple[int, int] | None:
+    """The pid and start time of node `node_id`'s raylet if it runs on this machine (its
+    command line carries ``--node_id=<id>``), else None."""
+    flag = f"--node_id={node_id}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and os.path.basename(args[0]) == b"raylet" and flag in args:
+            pid = int(entry.name)
+            return pid, process_start_time(pid)
+    return None
+
+
+def raylet_alive(raylet: tuple[int, int]) -> bool:
+    return _pid_alive(*raylet)
 
 
 def reap_once(local_node_ids: set[str] | None = None) -> list[str]:

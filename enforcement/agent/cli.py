@@ -184,14 +184,16 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sim",
         metavar="SPEC",
-        help="simulated GPUs, e.g. 2xH100-80GB or H100-80GB,A10-24GB (implies --backend sim)",
+        help="simulated GPUs, e.g. 2xH100-80GB or H100-80GB,A10-24GB (implies --backend sim) "
+        "(default: $QGPU_SIM_SPEC)",
     )
     p.add_argument(
         "--backend",
         type=choice(["auto", "nvml", "sim"], "--backend"),
         metavar="auto|nvml|sim",
-        help="where GPUs come from: nvml, sim, or auto (NVML if it loads, else an error "
-        "unless --sim is given) (default: auto, or $QGPU_BACKEND)",
+        help="where GPUs come from: nvml, sim, or auto (the simulator when --sim or "
+        "$QGPU_SIM_SPEC is given, else NVML if it loads, else an error) "
+        "(default: auto, or $QGPU_BACKEND)",
     )
     p.add_argument(
         "--state-dir",

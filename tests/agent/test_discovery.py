@@ -186,3 +186,40 @@ def test_health_from_xid_events_and_ecc(state_dir: Path) -> None:
     assert health[0] == ["unhealthy", "critical Xid 79"]
     assert health[1][0] == "unhealthy" and "3 uncorrectable ECC errors" in health[1][1]
     assert health[2] == ["healthy", None]
+
+
+_AUTO = """
+import json, sys
+from enforcement.discovery import discover, open_backend
+b = open_backend("auto", state_dir=sys.argv[1], node_name="node-e")
+print(json.dumps([g.model for g in discover(b, "node-e").gpus]))
+b.close()
+"""
+
+
+def test_qgpu_sim_spec_stands_for_sim_on_a_machine_without_gpus(state_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _AUTO, str(state_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "QGPU_SIM_SPEC": "H100-80GB,A10-24GB"},
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["H100-80GB", "A10-24GB"]
+
+
+def test_a_bad_qgpu_sim_spec_is_named_as_the_variable(state_dir: Path) -> None:
+    agent = [sys.executable, "-m", "qgpu.cli", "agent", "--state-dir", str(state_dir)]
+    out = subprocess.run(
+        [*agent, "--test-mode"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "QGPU_SIM_SPEC": "3xZ9000"},
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "QGPU_SIM_SPEC=" in lines[0] and "unknown model" in lines[0]

@@ -13,6 +13,22 @@ How the docs are read (the conventions a doc writer follows):
 
   Skipped snippets are still checked for syntax (``bash -n``, ``compile``) and reported as
   skipped with their file, line and reason.
+- A snippet for the nodes of a cluster (``qgpu agent &`` and ``qgpu-ray start`` on every
+  node) names the machines it runs on::
+
+      <!-- snippet: on: head -->
+      <!-- snippet: on: worker, head -->
+
+  The blocks of a file so marked run, in order, on machines that are Linux namespaces of
+  this host (tests/docs/machines.py: each its own network address, processes, hostname,
+  ``/run``, ``/var/lib`` and ``/tmp``), as root inside an unprivileged user namespace, one
+  bash session per machine (``$!`` carries over); a block naming several machines runs on
+  each in the order named. There, the venv's ``bin`` IS on the PATH (the nodes have qgpu
+  installed), ``HEAD`` holds the address of the first machine the file names (the reader
+  sets it), and ``QGPU_SIM_SPEC=2xH100-80GB`` (the machines have no GPU). Python blocks
+  run with the venv's python on their machine. After the last block, nothing may be left
+  running on any machine but its shell. Where user namespaces are not allowed, the test
+  is skipped with the error.
 - The shell snippets of one file run in order in ONE bash session, command by command, as
   if pasted line by line into a terminal at the repository root: a background job started
   in one block (``qgpu agent ... &``) is there for the next block, and ``$!`` names it.
@@ -46,16 +62,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.machines import SUBNET, Machines
+from tests.docs.machines import problem as machines_problem
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"bash", "sh", "shell"}
 PYTHON = {"python", "py"}
 NOT_RUN = {"text", "yaml", "json", "promql", "toml", "ini", "dockerfile", "console-output"}
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
-MARKER = re.compile(r"^<!--\s*snippet:\s*skip:\s*(?P<reason>.+?)\s*-->$")
+MARKER = re.compile(r"^<!--\s*snippet:\s*(?P<kind>skip|on):\s*(?P<value>.+?)\s*-->$")
 EXIT = re.compile(r"\s#\s*exit\s+(?P<code>\d+)\b")
 EXPECTED = re.compile(r"^#  (?P<text>\S.*)$")
 COMMAND_TIMEOUT = 180.0
+SIM_SPEC = "2xH100-80GB"  # the GPUs each machine of a cluster snippet simulates
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,7 @@ class Block:
     lang: str
     text: str
     skip: str | None
+    on: tuple[str, ...] = ()  # the machines of a cluster snippet; () = this machine
 
     @property
     def where(self) -> str:
@@ -88,8 +109,11 @@ def blocks(path: Path) -> list[Block]:
             j += 1
         prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         marker = MARKER.match(prev)
+        kind, value = (marker.group("kind"), marker.group("value")) if marker else ("", "")
         body = "\n".join(line[len(m.group("indent")) :] for line in lines[i + 1 : j])
-        out.append(Block(path, i + 2, lang, body, marker.group("reason") if marker else None))
+        skip = value if kind == "skip" else None
+        on = tuple(n.strip() for n in value.split(",")) if kind == "on" else ()
+        out.append(Block(path, i + 2, lang, body, skip, on))
         i = j + 1
     return out
 
@@ -148,12 +172,16 @@ def _normalised(text: str) -> str:
 
 
 class Session:
-    """One bash session at the repository root, fed one command at a time."""
+    """One bash session at the repository root, fed one command at a time: a new one, or
+    a machine's shell (`proc`), whose private ``/tmp`` is `tmp` here."""
 
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, tmp: Path, env: dict[str, str], proc: subprocess.Popen[str] | None = None
+    ) -> None:
         self.tmp = tmp
+        self.inner = Path("/tmp") if proc is not None else tmp  # `tmp` as the shell sees it
         self.n = 0
-        self.proc = subprocess.Popen(
+        self.proc = proc or subprocess.Popen(
             ["bash", "--noprofile", "--norc"],
             cwd=ROOT,
             env=env,
@@ -164,14 +192,21 @@ class Session:
             start_new_session=True,  # its background jobs go with it at the end
         )
 
+    def private(self, text: str) -> str:
+        """`text` with its ``/tmp/`` paths moved into `tmp` (a machine's /tmp is its own)."""
+        return text if self.inner != self.tmp else _private(text, self.tmp)
+
     def run(self, text: str) -> tuple[int | None, str]:
         """Run one command; its exit status (None: it did not end in time) and everything
         it printed. Its stdin is /dev/null: it must not read the commands that follow."""
         self.n += 1
         out, err, rc = (self.tmp / f".{kind}.{self.n}" for kind in ("out", "err", "rc"))
+        i_out, i_err, i_rc = (self.inner / p.name for p in (out, err, rc))
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{{ {text}\n}} >{out} 2>{err} </dev/null\necho $? >{rc}.part\n")
-        self.proc.stdin.write(f"mv {rc}.part {rc}\n")
+        self.proc.stdin.write(
+            f"{{ {text}\n}} >{i_out} 2>{i_err} </dev/null\necho $? >{i_rc}.part\n"
+        )
+        self.proc.stdin.write(f"mv {i_rc}.part {i_rc}\n")
         self.proc.stdin.flush()
         deadline = time.monotonic() + COMMAND_TIMEOUT
         while not rc.exists() and time.monotonic() < deadline and self.proc.poll() is None:
@@ -210,10 +245,12 @@ def _run_python(block: Block, tmp: Path, env: dict[str, str]) -> None:
         text=True,
         timeout=COMMAND_TIMEOUT,
     )
-    printed = proc.stdout + proc.stderr
-    assert proc.returncode == 0, (
-        f"{block.where}: the Python snippet exited {proc.returncode}:\n{printed[-4000:]}"
-    )
+    _check_python(block, proc.returncode, proc.stdout + proc.stderr)
+
+
+def _check_python(block: Block, code: int | None, printed: str) -> None:
+    ended = f"exited {code}" if code is not None else f"ran over {COMMAND_TIMEOUT:g} s"
+    assert code == 0, f"{block.where}: the Python snippet {ended}:\n{printed[-4000:]}"
     for line in block.text.splitlines():
         expected = EXPECTED.match(line)
         if expected:
@@ -225,7 +262,7 @@ def _run_python(block: Block, tmp: Path, env: dict[str, str]) -> None:
 
 def _run_shell(block: Block, session: Session) -> None:
     for cmd in commands(block):
-        code, printed = session.run(_private(cmd.text, session.tmp))
+        code, printed = session.run(session.private(cmd.text))
         where = f"{block.path.relative_to(ROOT)}:{cmd.line}"
         ended = f"exited {code}" if code is not None else f"ran over {COMMAND_TIMEOUT:g} s"
         assert code == cmd.expected_exit, (
@@ -248,7 +285,7 @@ def test_every_fenced_block_names_its_language() -> None:
     )
 
 
-RUN_FILES = sorted({b.path for b in SNIPPETS if b.skip is None})
+RUN_FILES = sorted({b.path for b in SNIPPETS if b.skip is None and not b.on})
 
 
 @pytest.mark.slow  # the README's tour starts a Ray cluster; docs/dask.md a Dask one
@@ -258,13 +295,81 @@ def test_the_snippets_of_a_file_run_as_written(path: Path) -> None:
     env = _environment(tmp)
     session = Session(tmp, env)
     try:
-        for block in (b for b in SNIPPETS if b.path == path and b.skip is None):
+        for block in (b for b in SNIPPETS if b.path == path and b.skip is None and not b.on):
             if block.lang in SHELL:
                 _run_shell(block, session)
             else:
                 _run_python(block, tmp, env)
     finally:
         session.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+CLUSTER_FILES = sorted({b.path for b in SNIPPETS if b.on and b.skip is None})
+
+
+def _machine_environment(tmp: Path, head: str) -> dict[str, str]:
+    env = {k: v for k, v in _environment(tmp).items() if not k.startswith(("RAY_", "QGPU_"))}
+    env.update(
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]]),
+        HOME="/tmp",  # each machine's /tmp is its own
+        HEAD=head,
+        QGPU_SIM_SPEC=SIM_SPEC,
+    )
+    return env
+
+
+def _left_running(machines: Machines, name: str) -> list[str]:
+    """The processes of machine `name` other than its shell (PID 1 there)."""
+    shell = machines.shell_pid(name)
+    ns = os.readlink(f"/proc/{shell}/ns/pid")
+    left = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == shell:
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(entry / "ns" / "pid") == ns:
+                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                left.append(f"{entry.name}: {args.strip()[:200]}")
+    return left
+
+
+@pytest.mark.slow  # two machines, each with an agent and a Ray node
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_cluster_snippets_of_a_file_run_as_written_on_machines(path: Path) -> None:
+    problem = machines_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    cluster = [b for b in SNIPPETS if b.path == path and b.on and b.skip is None]
+    names = list(dict.fromkeys(n for b in cluster for n in b.on))
+    tmp = Path(tempfile.mkdtemp(prefix="qgpu-doc-", dir="/tmp"))
+    machines: Machines | None = None
+    try:
+        head = f"{SUBNET}.1"  # Machines numbers its machines in the order given
+        machines = Machines(names, tmp, _machine_environment(tmp, head), ROOT)
+        assert machines.address[names[0]] == head
+        sessions = {n: Session(tmp / n, {}, machines.proc[n]) for n in names}
+        for block in cluster:
+            for name in block.on:
+                session = sessions[name]
+                if block.lang in SHELL:
+                    _run_shell(block, session)
+                    continue
+                script = session.tmp / f".snippet.{block.line}.py"
+                script.write_text(block.text)
+                code, printed = session.run(f"{sys.executable} {session.inner / script.name}")
+                _check_python(block, code, printed)
+        deadline = time.monotonic() + 20
+        left = {n: _left_running(machines, n) for n in names}
+        while any(left.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = {n: _left_running(machines, n) for n in names}
+        assert not any(left.values()), (
+            f"{path.relative_to(ROOT)}: after its last block, still running: {left}"
+        )
+    finally:
+        if machines is not None:
+            machines.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -306,3 +411,15 @@ def test_a_python_snippet_must_print_what_the_docs_show(tmp_path: Path) -> None:
     (block,) = blocks(doc)
     with pytest.raises(AssertionError, match="did not print what the docs show"):
         _run_python(block, tmp_path, _environment(tmp_path))
+
+
+def test_the_parser_reads_which_machines_a_snippet_runs_on(tmp_path: Path) -> None:
+    doc = tmp_path / "z.md"
+    doc.write_text(
+        "<!-- snippet: on: head -->\n```bash\nqgpu agent &\n```\n\n"
+        "<!-- snippet: on: worker, head -->\n```bash\nray stop\n```\n\n"
+        "```bash\necho here\n```\n"
+    )
+    head, both, here = blocks(doc)
+    assert (head.on, both.on, here.on) == (("head",), ("worker", "head"), ())
+    assert head.skip is both.skip is here.skip is None

@@ -192,3 +192,37 @@ def test_start_runs_a_ray_node_that_places_and_enforces_slices(agent):
         assert got["init"] == 0, got
         assert got["total"] == gib << 30
         assert got["device"].startswith("GPU-") and got["slice"]
+
+
+def test_a_nodes_reaper_finds_its_raylet_and_sees_it_exit():
+    """`qgpu-ray reaper --local-node` ends with its node's raylet (`ray stop` stops the
+    raylet, not the reaper); the raylet is found by its ``--node_id`` and start time."""
+    from qgpu_ray.reaper import local_raylet, raylet_alive
+
+    node_id = os.urandom(28).hex()
+    # a process whose command line is a raylet's: argv[0] .../raylet, --node_id=<id>
+    fake = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            'exec -a /opt/ray/core/src/ray/raylet/raylet "$@"',
+            "sh",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            f"--node_id={node_id}",
+        ],
+    )
+    try:
+        deadline = time.monotonic() + 10
+        found = local_raylet(node_id)
+        while found is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            found = local_raylet(node_id)
+        assert found is not None and found[0] == fake.pid
+        assert raylet_alive(found)
+        assert local_raylet(os.urandom(28).hex()) is None  # another node's id: not here
+    finally:
+        fake.kill()
+        fake.wait()
+    assert not raylet_alive(found)
