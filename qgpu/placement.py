@@ -330,7 +330,8 @@ class Policy(ABC):
 
     `node_scores` may look at `view.gpu_mask` (the GPUs that fit) to score a node by its
     best GPU, as the fragmentation-aware policy does; `gpu_scores` is then called with the
-    same view for the chosen node.
+    same view for the chosen node. When only one node can take the request, `decide` does
+    not call `node_scores` at all: `gpu_scores` must not depend on it having run.
     """
 
     name: str
