@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.extender_throughput import SHAPES  # noqa: E402
+from bench.extender_throughput import SHAPES, cluster_nodes  # noqa: E402
 
 STEPS = ("filter", "prioritize", "assume", "reserve")
 
@@ -62,10 +62,7 @@ def _run(policy: str, group: bool, nodes: list[dict], pods: list, names: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from k8s_bridge.protocol import PublishedInventory
-    from k8s_bridge.resources import Names, parse_pod
-    from qgpu.model import GpuDevice
-    from tests.fakes.apiserver import node_object
+    from k8s_bridge.resources import parse_pod
     from tests.k8s.helpers import pod_object
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,23 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--pods", type=int, default=1000)
     args = ap.parse_args(argv)
-    ann = Names().inventory_annotation
-    nodes = []
-    for n in range(args.nodes):
-        inv = PublishedInventory(
-            gpus=[
-                GpuDevice(
-                    uuid=f"GPU-{n:08x}-0000-4000-8000-{g:012x}",
-                    index=g,
-                    model="H100-80GB",
-                    memory_mib=81920,
-                )
-                for g in range(args.gpus)
-            ],
-            max_slices_per_gpu=16,
-            published_at=0,
-        )
-        nodes.append(node_object(f"node-{n:04d}", None, **{ann: inv.model_dump_json()}))
+    nodes = cluster_nodes(args.nodes, args.gpus)
     names = [f"node-{n:04d}" for n in range(args.nodes)]
     pods = []
     for i in range(args.pods):
