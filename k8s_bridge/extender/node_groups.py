@@ -36,10 +36,6 @@ class NodeGroups:
     def __init__(self, state: ClusterState) -> None:
         self.state = state
         s = state
-        # what is fixed per GPU for the life of the state, and what a slice changes
-        self._fixed = np.stack(
-            [s.cap_core, s.cap_mem, s.max_slices, s.gpu_model, s.numa, s.healthy], axis=1
-        ).astype(np.int64)
         # key -> group, group -> nodes in it, node -> key; a group whose last node left is
         # forgotten and its number used again (the numbers stay below the node count)
         self._index: dict[tuple, int] = {}
@@ -54,10 +50,22 @@ class NodeGroups:
         s = self.state
         start = int(s.node_start[node])
         gpus = slice(start, start + int(s.node_gpu_count[node]))
-        rows = np.concatenate(
+        # every per-GPU vector a policy reads, as it is now: a writer of the vectors that
+        # bypasses apply/release (`ClusterState.touch`) is followed too
+        rows = np.stack(
             [
-                self._fixed[gpus],
-                np.stack([s.free_core[gpus], s.free_mem[gpus], s.slices[gpus]], axis=1),
+                a[gpus]
+                for a in (
+                    s.free_core,
+                    s.free_mem,
+                    s.slices,
+                    s.max_slices,
+                    s.cap_core,
+                    s.cap_mem,
+                    s.healthy,
+                    s.gpu_model,
+                    s.numa,
+                )
             ],
             axis=1,
         )

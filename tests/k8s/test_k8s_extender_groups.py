@@ -158,3 +158,13 @@ def test_groups_are_exactly_the_equal_states() -> None:
             for b in range(a + 1, len(keys)):
                 assert (ids[a] == ids[b]) == (keys[a] == keys[b]), (i, a, b)
         assert int(ids.max()) < len(s.nodes)  # numbers of emptied groups are used again
+    for sid in held:  # all nodes of a kind alike again
+        s.release(sid)
+    ids = groups.current()
+    assert any(ids[n] == ids[0] for n in range(1, len(s.nodes)))
+    # a direct write to the vectors, announced with `touch()` (qgpu_ray's view does this)
+    s.healthy[0] = False
+    s.touch()
+    ids = groups.current()
+    alike = [n for n in range(1, len(s.nodes)) if ids[n] == ids[0]]
+    assert not alike  # node-00 alone has an unhealthy GPU
