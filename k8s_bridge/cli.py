@@ -256,6 +256,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
             "no --assignment-key-file: assignments are taken without checking who wrote "
             "them (a tenant who can patch its pods can name another GPU)"
         )
+    pod_resources = _pod_resources_socket(args)
     kube = _kube(args)  # no cluster configuration fails here, before the GPUs are opened
     state_dir = Path(args.state_dir)
     backend = open_backend(args.backend, sim_spec=args.sim, state_dir=state_dir, node_name=node)
@@ -282,6 +283,7 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         prefix=args.prefix,
         plugin_dir=Path(args.plugin_dir),
         scheduler_name=args.scheduler_name,
+        pod_resources_socket=pod_resources,
     )
     plugin = QgpuDevicePlugin(cfg, kube, inventory, paths, keys)
     plugin.start()
@@ -305,6 +307,51 @@ def run_device_plugin(args: argparse.Namespace) -> int:
         plugin.stop()
         backend.close()
     return EXIT_OK
+
+
+def _pod_resources_socket(args: argparse.Namespace) -> Path | None:
+    """kubelet's pod-resources socket, after one List answered on it; None with
+    --no-pod-resources-check (logged). Fails closed: no socket, or one that does not answer
+    within --pod-resources-wait seconds, is a RuleViolation naming the flag and the path."""
+    from k8s_bridge.deviceplugin.pod_resources import (
+        DEFAULT_POD_RESOURCES_SOCKET,
+        PodResourcesClient,
+        PodResourcesUnavailable,
+    )
+
+    if args.no_pod_resources_check:
+        logging.warning(
+            "--no-pod-resources-check: PreStartContainer does not ask kubelet which container "
+            "got the device IDs (a pod that bypasses the extender can take the slice of a "
+            "bound, not yet admitted pod of the same layout)"
+        )
+        return None
+    path = Path(args.pod_resources_socket or DEFAULT_POD_RESOURCES_SOCKET)
+    fix = (
+        "mount kubelet's pod-resources directory into the plugin, or pass "
+        "--no-pod-resources-check to run without this check"
+    )
+    if not path.is_socket():
+        raise RuleViolation(
+            "--pod-resources-socket",
+            str(path),
+            f"is not a socket (kubelet's pod-resources API): {fix}",
+        )
+    client = PodResourcesClient(path, timeout_s=2.0)
+    deadline = time.monotonic() + args.pod_resources_wait
+    try:
+        while True:
+            try:
+                client.devices()
+                return path
+            except PodResourcesUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise RuleViolation(
+                        "--pod-resources-socket", str(path), f"{exc}: {fix}"
+                    ) from None
+                time.sleep(0.5)
+    finally:
+        client.close()
 
 
 def _agent(socket_path: str | None) -> Any:
@@ -405,6 +452,26 @@ def register_device_plugin(sub: Any) -> None:
         help="group that may use the GPUs' region files (default 0: containers in group 0)",
     )
     _assignment_key_flags(p, "device plugin ignores assignments whose MAC is missing or wrong")
+    p.add_argument(
+        "--pod-resources-socket",
+        help="kubelet's pod-resources API: at PreStartContainer the plugin asks it which "
+        "container got the device IDs and refuses a container that would start with another "
+        "pod's slice; the plugin does not start without it (default: "
+        "/var/lib/kubelet/pod-resources/kubelet.sock)",
+    )
+    p.add_argument(
+        "--pod-resources-wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait at start-up for the pod-resources socket to answer",
+    )
+    p.add_argument(
+        "--no-pod-resources-check",
+        action="store_true",
+        help="run without kubelet's pod-resources API (the check above is off: only for "
+        "clusters where no pod can reach kubelet past the qgpu extender)",
+    )
     p.set_defaults(func=run_device_plugin)
 
 

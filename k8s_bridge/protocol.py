@@ -115,6 +115,22 @@ class Allocated(_Wire):
         devices.setdefault(container, {})[kind] = sorted(ids)
         return Allocated(containers=now, devices=devices)
 
+    def without(self, container: str, kinds: Iterable[Kind]) -> Allocated:
+        """This claim with `container`'s claims of `kinds` withdrawn."""
+        gone = set(kinds)
+        now = {
+            c: [k for k in ks if c != container or k not in gone]
+            for c, ks in self.containers.items()
+        }
+        devices = {
+            c: {k: ids for k, ids in per.items() if c != container or k not in gone}
+            for c, per in self.devices.items()
+        }
+        return Allocated(
+            containers={c: ks for c, ks in now.items() if ks},
+            devices={c: per for c, per in devices.items() if per},
+        )
+
     def claimed(self, container: str) -> set[Kind]:
         return set(self.containers.get(container, []))
 

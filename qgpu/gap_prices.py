@@ -23,7 +23,7 @@ and the prices say which leaving-out costs least (on the Alibaba traces: lone 81
 gap is worth 0; far beyond it only the best patterns are used and rare sizes look common.
 Only the mix's proportions matter, not its scale or the cluster's size.
 
-The LP is solved by column generation with HiGHS (`scipy.optimize.linprog`): start from
+The LP is solved by column generation with HiGHS (the `highspy` package, see `_solve`): start from
 single-size patterns, add the pattern of highest reduced value (a small knapsack over core
 and slice count) while it beats ``mu``, and stop when none does (then the prices are optimal
 for all patterns, not only the generated ones).
@@ -32,9 +32,11 @@ for all patterns, not only the generated ones).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 
@@ -156,7 +158,7 @@ def _priced(
 
 def warm_up() -> None:
     """Load the LP solver and solve one tiny mix, so that the first real pricing does not
-    pay for the import (~0.4 s) and HiGHS's first call; frag calls this when an engine is
+    pay for the import (~0.15 s) and HiGHS's first call; frag calls this when an engine is
     made (`qgpu.frag.FragPolicy.prepare`). The tiny mix's prices are remembered like any."""
     price_gaps({50: 1.0}, {}, 1)
 
@@ -167,6 +169,38 @@ def _single(i: int, core: int, max_items: int, n: int) -> np.ndarray:
     return col
 
 
+class _Solver(threading.local):
+    """One HiGHS instance per thread, made on first use and passed a fresh model each
+    solve (HiGHS objects are not safe to share between threads)."""
+
+    highs: Any = None
+
+
+_SOLVER = _Solver()
+# the options scipy's `linprog(method="highs")` passed (presolve forced on, dual simplex);
+# every other option stays HiGHS's default
+_OPTIONS = (
+    ("output_flag", False),
+    ("log_to_console", False),
+    ("presolve", "on"),
+    ("simplex_strategy", 1),  # dual simplex
+)
+# scipy's feasibility check of a solution reported optimal (sqrt(1e-9) * 10)
+_FEASIBLE_TOL = 10 * 1e-9**0.5
+
+
+def _highs() -> Any:
+    if _SOLVER.highs is None:
+        # imported on first use: most processes that import qgpu never price a mix
+        import highspy
+
+        highs = highspy.Highs()
+        for name, value in _OPTIONS:
+            highs.setOptionValue(name, value)
+        _SOLVER.highs = highs
+    return _SOLVER.highs
+
+
 def _solve(
     columns: list[np.ndarray],
     sizes: np.ndarray,
@@ -175,25 +209,59 @@ def _solve(
     whole_demand: np.ndarray,
     gpus: float,
 ) -> tuple[np.ndarray, float, float]:
-    """The restricted LP over `columns`: (price per size, value of a GPU, core filled)."""
-    # imported on first use: scipy.optimize takes ~0.4 s to import, and most processes that
-    # import qgpu (the CLI, the node agent, Ray workers) never price a mix
-    from scipy.optimize import linprog
+    """The restricted LP over `columns`: (price per size, value of a GPU, core filled).
+
+    Maximise the core filled, ``fill @ x``, subject to ``A x <= (demand, gpus)`` and
+    ``0 <= x``, a whole-GPU count's ``x`` at most its demand: one column per pattern (its
+    shares, and 1 GPU) and per whole-GPU count (its GPUs). HiGHS (the `highspy` package,
+    pinned: another version may pivot differently and, where the optimal duals are not
+    unique, return other prices) is given the same model and options that scipy's
+    `linprog(method="highs")` gave it before, so the prices are those, bit for bit
+    (`tests/unit/test_frag_speed.py` keeps linprog's form and compares)."""
+    import highspy
 
     patterns = np.stack(columns, axis=1)  # sizes x patterns
-    n_pat, n_whole = patterns.shape[1], len(counts)
+    n_rows, n_pat, n_whole = len(sizes) + 1, patterns.shape[1], len(counts)
+    n_cols = n_pat + n_whole
     fill = np.concatenate([sizes @ patterns, WHOLE_GPU_CORE * np.asarray(counts, dtype=float)])
-    a_ub = np.zeros((len(sizes) + 1, n_pat + n_whole))
-    a_ub[: len(sizes), :n_pat] = patterns
-    a_ub[-1, :n_pat] = 1.0
-    a_ub[-1, n_pat:] = counts
-    b_ub = np.concatenate([demand, [gpus]])
-    bounds = [(0, None)] * n_pat + [(0, float(w)) for w in whole_demand]
-    res = linprog(-fill, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
-    if res.status != 0:  # cannot happen for this LP (x = 0 is feasible, fill is bounded)
-        raise RuntimeError(f"pricing the request mix failed: {res.message}")
-    duals = -np.asarray(res.ineqlin.marginals)
-    return np.maximum(duals[:-1], 0.0), max(float(duals[-1]), 0.0), float(-res.fun)
+    a = np.zeros((n_cols, n_rows))  # column-major: row c of `a` is column c of the LP
+    a[:n_pat, :-1] = patterns.T
+    a[:n_pat, -1] = 1.0
+    a[n_pat:, -1] = counts
+    nonzero = a != 0  # the sparse matrix keeps only nonzeros, by column, rows ascending
+    lp = highspy.HighsLp()
+    lp.num_col_ = lp.a_matrix_.num_col_ = n_cols
+    lp.num_row_ = lp.a_matrix_.num_row_ = n_rows
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))])
+    lp.a_matrix_.index_ = np.nonzero(nonzero)[1]
+    lp.a_matrix_.value_ = a[nonzero]
+    lp.col_cost_ = -fill
+    upper = np.concatenate([np.full(n_pat, np.inf), whole_demand.astype(np.float64)])
+    lp.col_lower_ = np.zeros(n_cols)
+    lp.col_upper_ = upper
+    rhs = np.concatenate([demand, [gpus]])
+    lp.row_lower_ = np.full(n_rows, -np.inf)
+    lp.row_upper_ = rhs
+    highs = _highs()
+    highs.passModel(lp)
+    highs.run()
+    status = highs.getModelStatus()
+    if status != highspy.HighsModelStatus.kOptimal:  # cannot happen for this LP (x = 0 is
+        # feasible, fill is bounded)
+        raise RuntimeError(f"pricing the request mix failed: {highs.modelStatusToString(status)}")
+    solution = highs.getSolution()
+    fun = highs.getObjectiveValue()
+    x = np.asarray(solution.col_value)
+    slack = rhs - np.asarray(solution.row_value)
+    tol = _FEASIBLE_TOL
+    # linprog's check of a solution HiGHS calls optimal (NaN fails every comparison)
+    if not (
+        fun == fun and (x >= -tol).all() and (x <= upper + tol).all() and (slack >= -tol).all()
+    ):
+        raise RuntimeError("pricing the request mix failed: the solution breaks a constraint")
+    duals = -np.asarray(solution.row_dual)
+    return np.maximum(duals[:-1], 0.0), max(float(duals[-1]), 0.0), -fun
 
 
 def _knapsack(

@@ -25,8 +25,11 @@ records kubelet's device IDs: a claimed container is found again (kubelet repeat
 Allocate, PreStartContainer) only by exactly those IDs, so another container that asks for
 the same layout cannot be handed a claimed container's slice.
 Equal containers on different GPUs remain ambiguous only if kubelet admits them out of
-binding order (a batch delivered at once, as after a kubelet restart); kubelet's own
-per-GPU accounting (device IDs) stays exact in every case.
+binding order (a batch delivered at once, as after a kubelet restart), and a pod that
+bypassed the extender is matched to a bound pod of its layout: kubelet's pod-resources API
+shows both afterwards, and `k8s_bridge.deviceplugin.claim_check` withdraws such claims and
+refuses the container's start; kubelet's own per-GPU accounting (device IDs) stays exact
+in every case.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ Owns the node side of the Kubernetes bridge:
 - Allocate: finds the pod container from the assignment annotations
   (`k8s_bridge.deviceplugin.claims`), claims it on the pod, and answers with the
   interposer's env and mounts (`k8s_bridge.deviceplugin.allocation`);
-- PreStartContainer: checks the container's claim and limits file are in place;
+- PreStartContainer: checks the container's claim and limits file are in place and, with
+  kubelet's pod-resources API (`k8s_bridge.deviceplugin.claim_check`), that kubelet gave
+  these device IDs to the claimed container: a pod that bypassed the extender, or a pod
+  admitted out of binding order, is refused instead of starting with another pod's slice;
 - publishing the node's GPU inventory as the Node annotation ``<prefix>/qgpu-inventory``;
 - re-registering when kubelet restarts (its socket is recreated, ours are deleted).
 
@@ -40,8 +43,14 @@ from k8s_bridge.deviceplugin.allocation import (
     k8s_slice_id,
     limits_file_for,
 )
+from k8s_bridge.deviceplugin.claim_check import ClaimCheck, Misclaimed
 from k8s_bridge.deviceplugin.claim_record import ClaimRecord
 from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
+from k8s_bridge.deviceplugin.pod_resources import (
+    DEFAULT_POD_RESOURCES_SOCKET,
+    PodResourcesClient,
+    PodResourcesUnavailable,
+)
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from k8s_bridge.kube import Conflict, Kube, KubeError
@@ -85,6 +94,12 @@ class PluginConfig(BaseModel):
     register_timeout_s: float = Field(default=5.0, gt=0)
     claim_retries: int = Field(default=8, ge=1)
     publish_inventory: bool = True
+    pod_resources_socket: Path | None = Field(
+        default=DEFAULT_POD_RESOURCES_SOCKET,
+        description="kubelet's pod-resources API, asked at PreStartContainer which container "
+        "got the device IDs; None: not asked (a pod that bypassed the extender can then take "
+        "the slice of a bound, not yet admitted pod of the same layout)",
+    )
 
 
 class PluginError(Exception):
@@ -204,6 +219,15 @@ class QgpuDevicePlugin:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.registrations = 0
+        self.check: ClaimCheck | None = None
+        if cfg.pod_resources_socket is not None:
+            self.check = ClaimCheck(
+                PodResourcesClient(cfg.pod_resources_socket),
+                kube,
+                self.names,
+                self.record,
+                cfg.claim_retries,
+            )
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -232,6 +256,8 @@ class QgpuDevicePlugin:
         self._endpoints = {}
         if self._monitor is not None:
             self._monitor.join(5)
+        if self.check is not None:
+            self.check.client.close()
 
     def _kubelet_identity(self) -> tuple[int, int] | None:
         try:
@@ -360,7 +386,7 @@ class QgpuDevicePlugin:
                 )
 
         self.record.keep_only((p.get("metadata") or {}).get("uid", "") for p in pods)
-        return pending_pods(
+        out = pending_pods(
             self.names,
             self.cfg.node_name,
             pods,
@@ -369,6 +395,31 @@ class QgpuDevicePlugin:
             reject,
             self.record.snapshot(),
         )
+        if self.check is not None:
+            self.check.forget_gone(out)
+        return out
+
+    def _checked_candidates(self, rejected: list[str]) -> list[Any]:
+        """`_candidates`, after withdrawing the claims kubelet's pod-resources API shows
+        under another container (callers hold the allocation lock)."""
+        candidates = self._candidates(rejected)
+        if self.check is None:
+            return candidates
+        try:
+            withdrawn = self.check.before_match(candidates)
+        except PodResourcesUnavailable as exc:
+            raise PluginError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        if not withdrawn:
+            return candidates
+        rejected.clear()
+        return self._candidates(rejected)
+
+    def _pending(self, candidates: list[Any], kind: Kind, per_gpu: Any, size: int) -> list[Any]:
+        """`matching`, without containers kubelet allocated already under a wrong claim."""
+        found = matching(candidates, kind, per_gpu, size)
+        if self.check is None:
+            return found
+        return [c for c in found if not self.check.taken(c, kind)]
 
     def _not_found(self, what: str, rejected: list[str]) -> PluginError:
         """NOT_FOUND for kubelet (which puts it in the pod's events): what was looked for
@@ -392,9 +443,10 @@ class QgpuDevicePlugin:
         for dev in must:
             must_by_gpu.setdefault(parse_device_id(dev)[0], []).append(dev)
         rejected: list[str] = []
-        candidates = self._candidates(rejected)
+        with self._alloc_lock:
+            candidates = self._checked_candidates(rejected)
         # Containers waiting for this resource first.
-        for cand in matching(candidates, kind, None, size):
+        for cand in self._pending(candidates, kind, None, size):
             layout = cand.slice.devices[kind]
             if any(u not in layout or len(ids) > layout[u] for u, ids in must_by_gpu.items()):
                 continue
@@ -436,8 +488,8 @@ class QgpuDevicePlugin:
         with self._alloc_lock:
             for _ in range(self.cfg.claim_retries):
                 rejected: list[str] = []
-                candidates = self._candidates(rejected)
-                found = matching(candidates, kind, per_gpu, len(ids))
+                candidates = self._checked_candidates(rejected)
+                found = self._pending(candidates, kind, per_gpu, len(ids))
                 if not found:
                     again = claimed_match(candidates, kind, ids)
                     if again is not None:
@@ -488,11 +540,24 @@ class QgpuDevicePlugin:
         kinds, _ = ids_per_gpu(ids)
         if kinds != {kind}:
             raise PluginError(grpc.StatusCode.INVALID_ARGUMENT, f"not {kind} IDs: {sorted(kinds)}")
-        c = claimed_match(self._candidates(), kind, ids)
+        owner = None
+        with self._alloc_lock:
+            c = claimed_match(self._candidates(), kind, ids)
+            if self.check is not None:
+                try:
+                    owner = self.check.at_pre_start(c, kind, ids)
+                except Misclaimed as exc:
+                    raise PluginError(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from exc
+                except LookupError as exc:
+                    raise PluginError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
+                except PodResourcesUnavailable as exc:
+                    raise PluginError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         if c is None:
+            whose = f" (kubelet gave them to {owner})" if owner is not None else ""
             raise PluginError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"no allocated container on node {self.cfg.node_name} holds these {kind} IDs",
+                f"no allocated container on node {self.cfg.node_name} holds these {kind} "
+                f"IDs{whose}",
             )
         if kind == "core" and c.slice.core < 100:
             sid = k8s_slice_id(c.uid, c.container)

@@ -12,6 +12,7 @@ certificate is checked with `cryptography`.
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,7 +188,15 @@ def test_manager_host_paths_are_mounted_at_their_host_paths(default: Rendered) -
     agent, plugin = flags(cs["agent"]), flags(cs["device-plugin"])
     for c, paths in (
         (cs["agent"], [agent["state-dir"], "/usr/local/qgpu/lib", "/var/lib/kubelet/pods"]),
-        (cs["device-plugin"], [plugin["state-dir"], "/usr/local/qgpu/lib", plugin["plugin-dir"]]),
+        (
+            cs["device-plugin"],
+            [
+                plugin["state-dir"],
+                "/usr/local/qgpu/lib",
+                plugin["plugin-dir"],
+                str(Path(plugin["pod-resources-socket"]).parent),  # kubelet's pod-resources
+            ],
+        ),
         (containers(ds, init=True)["install-interposer"], ["/usr/local/qgpu/lib"]),
     ):
         mounts = _mounts(ds, c)
@@ -562,6 +571,32 @@ def test_agent_off_lets_the_device_plugin_write_the_limits() -> None:
     volumes = [v["name"] for v in r.manager["spec"]["template"]["spec"]["volumes"]]
     assert "kubelet-pods" not in volumes
     assert validate_all(r.objects, "1.30") == []
+
+
+def test_pod_resources_api_is_mounted_read_only_into_the_device_plugin_only(
+    default: Rendered,
+) -> None:
+    """kubelet's pod-resources directory reaches the device plugin (read-only, its socket at
+    the path the flag names) and no other container; turning the check off removes the
+    mount and says so on the command line (the plugin refuses to start without either)."""
+    cs = containers(default.manager)
+    plugin = _parse_qgpu(command(cs["device-plugin"]))
+    assert plugin.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert not plugin.no_pod_resources_check
+    (mount,) = [m for m in cs["device-plugin"]["volumeMounts"] if m["name"] == "pod-resources"]
+    assert (mount["mountPath"], mount["readOnly"]) == ("/var/lib/kubelet/pod-resources", True)
+    for c in (cs["agent"], *containers(default.manager, init=True).values()):
+        assert "pod-resources" not in {m["name"] for m in c.get("volumeMounts") or []}
+    off = render(
+        {"manager": {"devicePlugin": {"podResourcesCheck": False}, "podResourcesDir": "/x/pr"}}
+    )
+    plugin = _parse_qgpu(command(containers(off.manager)["device-plugin"]))
+    assert plugin.no_pod_resources_check and plugin.pod_resources_socket is None
+    volumes = [v["name"] for v in off.manager["spec"]["template"]["spec"]["volumes"]]
+    assert "pod-resources" not in volumes
+    moved = render({"manager": {"podResourcesDir": "/srv/kubelet/pod-resources"}})
+    plugin = _parse_qgpu(command(containers(moved.manager)["device-plugin"]))
+    assert plugin.pod_resources_socket == "/srv/kubelet/pod-resources/kubelet.sock"
 
 
 def test_simulated_gpus_reach_both_manager_containers() -> None:

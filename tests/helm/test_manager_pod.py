@@ -99,6 +99,7 @@ def manager() -> Iterator[dict[str, Any]]:
     moved = [
         f"--assignment-key-file={keydir / 'key'}",
         f"--assignment-previous-key-file={keydir / 'previous'}",
+        f"--pod-resources-socket={kubelet.pod_resources_socket}",
     ]
     procs = [
         _start(command(cs["agent"], NODE_NAME=NODE), []),

@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -80,6 +83,26 @@ def pod_object(
         "metadata": {"name": name, "namespace": namespace, "annotations": annotations or {}},
         "spec": spec,
     }
+
+
+def run_qgpu(*args: str) -> subprocess.CompletedProcess[str]:
+    """`qgpu <args>` as a process of this checkout (text output captured, 60 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "qgpu.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The command's one `error:` line (exit 2, no traceback), or an assertion."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
 
 
 def wait_until(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
@@ -203,7 +226,12 @@ class Cluster:
             kl = FakeKubelet(self.tmp / f"dp{i}", shuffle_resources=shuffle_resources, seed=i)
             self.kubelets[name] = kl.start()
             plugin = QgpuDevicePlugin(
-                PluginConfig(node_name=name, plugin_dir=kl.dir, poll_s=0.05),
+                PluginConfig(
+                    node_name=name,
+                    plugin_dir=kl.dir,
+                    poll_s=0.05,
+                    pod_resources_socket=kl.pod_resources_socket,
+                ),
                 Kube(srv.client(), NAMES),
                 NodeInventory(name=name, gpus=gpus),
                 AllocationPaths(state_dir=self.tmp / f"state{i}", hook_library=self.hook),

@@ -22,7 +22,8 @@ import logging
 import pytest
 
 from k8s_bridge.kube import Kube
-from tests.fakes.kubelet import AdmissionError
+from k8s_bridge.protocol import load_allocated
+from tests.fakes.kubelet import AdmissionError, StartError
 from tests.k8s.helpers import NAMES, U, assignment_of, pod_object, wait_until
 from tests.k8s.test_k8s_e2e import make_cluster  # noqa: F401  (fixture)
 
@@ -161,3 +162,113 @@ def test_removing_its_own_claim_does_not_hand_its_slice_to_the_next_pod(make_clu
     assert got.envs["QGPU_SLICE_ID"] == f"{other_uid}.c0", (
         f"other got {got.envs['QGPU_SLICE_ID']}; mine is {mine['c0'].envs['QGPU_SLICE_ID']}"
     )
+
+
+def _uid(cluster, name: str) -> str:
+    return cluster.srv.store.get("pods", "default", name)["metadata"]["uid"]
+
+
+def _victim_and_thief(cluster) -> tuple[str, dict]:
+    """A pod "victim" bound (not admitted) and a pod "thief" of its layout that names the
+    victim's node itself (no scheduler, no extender, no webhook): (node, the thief)."""
+    node, _ = _bound(cluster, "victim", [(30, 4)])
+    thief = pod_object("thief", [(30, 4)], scheduler_name="default-scheduler")
+    thief["spec"]["nodeName"] = node
+    return node, cluster.srv.store.create("pods", thief)
+
+
+def test_a_pod_past_the_extender_cannot_take_a_pending_pods_slice(make_cluster) -> None:  # noqa: F811
+    """The residual of the forge attacks: a pod with no assignment the plugin takes
+    (``spec.nodeName`` preset: it skipped the scheduler, the extender and the webhook)
+    reaches kubelet while a pod of the same layout is bound to that node and not yet
+    admitted. Allocate names device IDs only, so the plugin answers it with the bound pod's
+    slice. At PreStartContainer kubelet's pod-resources API names the container that got
+    these IDs: not the claimed one, so its start is refused and the claim withdrawn; the
+    bound pod is then admitted with its own slice."""
+    cluster = make_cluster()
+    node, stored = _victim_and_thief(cluster)
+    kl = cluster.kubelets[node]
+    victim_uid = _uid(cluster, "victim")
+    try:
+        got = kl.admit(stored)
+    except StartError as exc:  # admitted (Allocate cannot tell), never started
+        assert "kubelet gave" in str(exc) and "default/thief/c0" in str(exc), exc
+    else:  # the attack won: say what it got
+        pytest.fail(
+            f"thief started with slice {got['c0'].envs.get('QGPU_SLICE_ID')} "
+            f"(the victim's uid: {victim_uid})"
+        )
+    # kubelet retrying the thief's start: refused again
+    with pytest.raises(StartError, match="no allocated container"):
+        kl.start_containers(stored)
+    # the victim, admitted next, gets its own slice on its own GPU
+    res = kl.admit(cluster.srv.store.get("pods", "default", "victim"))["c0"]
+    assert res.envs["QGPU_SLICE_ID"] == f"{victim_uid}.c0"
+    (gpu_uuid,) = assignment_of(cluster.srv, "victim").containers["c0"].gpus
+    assert res.envs["CUDA_VISIBLE_DEVICES"] == gpu_uuid
+    claim = load_allocated(
+        cluster.srv.store.get("pods", "default", "victim")["metadata"]["annotations"][
+            NAMES.allocated_annotation
+        ]
+    )
+    assert claim.claimed_ids("c0", "core") == sorted(kl.allocated[(victim_uid, "c0", NAMES.core)])
+
+
+def test_a_bound_pod_admitted_while_the_thief_waits_gets_its_slice(make_cluster) -> None:  # noqa: F811
+    """The same attack, with the bound pod admitted between the thief's admission and its
+    container start (an image pull takes that long): the thief's claim on the bound pod's
+    container is withdrawn at the bound pod's Allocate (kubelet lists those IDs under the
+    thief), so it is not refused for want of a pending container."""
+    cluster = make_cluster()
+    node, stored = _victim_and_thief(cluster)
+    kl = cluster.kubelets[node]
+    kl.admit_only(stored)
+    res = kl.admit(cluster.srv.store.get("pods", "default", "victim"))["c0"]
+    assert res.envs["QGPU_SLICE_ID"] == f"{_uid(cluster, 'victim')}.c0"
+    with pytest.raises(StartError, match="kubelet gave them to default/thief/c0"):
+        kl.start_containers(stored)
+
+
+def test_two_bound_pods_admitted_out_of_order_do_not_swap(make_cluster) -> None:  # noqa: F811
+    """Two bound pods of one layout on different GPUs of a node, admitted in the reverse of
+    their binding order (a batch delivered at once): the first admitted was answered with
+    the other's slice (its GPU, slice id and ledger), and the other with its slice. The
+    plugin now withdraws a claim that kubelet's pod-resources API shows under another
+    container before it matches the next Allocate, so the pod bound first gets its own
+    slice; the pod admitted out of order cannot start (its device IDs and env name the
+    other pod's GPU and slice, and an Allocate answer cannot be changed afterwards)."""
+    cluster = make_cluster(gpu_policy="spread")
+    node, _ = _bound(cluster, "first", [(30, 4)])
+    node2, _ = _bound(cluster, "second", [(30, 4)])
+    assert node2 == node  # binpack across nodes, spread over the node's GPUs
+    gpus = {n: assignment_of(cluster.srv, n).containers["c0"].gpus for n in ("first", "second")}
+    assert gpus["first"] != gpus["second"]
+    kl = cluster.kubelets[node]
+    second = cluster.srv.store.get("pods", "default", "second")
+    kl.admit_only(second)  # admitted; its container not started yet (image pull)
+    got = kl.admit(cluster.srv.store.get("pods", "default", "first"))["c0"]
+    assert got.envs["QGPU_SLICE_ID"] == f"{_uid(cluster, 'first')}.c0", (
+        f"first got {got.envs['QGPU_SLICE_ID']} on {got.envs['CUDA_VISIBLE_DEVICES']}"
+    )
+    assert [got.envs["CUDA_VISIBLE_DEVICES"]] == gpus["first"]
+    with pytest.raises(StartError, match="kubelet gave them to default/second/c0"):
+        kl.start_containers(second)
+
+
+def test_a_swap_on_full_gpus_starts_neither_pod_in_the_other_s_slice(make_cluster) -> None:  # noqa: F811
+    """The same out-of-order admission where the pod admitted first holds device IDs the
+    pod bound first needs (60 + 60 > 100 core IDs on one GPU): that pod cannot be given its
+    own GPU, and is not given the other's slice either (the other's container was allocated
+    by kubelet already): its admission fails, and the out-of-order pod is refused at start.
+    Both are recreated by their controllers; neither runs in a slice that is not its own."""
+    cluster = make_cluster(gib=16)
+    node, _ = _bound(cluster, "first", [(60, 8)])
+    assert _bound(cluster, "second", [(60, 8)])[0] == node
+    kl = cluster.kubelets[node]
+    second = cluster.srv.store.get("pods", "default", "second")
+    kl.admit_only(second)
+    with pytest.raises(AdmissionError, match="no pod assigned to node") as info:
+        kl.admit(cluster.srv.store.get("pods", "default", "first"))
+    assert info.value.code is not None and info.value.code.name == "NOT_FOUND"
+    with pytest.raises(StartError, match="kubelet gave them to default/second/c0"):
+        kl.start_containers(second)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from k8s_bridge.assignment_mac import MIN_KEY_BYTES, AssignmentKeys
 from qgpu.errors import RuleViolation
+from tests.k8s.helpers import one_error_line, run_qgpu
 
 OLD = b"o" * MIN_KEY_BYTES
 NEW = b"n" * MIN_KEY_BYTES
@@ -87,17 +85,5 @@ def test_commands_refuse_a_bad_key_file_in_one_line(
     path = tmp_path / "key"
     if content is not None:
         path.write_bytes(content)
-    args = [*command, f"--assignment-key-file={path}", "--apiserver=http://127.0.0.1:9"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "qgpu.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )
-    assert proc.returncode == 2, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: {says.format(path=path)}"), (
-        proc.stderr
-    )
-    assert "Traceback" not in proc.stderr
+    proc = run_qgpu(*command, f"--assignment-key-file={path}", "--apiserver=http://127.0.0.1:9")
+    assert one_error_line(proc).startswith(f"error: {says.format(path=path)}"), proc.stderr

@@ -101,6 +101,7 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
             "--backend=sim",
             "--sim=2xT4-16GB",
             f"--apiserver={apiserver.url}",
+            f"--pod-resources-socket={kubelet.pod_resources_socket}",
             *extra,
         )
         procs.append(plugin)

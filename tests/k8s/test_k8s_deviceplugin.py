@@ -46,7 +46,12 @@ class Node:
             state_dir=self.tmp / "state", hook_library=self.hook, dev_dir=dev
         )
         self.plugin = QgpuDevicePlugin(
-            PluginConfig(node_name="n0", plugin_dir=self.kubelet.dir, poll_s=0.05),
+            PluginConfig(
+                node_name="n0",
+                plugin_dir=self.kubelet.dir,
+                poll_s=0.05,
+                pod_resources_socket=self.kubelet.pod_resources_socket,
+            ),
             Kube(srv.client(), NAMES),
             self.inventory,
             self.paths,
@@ -234,7 +239,13 @@ def test_plugin_started_before_kubelet_registers_when_it_comes(apiserver) -> Non
     (tmp / "dp").mkdir()
     apiserver.store.create("nodes", {"metadata": {"name": "n0"}})
     plugin = QgpuDevicePlugin(
-        PluginConfig(node_name="n0", plugin_dir=tmp / "dp", poll_s=0.05, register_timeout_s=0.5),
+        PluginConfig(
+            node_name="n0",
+            plugin_dir=tmp / "dp",
+            poll_s=0.05,
+            register_timeout_s=0.5,
+            pod_resources_socket=tmp / "dp-podres" / "kubelet.sock",  # the fake kubelet's
+        ),
         Kube(apiserver.client(), NAMES),
         NodeInventory(name="n0", gpus=[gpu("n0", 0)]),
         AllocationPaths(state_dir=tmp / "state", hook_library=None),
@@ -247,4 +258,99 @@ def test_plugin_started_before_kubelet_registers_when_it_comes(apiserver) -> Non
         assert kubelet.capacity(NAMES.memory) == (16, 16)
     finally:
         plugin.stop()
+        kubelet.stop()
+
+
+def test_fake_kubelet_pod_resources_list_as_kubelet_serves_it(node: Node) -> None:
+    """kubelet's pod-resources List over real gRPC: a container's devices are there as soon
+    as Allocate returned (before PreStartContainer), one entry per NUMA node; a pod
+    rejected at admission and a released pod are not listed."""
+    from k8s_bridge.deviceplugin.pod_resources import ContainerRef, PodResourcesClient
+    from k8s_bridge.podresources.v1 import api_pb2 as pr
+    from k8s_bridge.podresources.v1 import api_pb2_grpc as pr_grpc
+
+    pod = node.bound_pod("w", [(200, 16)])  # both GPUs: GPU 0 on NUMA node 0, GPU 1 on none
+    got = node.kubelet.admit_only(pod)["c0"]
+    assert not [c for c in node.kubelet.calls if c.startswith("PreStartContainer")]
+    with grpc.insecure_channel(f"unix://{node.kubelet.pod_resources_socket}") as ch:
+        resp = pr_grpc.PodResourcesListerStub(ch).List(pr.ListPodResourcesRequest(), timeout=5)
+    (listed,) = resp.pod_resources
+    assert (listed.namespace, listed.name, [c.name for c in listed.containers]) == (
+        "default",
+        "w",
+        ["c0"],
+    )
+    core = [d for d in listed.containers[0].devices if d.resource_name == NAMES.core]
+    assert sorted([n.ID for n in d.topology.nodes] for d in core) == [[], [0]]
+    assert sorted(i for d in core for i in d.device_ids) == sorted(got.ids[NAMES.core])
+    client = PodResourcesClient(node.kubelet.pod_resources_socket)
+    try:
+        me = ContainerRef(namespace="default", pod="w", container="c0")
+        assert client.owner(NAMES.core, got.ids[NAMES.core]) == me
+        assert client.owner(NAMES.core, got.ids[NAMES.core][:-1]) is None  # exactly these
+        rogue = node.srv.store.create("pods", pod_object("rogue", [(30, 4)]))
+        with pytest.raises(AdmissionError):
+            node.kubelet.admit(rogue)  # no assignment: rejected, not an active pod
+        node.kubelet.start_containers(pod)
+        node.kubelet.release(pod["metadata"]["uid"])
+        assert client.devices() == {}
+    finally:
+        client.close()
+
+
+def test_prestart_fails_closed_without_the_pod_resources_api(node: Node) -> None:
+    """kubelet's pod-resources API not answering (kubelet restarting, socket gone): the
+    container does not start; kubelet retries the start and it goes through once the API
+    answers again."""
+    from tests.fakes.kubelet import StartError
+
+    pod = node.bound_pod("a", [(30, 4)])
+    node.kubelet.admit_only(pod)
+    lister = node.kubelet._pod_resources
+    assert node.plugin.check is not None and lister is not None
+    node.plugin.check.client.timeout_s = 0.5  # how long a List waits for kubelet
+    lister.stop(0).wait(2)
+    with pytest.raises(StartError, match="pod-resources API") as info:
+        node.kubelet.start_containers(pod)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    node.kubelet.restart()  # the API comes back with kubelet
+    node.kubelet.wait_ready([NAMES.core, NAMES.memory])
+    node.kubelet.start_containers(pod)
+
+
+def test_device_plugin_does_not_start_without_the_pod_resources_api(tmp_path: Path) -> None:
+    """Fail closed at start-up: no socket at --pod-resources-socket is one line naming the
+    flag, the path and the way out (exit 2); a socket that does not answer List too."""
+    import argparse
+
+    from k8s_bridge.cli import _pod_resources_socket
+    from qgpu.errors import RuleViolation
+    from tests.k8s.helpers import one_error_line, run_qgpu
+
+    missing = tmp_path / "kubelet.sock"
+    proc = run_qgpu(
+        "device-plugin",
+        "--node-name=n0",
+        f"--pod-resources-socket={missing}",
+        "--apiserver=http://127.0.0.1:9",
+    )
+    assert one_error_line(proc) == (
+        f"error: --pod-resources-socket {missing}: is not a socket (kubelet's pod-resources "
+        "API): mount kubelet's pod-resources directory into the plugin, or pass "
+        "--no-pod-resources-check to run without this check"
+    )
+    kubelet = FakeKubelet(Path(tempfile.mkdtemp(dir="/tmp", prefix="qs")) / "dp").start()
+    try:  # kubelet's Registration socket serves no PodResourcesLister
+        args = argparse.Namespace(
+            no_pod_resources_check=False,
+            pod_resources_socket=str(kubelet.socket),
+            pod_resources_wait=0.0,
+        )
+        with pytest.raises(RuleViolation, match="UNIMPLEMENTED"):
+            _pod_resources_socket(args)
+        args.pod_resources_socket = str(kubelet.pod_resources_socket)
+        assert _pod_resources_socket(args) == kubelet.pod_resources_socket
+        args.no_pod_resources_check = True
+        assert _pod_resources_socket(args) is None
+    finally:
         kubelet.stop()

@@ -265,7 +265,12 @@ def node_with_plugin(apiserver: FakeApiserver) -> Iterator[dict]:
 
     def new_plugin() -> QgpuDevicePlugin:
         p = QgpuDevicePlugin(
-            PluginConfig(node_name="n0", plugin_dir=kl.dir, poll_s=0.05),
+            PluginConfig(
+                node_name="n0",
+                plugin_dir=kl.dir,
+                poll_s=0.05,
+                pod_resources_socket=kl.pod_resources_socket,
+            ),
             Kube(apiserver.client(), NAMES),
             inv,
             AllocationPaths(state_dir=tmp / "state", hook_library=hook),

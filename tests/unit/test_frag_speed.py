@@ -7,15 +7,20 @@ place. Each is a speed change only: here the fast policy and a reference that ru
 full measure on every GPU and prepares nothing are driven through the same random clusters
 and request streams (host CPU and memory that bind on some nodes, whole GPUs, multi-GPU
 shares, model constraints, releases), and every score array must be equal bit for bit and
-every decision the same; the knapsack is checked against its earlier form, kept here.
+every decision the same; the knapsack is checked against its earlier form, kept here, and
+the pricing LP solved through `highspy` against scipy's `linprog`, which solved it before
+(the same HiGHS inside; where the optimal prices are not unique, another solver path gives
+other prices, so equal prices are not a given).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
+from scipy.optimize import linprog
 
 from qgpu import gap_prices
 from qgpu.errors import NoFit
@@ -182,3 +187,63 @@ def test_copies_match_integer_division(gpus: int) -> None:
     n = np.minimum(c // policy.k_core[None, :], m // np.maximum(policy.k_mem, 1)[None, :])
     want = np.minimum(n, np.clip(room, 0, 255)[:, None]).astype(np.float64)
     assert got.tobytes() == want.tobytes()
+
+
+def _solve_by_linprog(*lp: Any) -> tuple[np.ndarray, float, float]:
+    """`gap_prices._solve` as it was before highspy: the same LP through scipy's linprog."""
+    columns, sizes, demand, counts, whole_demand, gpus = lp
+    patterns = np.stack(columns, axis=1)
+    n_pat, n_whole = patterns.shape[1], len(counts)
+    fill = np.concatenate([sizes @ patterns, 100 * np.asarray(counts, dtype=float)])
+    a_ub = np.zeros((len(sizes) + 1, n_pat + n_whole))
+    a_ub[: len(sizes), :n_pat] = patterns
+    a_ub[-1, :n_pat] = 1.0
+    a_ub[-1, n_pat:] = counts
+    b_ub = np.concatenate([demand, [gpus]])
+    bounds = [(0, None)] * n_pat + [(0, float(w)) for w in whole_demand]
+    res = linprog(-fill, A_ub=a_ub, b_ub=b_ub, bounds=bounds, method="highs")
+    assert res.status == 0
+    duals = -np.asarray(res.ineqlin.marginals)
+    return np.maximum(duals[:-1], 0.0), max(float(duals[-1]), 0.0), float(-res.fun)
+
+
+def _random_mix(rng: np.random.Generator) -> tuple[dict[int, float], dict[int, float], int]:
+    """Share sizes (often ones that divide 100 or each other: degenerate LPs), weights (often
+    small integers: ties), whole-GPU counts and a slice limit."""
+    k = int(rng.integers(1, 9))
+    pool = [5, 10, 20, 25, 30, 40, 50, 60, 70, 75, 80] if rng.random() < 0.5 else range(1, 100)
+    sizes = rng.choice(np.asarray(pool), size=min(k, len(pool)), replace=False)
+    weights = rng.integers(1, 4, len(sizes)) if rng.random() < 0.4 else rng.random(len(sizes))
+    whole: dict[int, float] = {}
+    if rng.random() < 0.5:
+        for g in rng.choice([1, 2, 4, 8], size=int(rng.integers(1, 3)), replace=False):
+            whole[int(g)] = float(rng.integers(1, 4) if rng.random() < 0.3 else rng.random())
+    shares = {int(c): float(w) for c, w in zip(sizes, weights, strict=True)}
+    return shares, whole, int(rng.choice([1, 2, 3, 4, 7, 8, 16]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_highspy_prices_as_linprog_did(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every LP of the column generation: the same prices, GPU value and objective bit for
+    bit; and so the same patterns, gap values and everything else `price_gaps` returns."""
+    solve = gap_prices._solve
+    solved = []
+
+    def both(*lp):  # type: ignore[no-untyped-def]
+        got, want = solve(*lp), _solve_by_linprog(*lp)
+        assert got[0].tobytes() == want[0].tobytes() and got[1:] == want[1:]
+        solved.append(lp)
+        return got
+
+    monkeypatch.setattr(gap_prices, "_priced", gap_prices._priced.__wrapped__)  # no memo
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        shares, whole, max_items = _random_mix(rng)
+        monkeypatch.setattr(gap_prices, "_solve", both)
+        got = gap_prices.price_gaps(shares, whole, max_items)
+        monkeypatch.setattr(gap_prices, "_solve", _solve_by_linprog)
+        want = gap_prices.price_gaps(shares, whole, max_items)
+        assert got.by_room.tobytes() == want.by_room.tobytes()
+        assert (got.price, got.reduced, got.gpu_value) == (want.price, want.reduced, want.gpu_value)
+        assert (got.patterns, got.filled) == (want.patterns, want.filled)
+    assert len(solved) > 80  # column generation took more than one round on many mixes

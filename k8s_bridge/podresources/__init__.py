@@ -1,0 +1,1 @@
+"""Vendored kubelet APIs other than the device plugin's (the pod-resources API)."""
