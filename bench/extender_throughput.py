@@ -52,17 +52,17 @@ SHAPES: list[tuple[int, int | None]] = [
 ]
 
 
-def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
+def cluster_nodes(nodes: int, gpus: int) -> list[dict[str, Any]]:
+    """The bench's Node objects: `nodes` nodes of `gpus` H100s, each publishing its
+    inventory (also `bench/extender_decisions.py`'s cluster)."""
     from k8s_bridge.protocol import PublishedInventory
     from k8s_bridge.resources import Names
     from qgpu.model import GpuDevice
-    from tests.fakes.apiserver import FakeApiserver, node_object
-    from tests.k8s.helpers import pod_object
+    from tests.fakes.apiserver import node_object
 
-    names = Names()
-    srv = FakeApiserver()
+    ann = Names().inventory_annotation
+    out = []
     for n in range(nodes):
-        name = f"node-{n:04d}"
         inv = PublishedInventory(
             gpus=[
                 GpuDevice(
@@ -76,8 +76,17 @@ def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
             max_slices_per_gpu=16,
             published_at=0,
         )
-        ann = {names.inventory_annotation: inv.model_dump_json()}
-        srv.store.create("nodes", node_object(name, None, **ann))
+        out.append(node_object(f"node-{n:04d}", None, **{ann: inv.model_dump_json()}))
+    return out
+
+
+def _apiserver(nodes: int, gpus: int, pods: int, out: Any) -> None:
+    from tests.fakes.apiserver import FakeApiserver
+    from tests.k8s.helpers import pod_object
+
+    srv = FakeApiserver()
+    for node in cluster_nodes(nodes, gpus):
+        srv.store.create("nodes", node)
     for i in range(pods):
         pod = pod_object(f"pod-{i:05d}", [SHAPES[i % len(SHAPES)]])
         pod["spec"]["schedulerName"] = "qgpu-scheduler"

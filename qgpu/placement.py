@@ -330,7 +330,8 @@ class Policy(ABC):
 
     `node_scores` may look at `view.gpu_mask` (the GPUs that fit) to score a node by its
     best GPU, as the fragmentation-aware policy does; `gpu_scores` is then called with the
-    same view for the chosen node.
+    same view for the chosen node. When only one node can take the request, `decide` does
+    not call `node_scores` at all: `gpu_scores` must not depend on it having run.
     """
 
     name: str
@@ -636,7 +637,10 @@ class Engine:
                 reasons["host CPU or memory (nodes)"] = host_short
             raise NoFit(_no_fit_message(req, reasons), reasons)
         view = CandidateView(s, req, mask, req.core_per_gpu, memory, node_ids)
-        node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])
+        if len(node_ids) == 1:  # one node can take it (a request pinned to a node's GPUs,
+            node = int(node_ids[0])  # as the extender places a pod): nothing to rank
+        else:
+            node = int(node_ids[int(np.argmax(node_policy.node_scores(view)))])
         start = int(s.node_start[node])
         local = np.flatnonzero(mask[start : start + int(s.node_gpu_count[node])]) + start
         scores = gpu_policy.gpu_scores(view, local)
