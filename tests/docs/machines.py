@@ -20,7 +20,9 @@ namespaces, not containers or VMs, and need no root:
   fail at once instead of after the resolver's timeouts).
 
 The rest of the file system (the repository, its ``.venv``) is shared, as a fleet built
-from one image shares its software. A machine's first process is a shell reading its
+from one image shares its software; where the checkout, its venv or the interpreter lie
+under one of the private directories (a clone in ``/tmp``), each machine gets them bound
+back at the same path. A machine's first process is a shell reading its
 commands from the test: if the test dies, the shell reads end-of-file and exits, and the
 machine's processes end with it. Where user namespaces (or veth/bridge devices in them)
 are not allowed, `problem()` says why in one line, naming the command and its error.
@@ -33,6 +35,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from functools import cache
@@ -50,13 +53,23 @@ MACHINE_NS = [
 SETUP = r"""
 set -e
 name=$1 addr=$2 link=$3 io=$4 etc=$5
+shift 5  # the rest: host paths under those mounted below that the machine must see
 exec 2>"$io/.setup.log"
+i=0
+for keep in "$@"; do  # held aside before the private mounts can hide them
+    mkdir -p "$io/.keep/$i"; mount --rbind "$keep" "$io/.keep/$i"; i=$((i + 1))
+done
 mount --bind "$etc/hosts" /etc/hosts
 mount --bind "$etc/resolv.conf" /etc/resolv.conf
-mount --bind "$io" /tmp
+mount --rbind "$io" /tmp  # with the paths held aside under it
 mount -t tmpfs machine-run /run
 mount -t tmpfs machine-var-lib /var/lib
 mount -t tmpfs machine-shm /dev/shm
+i=0
+for keep in "$@"; do  # put back where it was (e.g. a checkout under /tmp)
+    mkdir -p "$keep"; mount --rbind "/tmp/.keep/$i" "$keep"
+    i=$((i + 1))
+done
 hostname "$name"
 ip link set lo up
 n=0; until ip link show "$link" >/dev/null 2>&1; do
@@ -70,6 +83,20 @@ exec 2>&1
 set +e
 exec bash --noprofile --norc
 """
+
+
+PRIVATE = ("/tmp", "/run", "/var/lib", "/dev/shm")  # each machine's own (SETUP mounts them)
+
+
+def _kept_paths(cwd: Path) -> list[str]:
+    """What the machines run from (the checkout, the venv, the interpreter) where it lies
+    under a directory a machine makes private (a clone in /tmp, as CI's may be): SETUP
+    puts these back, so every machine still sees them."""
+    used = {cwd.resolve(), Path(sys.prefix), Path(sys.base_prefix)}
+    used.add(Path(sys.executable).resolve().parent)
+    hidden = {p for p in used if any(p.is_relative_to(d) for d in PRIVATE)}
+    # a path inside another kept one comes along with it
+    return sorted(str(p) for p in hidden if not any(p != q and p.is_relative_to(q) for q in hidden))
 
 
 def _run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -169,6 +196,7 @@ class Machines:
                 "eth0",
                 str(io),
                 str(self.root / ".etc"),
+                *_kept_paths(self.cwd),
             ],
             cwd=self.cwd,
             env=env,
