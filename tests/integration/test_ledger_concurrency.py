@@ -45,8 +45,13 @@ def _worker(path: str, seed: int, out: mp.Queue) -> None:
     out.put((seed, held, reserved, released, nofit))
 
 
-def _auditor(path: str, stop, out: mp.Queue) -> None:
+def _auditor(path: str, ready, go, stop, out: mp.Queue) -> None:
+    """Samples the ledger from `go` (the workers are started) until `stop`; `ready` once it
+    has the ledger open, so its start-up never overlaps the workers' run."""
     ledger = Ledger(path, synchronous="NORMAL")
+    ledger.usage()
+    ready.set()
+    go.wait()
     samples = violations = 0
     while not stop.is_set():
         for usage in ledger.usage():
@@ -80,12 +85,16 @@ def test_eight_processes_never_overcommit(tmp_path):
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     audit_q: mp.Queue = ctx.Queue()
-    stop = ctx.Event()
-    auditor = ctx.Process(target=_auditor, args=(path, stop, audit_q))
+    ready, go, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    auditor = ctx.Process(target=_auditor, args=(path, ready, go, stop, audit_q))
     auditor.start()
+    # a spawned auditor can take longer to start than the workers take to finish: without
+    # this wait it sampled nothing in a fresh-clone run
+    assert ready.wait(timeout=120)
     procs = [ctx.Process(target=_worker, args=(path, s, results)) for s in range(WORKERS)]
     for p in procs:
         p.start()
+    go.set()
     outcomes = [results.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(timeout=30)
