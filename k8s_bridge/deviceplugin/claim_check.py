@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from k8s_bridge.deviceplugin.claim_record import ClaimRecord
-from k8s_bridge.deviceplugin.claims import Candidate
+from k8s_bridge.deviceplugin.claims import Candidate, claim_patch
 from k8s_bridge.deviceplugin.pod_resources import ContainerRef, PodResourcesClient, owner_in
 from k8s_bridge.kube import Conflict, Kube, KubeError
 from k8s_bridge.protocol import Kind, load_allocated
@@ -179,14 +179,10 @@ class ClaimCheck:
             new = change(old)
             if new == old:
                 return
-            body = {
-                "metadata": {
-                    "resourceVersion": meta.get("resourceVersion"),
-                    "annotations": {ann: new},
-                }
-            }
             try:
-                self.kube.patch_pod(namespace, name, body)
+                self.kube.patch_pod(
+                    namespace, name, claim_patch(self.names, meta.get("resourceVersion"), new)
+                )
                 return
             except Conflict:
                 continue

@@ -127,6 +127,17 @@ def pending_pods(
     return out
 
 
+def claim_patch(names: Names, resource_version: str | None, text: str | None) -> dict[str, Any]:
+    """The merge patch that sets a pod's claim annotation to `text`, only if the pod is
+    still at `resource_version` (else the apiserver answers 409: read it again)."""
+    return {
+        "metadata": {
+            "resourceVersion": resource_version,
+            "annotations": {names.allocated_annotation: text},
+        }
+    }
+
+
 def merge_claims(annotated: Allocated, record: Allocated | None) -> Allocated:
     """The plugin's record of a pod's claims, plus what only the annotation has (a claim
     the plugin wrote to the apiserver but died before recording, or an older plugin's):

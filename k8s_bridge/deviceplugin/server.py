@@ -45,7 +45,13 @@ from k8s_bridge.deviceplugin.allocation import (
 )
 from k8s_bridge.deviceplugin.claim_check import ClaimCheck, Misclaimed
 from k8s_bridge.deviceplugin.claim_record import ClaimRecord
-from k8s_bridge.deviceplugin.claims import claimed, claimed_match, matching, pending_pods
+from k8s_bridge.deviceplugin.claims import (
+    claim_patch,
+    claimed,
+    claimed_match,
+    matching,
+    pending_pods,
+)
 from k8s_bridge.deviceplugin.pod_resources import (
     DEFAULT_POD_RESOURCES_SOCKET,
     PodResourcesClient,
@@ -500,12 +506,9 @@ class QgpuDevicePlugin:
                 c = found[0]
                 resp = self._response(c, kind)
                 claim = c.allocated.with_claim(c.container, kind, ids)
-                body = {
-                    "metadata": {
-                        "resourceVersion": c.pod.metadata.resource_version,
-                        "annotations": {self.names.allocated_annotation: claim.model_dump_json()},
-                    }
-                }
+                body = claim_patch(
+                    self.names, c.pod.metadata.resource_version, claim.model_dump_json()
+                )
                 try:
                     self.kube.patch_pod(c.pod.metadata.namespace, c.pod.metadata.name, body)
                 except Conflict:
