@@ -22,6 +22,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -106,6 +107,20 @@ class GpuProcess:
     used_memory_bytes: int | None
 
 
+@dataclass(frozen=True)
+class UtilSample:
+    """A process's newest NVML SM-utilisation sample: the percent of one sampling period
+    (about 100 ms on NVIDIA's driver) the device spent on its work, and when that period
+    ended (microseconds since the epoch, NVML's clock)."""
+
+    sm_util: int
+    at_us: int
+
+
+# How far back process_utilization looks for each process's newest sample.
+UTIL_WINDOW_US = 2_000_000
+
+
 class GpuBackend(Protocol):
     """What the agent needs from a GPU source (NVML, simulated NVML, or a test double)."""
 
@@ -118,7 +133,7 @@ class GpuBackend(Protocol):
 
     def processes(self) -> list[GpuProcess]: ...
 
-    def process_utilization(self) -> dict[tuple[str, int], int]: ...
+    def process_utilization(self) -> dict[tuple[str, int], UtilSample]: ...
 
     def close(self) -> None: ...
 
@@ -165,7 +180,6 @@ class NvmlBackend:
     _xid: dict[str, str] = field(default_factory=dict, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _xid_thread: threading.Thread | None = field(default=None, repr=False)
-    _util_seen: dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         try:
@@ -259,20 +273,24 @@ class NvmlBackend:
                         out[key] = GpuProcess(uuid, int(proc.pid), None if used is None else total)
         return list(out.values())
 
-    def process_utilization(self) -> dict[tuple[str, int], int]:
-        """SM utilisation (percent) per (device, pid) since the previous call."""
-        out: dict[tuple[str, int], int] = {}
+    def process_utilization(self) -> dict[tuple[str, int], UtilSample]:
+        """Each GPU process's newest SM-utilisation sample from the last
+        `UTIL_WINDOW_US`, per (device, pid). Stateless: the metrics and the watchdog each
+        see every sample (a remembered "last seen" would hand each sample to one reader)."""
+        out: dict[tuple[str, int], UtilSample] = {}
+        since = max(0, int(time.time() * 1_000_000) - UTIL_WINDOW_US)
         with self._nvml():
             for _i, handle in self._handles():
                 uuid = _nvml_str(pynvml.nvmlDeviceGetUUID(handle))
-                since = self._util_seen.get(uuid, 0)
                 samples = _optional(
-                    lambda h=handle, s=since: pynvml.nvmlDeviceGetProcessUtilization(h, s)
+                    lambda h=handle: pynvml.nvmlDeviceGetProcessUtilization(h, since)
                 )
                 for sample in samples or []:
                     key = (uuid, int(sample.pid))
-                    out[key] = max(out.get(key, 0), int(sample.smUtil))
-                    self._util_seen[uuid] = max(self._util_seen.get(uuid, 0), int(sample.timeStamp))
+                    at = int(sample.timeStamp)
+                    prev = out.get(key)
+                    if prev is None or at > prev.at_us:
+                        out[key] = UtilSample(int(sample.smUtil), at)
         return out
 
     def _start_xid_watch(self) -> None:

@@ -86,6 +86,7 @@ CONFIG_FLAGS = {
     "gpu_placement": "--gpu-placement",
     "reconcile_interval_s": "--reconcile-interval",
     "watchdog_interval_s": "--watchdog-interval",
+    "watchdog_core_margin": "--watchdog-core-margin",
     "enforcement": "--enforcement",
     "mps_control": "--mps-control",
     "hook_path": "--hook-path",
@@ -110,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "watchdog_interval_s": args.watchdog_interval,
         "watchdog_kill": args.watchdog_kill,
         "watchdog_grace_s": args.watchdog_grace,
+        "watchdog_core_margin": args.watchdog_core_margin,
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
@@ -273,6 +275,14 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         metavar="SECONDS",
         help="how long a slice may stay over its cap before the watchdog kills",
+    )
+    p.add_argument(
+        "--watchdog-core-margin",
+        type=int,
+        default=15,
+        metavar="POINTS",
+        help="percentage points a fixed-share slice's measured SM use (NVML) may exceed its "
+        "core before it counts as over its cap (a bypass of the compute gate); 1..100",
     )
     p.add_argument(
         "--enforcement",

@@ -70,6 +70,13 @@ class AgentConfig(BaseModel):
     watchdog_grace_s: float = Field(
         default=10.0, ge=0, description="how long a slice may stay over its cap before a kill"
     )
+    watchdog_core_margin: int = Field(
+        default=15,
+        ge=1,
+        le=100,
+        description="percentage points a fixed-share slice's measured SM use may exceed its "
+        "core before the watchdog counts it over (100: never)",
+    )
     enforcement: Enforcement = "interposer"
     mps_control: str = "nvidia-cuda-mps-control"
     hook_path: Path | None = None

@@ -168,16 +168,25 @@ class AgentCollector(Collector):
             "Scans that found a slice's process over the slice's memory cap (a bypass)",
             labels=["node", "device_uuid", "slice"],
         )
+        over_core = CounterMetricFamily(
+            "qgpu_watchdog_over_core",
+            "Processes found in a fixed-share slice over its core plus the margin for the "
+            "grace (launches that bypassed the compute gate), one per process and episode",
+            labels=["node", "device_uuid", "slice"],
+        )
         kills = CounterMetricFamily(
             "qgpu_watchdog_kills",
-            "Processes the watchdog killed for exceeding their cap",
+            "Processes the watchdog killed for exceeding their cap (memory or core)",
             labels=["node", "device_uuid", "slice"],
         )
         with agent.counters._lock:
             over_counts = dict(agent.counters.watchdog_over_cap)
+            core_counts = dict(agent.counters.watchdog_over_core)
             kill_counts = dict(agent.counters.watchdog_kills)
         for (uuid, sid), n in sorted(over_counts.items()):
             over.add_metric([agent.node, uuid, sid], n)
+        for (uuid, sid), n in sorted(core_counts.items()):
+            over_core.add_metric([agent.node, uuid, sid], n)
         for (uuid, sid), n in sorted(kill_counts.items()):
             kills.add_metric([agent.node, uuid, sid], n)
         unowned = GaugeMetricFamily(
@@ -205,7 +214,7 @@ class AgentCollector(Collector):
                     )
             for (uuid, sid), n in sorted(per_slice.items()):
                 current.add_metric([agent.node, uuid, sid], n)
-        yield from (over, kills, unowned, current)
+        yield from (over, over_core, kills, unowned, current)
 
 
 KNOWN_ROUTES = ("/v1/node", "/v1/devices", "/v1/slices", "/v1/health", "/metrics")

@@ -163,7 +163,12 @@ def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent
             raise
         rule = f"must be a writable directory with free space: {storage_reason(exc)}"
         raise RuleViolation("state_dir", str(config.state_dir), rule) from None
-    agent.watchdog = Watchdog(agent, kill=config.watchdog_kill, grace_s=config.watchdog_grace_s)
+    agent.watchdog = Watchdog(
+        agent,
+        kill=config.watchdog_kill,
+        grace_s=config.watchdog_grace_s,
+        core_margin=config.watchdog_core_margin,
+    )
     return agent
 
 

@@ -62,7 +62,13 @@ from enforcement.agent.reconcile import (
     proc_start_time,
 )
 from enforcement.agent.slice_stats import BusyRate, read_ledger_file, read_slice_ledger
-from enforcement.discovery import DeviceTelemetry, GpuBackend, GpuProcess, discover
+from enforcement.discovery import (
+    DeviceTelemetry,
+    GpuBackend,
+    GpuProcess,
+    UtilSample,
+    discover,
+)
 from enforcement.native import HOOK_LIBRARY
 from enforcement.state_tree import Identity, StateTree, process_identity
 from qgpu.errors import QgpuError, RuleViolation
@@ -135,6 +141,7 @@ class Counters:
     reconcile_released: int = 0
     watchdog_over_cap: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_kills: Counter[tuple[str, str]] = field(default_factory=Counter)
+    watchdog_over_core: Counter[tuple[str, str]] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, key: object, n: int = 1) -> None:
@@ -531,7 +538,8 @@ class Agent:
     def _limits_path(self, slice_id: str) -> Path:
         return self.tree.files(slice_id).limits_file
 
-    def _enforcement(self, alloc: Allocation) -> str:
+    def enforcement_of(self, alloc: Allocation) -> str:
+        """How a slice is capped on this node: none (whole GPUs), mps or interposer."""
         if alloc.is_whole_gpu:
             return "none"
         return "mps" if self.mps is not None else "interposer"
@@ -554,7 +562,7 @@ class Agent:
 
     def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
         """An interposer slice's directory, ledger and limits file (idempotent)."""
-        if self._enforcement(alloc) != "interposer":
+        if self.enforcement_of(alloc) != "interposer":
             return
         self.tree.create(alloc.slice_id, who)
         # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
@@ -563,7 +571,7 @@ class Agent:
 
     def reservation(self, alloc: Allocation, attrs: SliceAttrs | None = None) -> Reservation:
         attrs = self.ledger.attrs(alloc.slice_id) if attrs is None else attrs
-        enforcement = self._enforcement(alloc)
+        enforcement = self.enforcement_of(alloc)
         limits_file: str | None = None
         slice_dir: str | None = None
         if enforcement == "none":
@@ -657,12 +665,15 @@ class Agent:
         return SliceList(node=self.node, slices=out)
 
     def _usage(
-        self, alloc: Allocation, mine: list[GpuProcess], utils: dict[tuple[str, int], int]
+        self,
+        alloc: Allocation,
+        mine: list[GpuProcess],
+        utils: dict[tuple[str, int], UtilSample],
     ) -> SliceUsage:
         """The interposer's shared ledger when the slice has one, with NVML per process."""
         pids = {p.pid for p in mine}
         mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
-        if self._enforcement(alloc) == "interposer" and is_slice_id(alloc.slice_id):
+        if self.enforcement_of(alloc) == "interposer" and is_slice_id(alloc.slice_id):
             led = read_slice_ledger(self.config.slices_dir, alloc.slice_id)
             if led is not None:
                 # NVML's per-process numbers also see memory that bypassed the interposer.
@@ -676,7 +687,9 @@ class Agent:
                     pids=sorted(pids | set(led.pids)),
                     source="interposer",
                 )
-        core = [utils[(p.device_uuid, p.pid)] for p in mine if (p.device_uuid, p.pid) in utils]
+        core = [
+            utils[(p.device_uuid, p.pid)].sm_util for p in mine if (p.device_uuid, p.pid) in utils
+        ]
         return SliceUsage(
             memory_used_bytes=sum(mem) if mine else 0,
             core_used_percent=float(sum(core)) if core or not mine else None,

@@ -11,6 +11,18 @@ With ``kill`` enabled, the slice's largest processes are SIGKILLed, largest firs
 the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Processes that belong to
 no slice are logged once each and exposed as ``qgpu_watchdog_unowned_processes``.
 Whole-GPU slices own their card: no cap.
+
+Compute has the same backstop. The interposer's compute gate runs inside the tenant's own
+process, so a process that launches through the raw driver (found in libcuda's symbol
+table) is never gated. Each scan also reads every process's newest NVML SM-utilisation
+sample; a fixed-share slice (interposer enforcement) whose processes together use more
+than its core plus ``core_margin`` percentage points in every new sample for at least the
+grace (and at least two samples) is over its core: reported as
+``qgpu.watchdog.over_core`` (``qgpu_watchdog_over_core_total``) and, where the kill
+policy covers the slice, its busiest processes are killed until the rest fit. Burst-share
+slices may legitimately run above their share when the GPU is otherwise idle, best-effort
+slices have no share, and under MPS the cap is a share of SMs, not of time: none of
+those is checked.
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from enforcement.agent.config import WatchdogKill
-from enforcement.discovery import GpuProcess
+from enforcement.discovery import GpuProcess, UtilSample
 from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
 
@@ -46,10 +58,33 @@ class OverCap:
     action: str  # reported | killed | kill-failed
 
 
+@dataclass(frozen=True)
+class OverCore:
+    device_uuid: str
+    slice_id: str
+    pid: int
+    util_percent: int
+    slice_util_percent: int
+    core_percent: int
+    action: str  # reported | killed | kill-failed
+
+
+@dataclass
+class _CoreWatch:
+    """A slice's compute check between scans: the newest sample it judged, and since when
+    (and over how many samples) it has been over its core."""
+
+    last_sample_us: int
+    over_since: float | None = None
+    samples_over: int = 0
+    reported: set[int] = field(default_factory=set)  # pids logged in this episode
+
+
 @dataclass
 class WatchdogReport:
     at: float
     over_cap: list[OverCap] = field(default_factory=list)
+    over_core: list[OverCore] = field(default_factory=list)
     unowned: list[GpuProcess] = field(default_factory=list)
 
 
@@ -60,12 +95,15 @@ class Watchdog:
         *,
         kill: WatchdogKill = "off",
         grace_s: float = 0.0,
+        core_margin: int = 15,
         killer: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent = agent
         self.kill = kill
         self.grace_s = grace_s
+        self.core_margin = core_margin
+        self._core: dict[str, _CoreWatch] = {}  # slice -> its compute check
         self._killer = killer
         self._clock = clock
         self._seen_unowned: set[tuple[str, int]] = set()
@@ -144,6 +182,7 @@ class Watchdog:
                     )
                 )
         self._seen_over = {(e.slice_id, e.pid) for e in report.over_cap if e.action == "reported"}
+        self._check_compute(allocs, by_slice, report, now)
         self._over_since = {k: v for k, v in self._over_since.items() if k in over_now}
         current = {(p.device_uuid, p.pid) for p in unowned}
         for proc in unowned:
@@ -164,6 +203,111 @@ class Watchdog:
         self.last = report
         return report
 
+    def _check_compute(
+        self,
+        allocs: list[Allocation],
+        by_slice: dict[str, list[GpuProcess]],
+        report: WatchdogReport,
+        now: float,
+    ) -> None:
+        agent = self.agent
+        watched = [
+            a
+            for a in allocs
+            if a.isolation is IsolationPolicy.FIXED_SHARE
+            and agent.enforcement_of(a) == "interposer"
+        ]
+        if not watched:
+            self._core.clear()
+            return
+        try:
+            utils = agent.backend.process_utilization()
+        except Exception as exc:  # NVML can fail in many ways: judge again at the next scan
+            log.warning("watchdog could not read process utilisation: %s", exc)
+            return
+        live: set[str] = set()
+        for alloc in watched:
+            uuid = alloc.gpu_uuids[0]
+            mine = [
+                (p.pid, utils[(uuid, p.pid)])
+                for p in by_slice.get(alloc.slice_id, [])
+                if p.device_uuid == uuid and (uuid, p.pid) in utils
+            ]
+            if not mine:
+                continue
+            live.add(alloc.slice_id)
+            newest = max(sample.at_us for _pid, sample in mine)
+            watch = self._core.get(alloc.slice_id)
+            if watch is not None and newest <= watch.last_sample_us:
+                continue  # no new sample since the last scan: nothing new to judge
+            if watch is None:
+                watch = self._core[alloc.slice_id] = _CoreWatch(newest)
+            watch.last_sample_us = newest
+            used = min(100, sum(sample.sm_util for _pid, sample in mine))
+            if used <= alloc.core + self.core_margin:
+                watch.over_since, watch.samples_over = None, 0
+                watch.reported.clear()
+                continue
+            if watch.over_since is None:
+                watch.over_since = now
+            watch.samples_over += 1
+            kill = (
+                self.kills_for(alloc)
+                and watch.samples_over >= 2
+                and now - watch.over_since >= self.grace_s
+            )
+            self._report_over_core(alloc, mine, used, kill, watch, report)
+            if kill:
+                watch.over_since, watch.samples_over = None, 0
+                watch.reported.clear()
+        self._core = {k: v for k, v in self._core.items() if k in live}
+
+    def _report_over_core(
+        self,
+        alloc: Allocation,
+        mine: list[tuple[int, UtilSample]],
+        used: int,
+        kill: bool,
+        watch: _CoreWatch,
+        report: WatchdogReport,
+    ) -> None:
+        """Report (and with `kill`, end) a slice over its core: its busiest processes
+        first, until what is left fits the core plus the margin."""
+        agent = self.agent
+        uuid = alloc.gpu_uuids[0]
+        remaining = used
+        for pid, sample in sorted(mine, key=lambda m: m[1].sm_util, reverse=True):
+            action = "reported"
+            if kill and remaining > alloc.core + self.core_margin and sample.sm_util > 0:
+                action = self._kill(pid)
+                if action == "killed":
+                    remaining -= sample.sm_util
+                    agent.counters.add("watchdog_kills", (uuid, alloc.slice_id))
+            event = OverCore(uuid, alloc.slice_id, pid, sample.sm_util, used, alloc.core, action)
+            report.over_core.append(event)
+            if action == "reported" and pid in watch.reported:
+                continue  # logged at an earlier scan of this episode: no new event
+            watch.reported.add(pid)
+            agent.counters.add("watchdog_over_core", (uuid, alloc.slice_id))
+            log.warning(
+                json.dumps(
+                    {
+                        "event": "qgpu.watchdog.over_core",
+                        "node": agent.node,
+                        "device_uuid": uuid,
+                        "slice": alloc.slice_id,
+                        "owner": f"{alloc.owner.kind.value}:{alloc.owner.id}",
+                        "pid": pid,
+                        "util_percent": sample.sm_util,
+                        "slice_util_percent": used,
+                        "core_percent": alloc.core,
+                        "margin_percent": self.core_margin,
+                        "action": action,
+                    },
+                    sort_keys=True,
+                )
+            )
+
     def _kill(self, pid: int) -> str:
         if pid <= 1 or pid == os.getpid():
             return "kill-failed"
@@ -175,4 +319,4 @@ class Watchdog:
         return "killed"
 
 
-__all__ = ["OverCap", "Watchdog", "WatchdogReport"]
+__all__ = ["OverCap", "OverCore", "Watchdog", "WatchdogReport"]

@@ -18,7 +18,7 @@ import pytest
 from enforcement.agent.config import AgentConfig
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
-from enforcement.discovery import DeviceTelemetry, GpuProcess
+from enforcement.discovery import DeviceTelemetry, GpuProcess, UtilSample
 from qgpu.model import GpuDevice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ class FakeBackend:
     kind: str = "fake"
     workload_env: dict[str, str] = field(default_factory=dict)
     procs: list[GpuProcess] = field(default_factory=list)
-    util: dict[tuple[str, int], int] = field(default_factory=dict)
+    util: dict[tuple[str, int], UtilSample] = field(default_factory=dict)
     closed: bool = False
 
     def devices(self) -> list[GpuDevice]:
@@ -48,7 +48,7 @@ class FakeBackend:
     def processes(self) -> list[GpuProcess]:
         return list(self.procs)
 
-    def process_utilization(self) -> dict[tuple[str, int], int]:
+    def process_utilization(self) -> dict[tuple[str, int], UtilSample]:
         return dict(self.util)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from enforcement.agent.app import create_app
 from enforcement.agent.models import ReserveRequest
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
-from enforcement.discovery import GpuProcess
+from enforcement.discovery import GpuProcess, UtilSample
 from qgpu.model import Owner, OwnerKind, SliceRequest
 from tests.agent.conftest import FakeBackend
 
@@ -172,7 +172,7 @@ def test_processes_within_cap_and_owner_pid_attribution(
     uuid = agent.ledger.get(sid).gpu_uuids[0]
     stranger = spawn(children, None)
     backend.procs = [GpuProcess(uuid, owner_pid, 3 * GIB), GpuProcess(uuid, stranger, GIB)]
-    backend.util = {(uuid, owner_pid): 17}
+    backend.util = {(uuid, owner_pid): UtilSample(17, 1)}
     report = agent.watchdog.scan()
     assert report.over_cap == []
     assert [p.pid for p in report.unowned] == [stranger]
@@ -232,3 +232,92 @@ def test_metrics_names_labels_and_counters(agent: Agent, backend: FakeBackend) -
     assert timing[("POST", "/v1/slices", "201")] == 2
     assert timing[("POST", "/v1/slices", "409")] == 2
     assert timing[("DELETE", "/v1/slices/{slice_id}", "200")] == 2
+
+
+def test_a_fixed_share_slice_over_its_core_is_killed_after_the_grace(
+    agent: Agent, backend: FakeBackend, children: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NVML's samples of a 20 % fixed-share slice: over 20 + 15 in every new sample for the
+    grace (and at least two samples) -> its busiest process is killed, the other one left
+    because what remains fits. A scan that finds no new sample judges nothing."""
+    sid = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="fs"))
+    ).slice_id
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    busy, quiet = spawn(children, sid), spawn(children, sid)
+    backend.procs = [GpuProcess(uuid, busy, GIB), GpuProcess(uuid, quiet, GIB)]
+    now = [0.0]
+    wd = Watchdog(agent, kill="share", grace_s=5, clock=lambda: now[0])
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        for at, sample_us in ((0.0, 1), (3.0, 1), (4.0, 2), (5.0, 2), (6.0, 3)):
+            now[0] = at
+            backend.util = {
+                (uuid, busy): UtilSample(40, sample_us),
+                (uuid, quiet): UtilSample(10, sample_us),
+            }
+            seen.append({e.pid: e.action for e in wd.scan().over_core})
+    assert seen[0] == seen[2] == {busy: "reported", quiet: "reported"}
+    assert seen[1] == seen[3] == {}  # the same sample again: nothing new to judge
+    assert seen[4] == {busy: "killed", quiet: "reported"}  # 50 - 40 fits 20 + 15
+    children[0].wait(timeout=10)
+    assert children[0].returncode == -9 and children[1].poll() is None
+    events = [json.loads(r.getMessage()) for r in caplog.records]
+    over = [e for e in events if e["event"] == "qgpu.watchdog.over_core"]
+    assert [(e["pid"], e["action"]) for e in over] == [
+        (busy, "reported"),
+        (quiet, "reported"),
+        (busy, "killed"),
+    ]  # each process reported once per episode, then the kill
+    assert over[0]["slice_util_percent"] == 50 and over[0]["core_percent"] == 20
+    found = samples(agent)
+    assert value(found, "qgpu_watchdog_over_core_total", slice=sid) == 3
+    assert value(found, "qgpu_watchdog_kills_total", slice=sid) == 1
+
+
+def test_the_core_check_restarts_under_the_margin_and_skips_shares_that_may_burst(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    fixed, burst, best = (
+        agent.reserve(
+            ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation=iso))
+        ).slice_id
+        for iso in ("fs", "bs", "be")
+    )
+    uuid = agent.ledger.get(fixed).gpu_uuids[0]
+    pids = {sid: spawn(children, sid) for sid in (fixed, burst, best)}
+    backend.procs = [GpuProcess(uuid, pid, GIB) for pid in pids.values()]
+    now = [0.0]
+    wd = Watchdog(agent, kill="all", grace_s=2, core_margin=10, clock=lambda: now[0])
+    seen = []
+    # the fixed-share slice at 31 (over 20 + 10), 30 (within), then over again from t=3
+    for at, util in ((0.0, 31), (1.0, 30), (3.0, 31), (4.0, 31), (5.0, 31)):
+        now[0] = at
+        backend.util = {(uuid, pid): UtilSample(util, int(at) + 1) for pid in pids.values()}
+        seen.append([(e.slice_id, e.action) for e in wd.scan().over_core])
+    assert seen == [
+        [(fixed, "reported")],
+        [],
+        [(fixed, "reported")],
+        [(fixed, "reported")],
+        [(fixed, "killed")],
+    ]  # burst-share and best-effort at 31 of 20: never checked, even with kill=all
+    assert all(children[i].poll() is None for i in (1, 2))
+
+
+def test_kill_off_reports_a_slice_over_its_core_without_killing(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    sid = agent.reserve(
+        ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="fs"))
+    ).slice_id
+    uuid = agent.ledger.get(sid).gpu_uuids[0]
+    pid = spawn(children, sid)
+    backend.procs = [GpuProcess(uuid, pid, GIB)]
+    now = [0.0]
+    wd = Watchdog(agent, kill="off", grace_s=0, clock=lambda: now[0])
+    for at in range(4):
+        now[0] = float(at)
+        backend.util = {(uuid, pid): UtilSample(90, at + 1)}
+        assert [e.action for e in wd.scan().over_core] == ["reported"]
+    assert children[0].poll() is None

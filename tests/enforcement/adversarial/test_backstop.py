@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from enforcement.agent.client import AgentClient
+from enforcement.sim import busy_share, read_gpu_state
 from tests.agent.conftest import start_agent, stop_agent
 
-from ..conftest import CTX, Worker
+from ..conftest import CTX, Worker, start_burn, wait_ready
 from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs, spawn
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.slow
 INTERVAL = 0.3
 GRACE = 1.0
 BOUND = INTERVAL * 2 + GRACE  # over-cap seen at most one interval late, killed a grace later
+# compute: over from its first sample, killed once the samples span the grace
+COMPUTE_BOUND = INTERVAL * 3 + GRACE
 SLACK = 10.0  # this shared 2-core machine can stall a process for seconds
 
 
@@ -40,6 +43,7 @@ SLACK = 10.0  # this shared 2-core machine can stall a process for seconds
 class Guarded:
     client: AgentClient
     hostile_env: dict[str, str]
+    victim_env: dict[str, str]
     victim: Worker
     hostile_slice: str
     started: list[subprocess.Popen[str]] = field(default_factory=list)
@@ -49,9 +53,13 @@ class Guarded:
         self.started.append(proc)
         return Hostile(proc).read_until_ready()
 
-    def killed_within(self, hostile: Hostile, since: float) -> float:
+    def killed_within(self, hostile: Hostile, since: float, bound: float = BOUND) -> float:
         """Waits for the watchdog's SIGKILL; returns how long it took after `since`."""
-        assert hostile.proc.wait(timeout=BOUND + SLACK) == -9, hostile.finish()
+        try:
+            code = hostile.proc.wait(timeout=bound + SLACK)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == -9, f"not killed within {bound + SLACK} s: {hostile.finish()}"
         return time.monotonic() - since
 
     def kills(self) -> float:
@@ -89,8 +97,9 @@ def guarded(short_tmp: Path) -> Iterator[Guarded]:
         assert hostile.device_uuid == kept.device_uuid
         env = {**os.environ, **hostile.env}
         env["PYTHONPATH"] = os.pathsep.join([str(PROGRAMS), env.get("PYTHONPATH", "")])
-        victim = Worker({**os.environ, **kept.env}).start()
-        g = Guarded(client, env, victim, hostile.slice_id)
+        victim_env = {**os.environ, **kept.env}
+        victim = Worker(victim_env).start()
+        g = Guarded(client, env, victim_env, victim, hostile.slice_id)
         yield g
     finally:
         for proc in g.started if g else []:
@@ -141,3 +150,51 @@ def test_processes_that_zero_the_ledger_are_killed_until_the_slice_fits(
     assert sorted(h.proc.poll() or 0 for h in hostiles) == [-9, -9, 0]
     assert guarded.kills() == 2
     guarded.victim_gets_its_promise()
+
+
+def test_raw_launches_past_the_compute_gate_are_killed_by_the_watchdog(
+    guarded: Guarded, programs: Programs
+) -> None:
+    """The compute gate runs inside the tenant's process: launching through the raw
+    cuLaunchKernel from libcuda's symbol table skips it and time-slices the GPU evenly with
+    a saturating victim (about 50 % each where the hostile 25 % slice may have 25). Its
+    memory stays under the cap, so only the watchdog's compute check can end it: a
+    fixed-share slice measured over its core by more than the margin for the whole grace
+    is killed, and the victim gets its 75 % back."""
+    burner = start_burn(guarded.victim_env)
+    guarded.started.append(burner)
+    wait_ready([burner])
+    h = guarded.start([programs.c("raw_launch"), "2000000"])
+    assert h.one("found") == 1
+    since = time.monotonic()
+    config = guarded.victim_env["QGPU_SIM_CONFIG"]
+    before = read_gpu_state(config)
+    time.sleep(0.6)  # shorter than the grace: no kill can come before this is measured
+    escaped = 100 * busy_share(before, read_gpu_state(config), h.pid)
+    assert escaped >= 35, f"the raw launches got only {escaped:.1f} % (the escape did not work)"
+    took = guarded.killed_within(h, since, bound=COMPUTE_BOUND)
+    assert guarded.kills() == 1, took
+    before = read_gpu_state(config)
+    time.sleep(1.5)
+    share = 100 * busy_share(before, read_gpu_state(config), burner.pid)
+    assert share >= 72, f"victim got {share:.1f} % of its 75 % after the kill"
+
+
+def test_a_gated_slice_running_flat_out_is_never_counted_over_its_core(
+    guarded: Guarded,
+) -> None:
+    """The other side of the compute check: the hostile slice's own (hooked) launches, as
+    fast as it can beside a saturating victim, stay within its core plus the margin in
+    every NVML sample, so the watchdog neither reports nor kills it."""
+    burners = [start_burn(guarded.victim_env), start_burn(guarded.hostile_env)]
+    guarded.started.extend(burners)
+    wait_ready(burners)
+    time.sleep(COMPUTE_BOUND * 3)
+    assert all(b.poll() is None for b in burners)
+    assert guarded.kills() == 0
+    over = [
+        line
+        for line in guarded.client.metrics().splitlines()
+        if line.startswith("qgpu_watchdog_over_core_total{")
+    ]
+    assert over == [], over
