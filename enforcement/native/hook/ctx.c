@@ -6,7 +6,8 @@
  * hold at once (SMs x threads per SM). All of it is charged before the driver call (refused
  * with CUDA_ERROR_OUT_OF_MEMORY over the cap) and given back when the context is destroyed
  * (cuCtxDestroy, the last primary release, a primary reset, cuGreenCtxDestroy), together with
- * the allocations the driver frees with it. */
+ * the allocations the driver frees with it. A context on a device other than the slice's GPU
+ * is refused (CUDA_ERROR_INVALID_DEVICE). */
 #include "hook.h"
 
 #define MAX_DEVICES 64
@@ -42,6 +43,7 @@ static void context_gone(CUcontext ctx) {
 #define CTX_CREATE(name, params, args)                                                       \
     QGPU_EXPORT CUresult name params {                                                       \
         HOOK_ENTER(name, args);                                                              \
+        if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;                      \
         if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
         CUresult r = REAL(name)(args);                                                       \
         if (r != CUDA_SUCCESS || !pctx) {                                                    \
@@ -73,6 +75,7 @@ CTX_DESTROY(cuCtxDestroy_v2)
 
 QGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     HOOK_ENTER(cuDevicePrimaryCtxRetain, pctx, dev);
+    if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (dev < 0 || dev >= MAX_DEVICES) return REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
     pthread_mutex_lock(&primary_lock);
     int creates = !primary[dev].active;
@@ -132,6 +135,7 @@ PRIMARY_RESET(cuDevicePrimaryCtxReset_v2)
 QGPU_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, CUdevice dev,
                                       unsigned int flags) {
     HOOK_ENTER(cuGreenCtxCreate, out, desc, dev, flags);
+    if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = REAL(cuGreenCtxCreate)(out, desc, dev, flags);
     if (r != CUDA_SUCCESS || !out) {

@@ -28,7 +28,8 @@
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
-    X(cuMemPoolTrimTo) X(cuMemPoolDestroy)                                                   \
+    X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
+    X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
     X(cuEventSynchronize)                                                                    \
     X(cuGraphAddMemAllocNode) X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                 \
@@ -56,7 +57,7 @@
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
     X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
     X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
-    X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute) X(cuDeviceGetMemPool)          \
+    X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2)
@@ -112,6 +113,9 @@ extern QGPU_HIDDEN int g_hook_state;
 extern QGPU_HIDDEN int g_capped; /* compute gating on (fixed-/burst-share below 100) */
 QGPU_HIDDEN int hook_state(void); /* reads the limits on first use */
 QGPU_HIDDEN void hook_fail(const char *fmt, ...);
+/* A slice is one GPU: 1 when `dev` (or a device location) is not the slice's GPU. */
+QGPU_HIDDEN int hook_foreign_device(CUdevice dev);
+QGPU_HIDDEN int hook_foreign_location(const CUmemLocation *loc);
 
 /* ledger.c */
 QGPU_HIDDEN int ledger_open(const hook_limits_t *lim, char *err, size_t errlen);

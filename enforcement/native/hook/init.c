@@ -14,6 +14,8 @@ QGPU_HIDDEN int g_hook_state;
 QGPU_HIDDEN int g_capped;
 static pthread_once_t config_once = PTHREAD_ONCE_INIT;
 static pthread_once_t device_once = PTHREAD_ONCE_INIT;
+static int g_device_fenced;     /* the limits name the slice's GPU */
+static int g_slice_device = -1; /* its ordinal among the visible devices, once found */
 
 void hook_fail(const char *fmt, ...) {
     char line[1536];
@@ -62,7 +64,10 @@ static void load_config(void) {
         hook_fail("%s", err);
         return;
     }
-    if (g_lim.device_uuid[0]) region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
+    if (g_lim.device_uuid[0]) {
+        region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
+        __atomic_store_n(&g_device_fenced, 1, __ATOMIC_RELEASE);
+    }
     g_capped = g_lim.policy != POLICY_BEST_EFFORT && g_lim.core < 100;
     __atomic_store_n(&g_hook_state, HOOK_ACTIVE, __ATOMIC_RELEASE);
 }
@@ -74,20 +79,50 @@ int hook_state(void) {
     return __atomic_load_n(&g_hook_state, __ATOMIC_ACQUIRE);
 }
 
-/* After the real cuInit: the slice's device must be visible and big enough. */
-static void check_device(void) {
+/* The visible device whose UUID is `uuid` (the first device when `uuid` is empty; its UUID
+ * goes to `uuid_out`): its ordinal, -2 when no visible device has it, -1 when the driver
+ * cannot list its devices (not initialised). */
+static CUdevice visible_device(const char *uuid, char uuid_out[41]) {
     int n = 0;
-    if (!HAVE_REAL(cuDeviceGetCount) || REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS || n <= 0) return;
-    CUdevice found = -1;
-    char uuid[41] = "";
-    for (int i = 0; i < n && found < 0; i++) {
+    if (!HAVE_REAL(cuDeviceGetCount) || REAL(cuDeviceGetCount)(&n) != CUDA_SUCCESS || n <= 0)
+        return -1;
+    for (int i = 0; i < n; i++) {
         CUdevice d;
         CUuuid u;
         if (REAL(cuDeviceGet)(&d, i) != CUDA_SUCCESS || REAL(cuDeviceGetUuid)(&u, d) != CUDA_SUCCESS)
             continue;
-        qgpu_uuid_format((const unsigned char *)u.bytes, uuid);
-        if (!g_lim.device_uuid[0] || strcmp(uuid, g_lim.device_uuid) == 0) found = d;
+        qgpu_uuid_format((const unsigned char *)u.bytes, uuid_out);
+        if (!uuid[0] || strcmp(uuid_out, uuid) == 0) return d;
     }
+    return -2;
+}
+
+/* A slice is one GPU: when its limits name the GPU, every other device is refused
+ * (contexts, VMM memory and pools placed there). A process that drops CUDA_VISIBLE_DEVICES
+ * sees the node's other GPUs; without the fence it took memory on them. */
+
+int hook_foreign_device(CUdevice dev) {
+    if (!__atomic_load_n(&g_device_fenced, __ATOMIC_ACQUIRE)) return 0;
+    int mine = __atomic_load_n(&g_slice_device, __ATOMIC_ACQUIRE);
+    if (mine < 0) {
+        char uuid[41] = "";
+        mine = visible_device(g_lim.device_uuid, uuid);
+        if (mine == -1) return 0; /* the driver cannot answer yet: it refuses the call itself */
+        if (mine == -2) return 1; /* the slice's GPU is not visible: no device is the slice's */
+        __atomic_store_n(&g_slice_device, mine, __ATOMIC_RELEASE);
+    }
+    return dev != mine;
+}
+
+int hook_foreign_location(const CUmemLocation *loc) {
+    return loc && loc->type == CU_MEM_LOCATION_TYPE_DEVICE && hook_foreign_device(loc->id);
+}
+
+/* After the real cuInit: the slice's device must be visible and big enough. */
+static void check_device(void) {
+    char uuid[41] = "";
+    CUdevice found = visible_device(g_lim.device_uuid, uuid);
+    if (found == -1) return;
     if (found < 0) {
         hook_fail("QGPU_DEVICE_UUID=%s: no visible device has this UUID (rule: the slice's GPU "
                   "must be visible; CUDA_VISIBLE_DEVICES is set to it)", g_lim.device_uuid);

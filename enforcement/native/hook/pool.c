@@ -234,6 +234,36 @@ QGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     return r;
 }
 
+/* Pools placed on, or belonging to, a device other than the slice's GPU are refused
+ * (CUDA_ERROR_INVALID_DEVICE): allocating from one would take that GPU's memory. */
+QGPU_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    HOOK_ENTER(cuMemPoolCreate, pool, props);
+    if (props && hook_foreign_location(&props->location)) return CUDA_ERROR_INVALID_DEVICE;
+    return REAL(cuMemPoolCreate)(pool, props);
+}
+
+#define DEVICE_POOL(name)                                                                    \
+    QGPU_EXPORT CUresult name(CUmemoryPool *pool, CUdevice dev) {                            \
+        HOOK_ENTER(name, pool, dev);                                                         \
+        if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;                      \
+        return REAL(name)(pool, dev);                                                        \
+    }
+DEVICE_POOL(cuDeviceGetMemPool)
+DEVICE_POOL(cuDeviceGetDefaultMemPool)
+
+QGPU_EXPORT CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type) {
+    HOOK_ENTER(cuMemGetMemPool, pool, loc, type);
+    if (hook_foreign_location(loc)) return CUDA_ERROR_INVALID_DEVICE;
+    return REAL(cuMemGetMemPool)(pool, loc, type);
+}
+
+QGPU_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc,
+                                            int type) {
+    HOOK_ENTER(cuMemGetDefaultMemPool, pool, loc, type);
+    if (hook_foreign_location(loc)) return CUDA_ERROR_INVALID_DEVICE;
+    return REAL(cuMemGetDefaultMemPool)(pool, loc, type);
+}
+
 /* A destroyed pool frees what is unused now and the rest when its last allocation is freed,
  * which the hook cannot see: what is still in use stays charged until the process exits. */
 QGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
@@ -281,6 +311,7 @@ QGPU_EXPORT CUresult cuCtxSynchronize(void) {
 QGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                             size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
     HOOK_ENTER(cuGraphAddMemAllocNode, node, g, deps, ndeps, p);
+    if (p && hook_foreign_location(&p->poolProps.location)) return CUDA_ERROR_INVALID_DEVICE;
     CUresult r = REAL(cuGraphAddMemAllocNode)(node, g, deps, ndeps, p);
     if (r == CUDA_SUCCESS && p) {
         uint64_t have = 0, add = p->bytesize;

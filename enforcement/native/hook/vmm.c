@@ -4,7 +4,8 @@
  * unmapped (cuMemMap / cuMemUnmap). Releasing a handle that is still mapped (the pattern of
  * NVIDIA's own samples) keeps the charge until the last unmap. A handle mapped into a sparse
  * array (cuMemMapArrayAsync) keeps its charge until the process exits: the unmap there does
- * not name the handle. Host-located allocations are not device memory and are not charged. */
+ * not name the handle. Host-located allocations are not device memory and are not charged;
+ * one placed on a device other than the slice's GPU is refused. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,7 @@ static void drop_if_freed(vhandle_t *h) {
 QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                  const CUmemAllocationProp *prop, unsigned long long flags) {
     HOOK_ENTER(cuMemCreate, handle, size, prop, flags);
+    if (prop && hook_foreign_location(&prop->location)) return CUDA_ERROR_INVALID_DEVICE;
     if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return REAL(cuMemCreate)(handle, size, prop, flags); /* host memory is not capped */
     if (size && ledger_reserve(size) != 0) return CUDA_ERROR_OUT_OF_MEMORY;

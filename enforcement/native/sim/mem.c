@@ -695,6 +695,23 @@ SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
     return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* CUDA 13: the pools of a memory location (pinned device memory; the host's pools are not
+ * simulated). */
+#define SIM_ALLOC_TYPE_PINNED 1
+static CUresult location_pool(CUmemoryPool *pool, const CUmemLocation *loc, int type, int current) {
+    if (!pool || !loc || type != SIM_ALLOC_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
+    if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_NOT_SUPPORTED;
+    return current ? cuDeviceGetMemPool(pool, loc->id) : cuDeviceGetDefaultMemPool(pool, loc->id);
+}
+
+SIM_EXPORT CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type) {
+    return location_pool(pool, loc, type, 1);
+}
+
+SIM_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type) {
+    return location_pool(pool, loc, type, 0);
+}
+
 SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
     int g;
     CUresult r = sim_device_gidx(dev, &g);

@@ -42,7 +42,7 @@
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
     X(cuMemAddressReserve) X(cuMemAlloc) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
-    X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) \
+    X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
     X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \

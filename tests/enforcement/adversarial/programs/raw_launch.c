@@ -3,7 +3,7 @@
  * (raw_driver_symbol) launches ungated. It loads the simulator's busy kernel through the
  * ordinary (hooked) path, then launches it (argv[1] ns each) through the raw entry point,
  * keeping about `depth` launches queued, until its stdin is closed. */
-#include "hostile.h" /* first: it defines _GNU_SOURCE, which link.h needs */
+#include "raw_driver.h" /* first: _GNU_SOURCE before any system header */
 
 #include <pthread.h>
 

@@ -3,7 +3,7 @@
  * (dl_iterate_phdr), exactly as the hook itself finds libc's dlsym. No user-space hook can
  * take that away; only the node agent's watchdog can stop the program. It takes 8 GiB in
  * 1 GiB pieces through the raw cuMemAlloc_v2. */
-#include "hostile.h"
+#include "raw_driver.h"
 
 typedef CUresult (*alloc_t)(CUdeviceptr *, size_t);
 
