@@ -32,7 +32,8 @@
     X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
     X(cuEventSynchronize)                                                                    \
-    X(cuGraphAddMemAllocNode) X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                 \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2)                          \
+    X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
     X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \

@@ -308,16 +308,49 @@ QGPU_EXPORT CUresult cuCtxSynchronize(void) {
 
 /* ---- graph memory ---- */
 
+static void note_alloc_node(CUgraph g, uint64_t add) {
+    uint64_t have = 0;
+    qgpu_table_get(&graph_bytes, (uintptr_t)g, &have, NULL);
+    qgpu_table_put(&graph_bytes, (uintptr_t)g, have > UINT64_MAX - add ? UINT64_MAX : have + add, 0);
+}
+
 QGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                             size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
     HOOK_ENTER(cuGraphAddMemAllocNode, node, g, deps, ndeps, p);
     if (p && hook_foreign_location(&p->poolProps.location)) return CUDA_ERROR_INVALID_DEVICE;
     CUresult r = REAL(cuGraphAddMemAllocNode)(node, g, deps, ndeps, p);
-    if (r == CUDA_SUCCESS && p) {
-        uint64_t have = 0, add = p->bytesize;
-        qgpu_table_get(&graph_bytes, (uintptr_t)g, &have, NULL);
-        qgpu_table_put(&graph_bytes, (uintptr_t)g, have > UINT64_MAX - add ? UINT64_MAX : have + add, 0);
-    }
+    if (r == CUDA_SUCCESS && p) note_alloc_node(g, p->bytesize);
+    return r;
+}
+
+/* CUDA 12.2+'s generic node: an allocation node added this way is the same as one added by
+ * cuGraphAddMemAllocNode (counted for the graph, fenced to the slice's GPU). */
+static int generic_alloc_refused(const CUgraphNodeParams *p) {
+    return p && p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC &&
+           hook_foreign_location(&p->alloc.poolProps.location);
+}
+
+static void note_generic(CUresult r, CUgraph g, const CUgraphNodeParams *p) {
+    if (r == CUDA_SUCCESS && p && p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC)
+        note_alloc_node(g, p->alloc.bytesize);
+}
+
+QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                    size_t ndeps, CUgraphNodeParams *p) {
+    HOOK_ENTER(cuGraphAddNode, node, g, deps, ndeps, p);
+    if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult r = REAL(cuGraphAddNode)(node, g, deps, ndeps, p);
+    note_generic(r, g, p);
+    return r;
+}
+
+QGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                       const CUgraphEdgeData *edges, size_t ndeps,
+                                       CUgraphNodeParams *p) {
+    HOOK_ENTER(cuGraphAddNode_v2, node, g, deps, edges, ndeps, p);
+    if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult r = REAL(cuGraphAddNode_v2)(node, g, deps, edges, ndeps, p);
+    note_generic(r, g, p);
     return r;
 }
 

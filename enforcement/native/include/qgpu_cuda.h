@@ -233,6 +233,26 @@ typedef struct {
     CUcontext ctx;
 } CUDA_KERNEL_NODE_PARAMS_v2;
 
+/* cuGraphAddNode(_v2)'s generic node parameters (CUDA 12.2+): the node types below read
+ * their member of the union; the union is 29 long longs wide. */
+#define CU_GRAPH_NODE_TYPE_KERNEL 0
+#define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
+#define CU_GRAPH_NODE_TYPE_MEM_FREE 11
+
+typedef struct {
+    int type; /* CUgraphNodeType */
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        CUDA_KERNEL_NODE_PARAMS_v2 kernel; /* the v3 layout is the same */
+        CUDA_MEM_ALLOC_NODE_PARAMS alloc;   /* the v2 layout is the same */
+        CUdeviceptr free_dptr;              /* CUDA_MEM_FREE_NODE_PARAMS */
+    };
+    long long reserved2;
+} CUgraphNodeParams;
+
+typedef struct CUgraphEdgeData_st CUgraphEdgeData;
+
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
 #define CU_GET_PROC_ADDRESS_LEGACY_STREAM 1
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 2

@@ -70,6 +70,10 @@ CUresult cuCtxSynchronize(void);
 CUresult cuEventSynchronize(CUevent hEvent);
 
 /* graph memory */
+CUresult cuGraphAddNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps, size_t ndeps,
+                        CUgraphNodeParams *params);
+CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                           const CUgraphEdgeData *edges, size_t ndeps, CUgraphNodeParams *params);
 CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
                                 size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *params);
 CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph graph, CUgraphNode *errNode, char *log,

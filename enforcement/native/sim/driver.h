@@ -76,7 +76,8 @@ struct CUgraph_st {
     int nallocs;
     uint64_t alloc_size[SIM_GRAPH_ALLOCS]; /* memory alloc nodes */
     uint64_t alloc_ptr[SIM_GRAPH_ALLOCS];
-    int gidx;
+    int gidx;     /* the device its kernels run on (its context's) */
+    int mem_gidx; /* the device its allocation nodes' location names (-1: none yet) */
 };
 
 struct CUgraphExec_st {
@@ -85,6 +86,7 @@ struct CUgraphExec_st {
     int64_t total_ns;
     uint64_t alloc_bytes; /* what its memory nodes need from the graph pool */
     int gidx;
+    int mem_gidx; /* where that memory is (-1: the kernels' device) */
 };
 
 struct CUmemPoolHandle_st {

@@ -463,6 +463,7 @@ static CUresult begin_capture(CUstream hs, int mode) {
     if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
     g->magic = GRAPH_MAGIC;
     g->gidx = s->ctx->gidx;
+    g->mem_gidx = -1; /* captured allocations come from the stream's device */
     s->capture = g;
     return CUDA_SUCCESS;
 }
@@ -616,6 +617,7 @@ SIM_EXPORT CUresult cuGraphCreate(CUgraph *pg, unsigned int flags) {
     g->magic = GRAPH_MAGIC;
     struct CUctx_st *c = sim_current_ctx();
     g->gidx = c ? c->gidx : -1;
+    g->mem_gidx = -1;
     *pg = g;
     return CUDA_SUCCESS;
 }
@@ -666,6 +668,10 @@ SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const C
     CUresult r = sim_device_gidx(p->poolProps.location.id, &gidx);
     if (r) return r;
     if (g->gidx < 0) g->gidx = gidx;
+    /* the allocation resides on its location's device, as on NVIDIA's driver; allocation
+     * nodes on two devices in one graph are not simulated */
+    if (g->mem_gidx >= 0 && g->mem_gidx != gidx) return CUDA_ERROR_NOT_SUPPORTED;
+    g->mem_gidx = gidx;
     CUdeviceptr dptr;
     r = sim_graph_alloc_node(g, p->bytesize, &dptr);
     if (r) return r;
@@ -685,6 +691,39 @@ SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph g, const CU
     return CUDA_SUCCESS;
 }
 
+/* CUDA 12.2+'s generic node: the same nodes as the typed calls above; other node types are
+ * not simulated. */
+static CUresult add_generic_node(CUgraphNode *node, CUgraph g, CUgraphNodeParams *p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    switch (p->type) {
+    case CU_GRAPH_NODE_TYPE_KERNEL:
+        return add_node(node, g, p->kernel.func, p->kernel.gridDimX, p->kernel.gridDimY,
+                        p->kernel.gridDimZ, p->kernel.kernelParams, p->kernel.extra);
+    case CU_GRAPH_NODE_TYPE_MEM_ALLOC:
+        return cuGraphAddMemAllocNode(node, g, NULL, 0, &p->alloc);
+    case CU_GRAPH_NODE_TYPE_MEM_FREE:
+        return cuGraphAddMemFreeNode(node, g, NULL, 0, p->free_dptr);
+    default:
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+}
+
+SIM_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                   size_t ndeps, CUgraphNodeParams *p) {
+    (void)deps;
+    (void)ndeps;
+    return add_generic_node(node, g, p);
+}
+
+SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                      const CUgraphEdgeData *edges, size_t ndeps,
+                                      CUgraphNodeParams *p) {
+    (void)deps;
+    (void)edges;
+    (void)ndeps;
+    return add_generic_node(node, g, p);
+}
+
 static CUresult instantiate(CUgraphExec *pe, CUgraph g) {
     if (!pe || !g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
     struct CUgraphExec_st *e = calloc(1, sizeof *e);
@@ -693,6 +732,7 @@ static CUresult instantiate(CUgraphExec *pe, CUgraph g) {
     e->nodes = g->nodes;
     e->total_ns = g->total_ns;
     e->gidx = g->gidx;
+    e->mem_gidx = g->mem_gidx;
     for (int i = 0; i < g->nallocs; i++) {
         if (e->alloc_bytes > UINT64_MAX - g->alloc_size[i]) {
             free(e);
@@ -771,8 +811,8 @@ static CUresult upload(struct CUgraphExec_st *e, CUstream hs) {
     if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = sim_stream_ctx(hs);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    return e->alloc_bytes ? sim_graph_mem_reserve(e->gidx >= 0 ? e->gidx : c->gidx, e->alloc_bytes)
-                          : CUDA_SUCCESS;
+    int dev = e->mem_gidx >= 0 ? e->mem_gidx : e->gidx >= 0 ? e->gidx : c->gidx;
+    return e->alloc_bytes ? sim_graph_mem_reserve(dev, e->alloc_bytes) : CUDA_SUCCESS;
 }
 
 SIM_EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream hs) { return upload(e, hs); }

@@ -32,7 +32,7 @@
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
     X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
     X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
-    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) X(cuGraphCreate) X(cuGraphDestroy) \
     X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \

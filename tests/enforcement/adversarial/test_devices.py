@@ -36,7 +36,9 @@ def two_gpus(short_tmp: Path) -> Iterator[Arena]:
         victim.kill()
 
 
-@pytest.mark.parametrize("way", ["primary", "create", "vmm", "pool", "default", "location"])
+@pytest.mark.parametrize(
+    "way", ["primary", "create", "vmm", "pool", "default", "location", "graph"]
+)
 def test_a_tenant_takes_nothing_on_a_gpu_that_is_not_its_slices(
     two_gpus: Arena, programs: Programs, way: str
 ) -> None:

@@ -75,7 +75,17 @@ def test_mipmapped_arrays_are_capped(arena: Arena, programs: Programs) -> None:
     arena.contained(h)
 
 
-GRAPH_MODES = ["launch", "upload", "params", "legacy", "launch_ptsz", "upload_ptsz", "params_ptsz"]
+GRAPH_MODES = [
+    "launch",
+    "upload",
+    "params",
+    "legacy",
+    "launch_ptsz",
+    "upload_ptsz",
+    "params_ptsz",
+    "addnode",
+    "addnode_v2",
+]
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)

@@ -8,12 +8,16 @@
  *   launch_ptsz, upload_ptsz, params_ptsz
  *                         the per-thread-default-stream forms, from cuGetProcAddress with
  *                         CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, as runtimes built
- *                         with --default-stream per-thread get them */
+ *                         with --default-stream per-thread get them
+ *   addnode, addnode_v2   the node added by CUDA 12.2+'s generic cuGraphAddNode (12020, from
+ *                         cuGetProcAddress) / cuGraphAddNode_v2, then instantiate and launch */
 #include "hostile.h"
 
 typedef CUresult (*launch_t)(CUgraphExec, CUstream);
 typedef CUresult (*params_t)(CUgraphExec *, CUgraph, CUDA_GRAPH_INSTANTIATE_PARAMS *);
 typedef CUresult (*inst_v2_t)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
+typedef CUresult (*addnode_t)(CUgraphNode *, CUgraph, const CUgraphNode *, size_t,
+                              CUgraphNodeParams *);
 
 static void *proc(const char *name, int version, cuuint64_t flags) {
     void *p = NULL;
@@ -40,7 +44,18 @@ int main(int argc, char **argv) {
     p.poolProps.location.id = 0;
     p.bytesize = 3 * GIB;
     CUgraphNode node;
-    say("node", cuGraphAddMemAllocNode(&node, g, NULL, 0, &p));
+    if (!strncmp(mode, "addnode", 7)) {
+        CUgraphNodeParams np;
+        memset(&np, 0, sizeof np);
+        np.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+        memcpy(&np.alloc, &p, sizeof p); /* the v1 and v2 layouts are the same */
+        if (!strcmp(mode, "addnode_v2"))
+            say("node", cuGraphAddNode_v2(&node, g, NULL, NULL, 0, &np));
+        else
+            say("node", ((addnode_t)proc("cuGraphAddNode", 12020, 0))(&node, g, NULL, 0, &np));
+    } else {
+        say("node", cuGraphAddMemAllocNode(&node, g, NULL, 0, &p));
+    }
     CUgraphExec e = NULL;
     if (!strncmp(mode, "params", 6)) {
         CUDA_GRAPH_INSTANTIATE_PARAMS ip;

@@ -5,7 +5,8 @@
  * cuCtxCreate ("create"), or, from its own GPU's context, VMM memory placed on the other
  * device ("vmm"), a memory pool created there ("pool"), the device's default pool
  * ("default", cuDeviceGetDefaultMemPool) or the location's pool ("location", CUDA 13's
- * cuMemGetMemPool). Reports the results, then holds. */
+ * cuMemGetMemPool) or a graph allocation node placed there ("graph", cuGraphAddNode_v2,
+ * then launched). Reports the results, then holds. */
 #include "hostile.h"
 
 static CUdevice other_device(const char *mine) {
@@ -63,7 +64,23 @@ int main(int argc, char **argv) {
         CUdevice own = own_device(argv[1]);
         if (cuDevicePrimaryCtxRetain(&ctx, own)) return 5;
         cuCtxSetCurrent(ctx);
-        if (!strcmp(way, "vmm")) {
+        if (!strcmp(way, "graph")) {
+            CUgraph g;
+            CUgraphNode node;
+            CUgraphExec e;
+            CUgraphNodeParams np;
+            memset(&np, 0, sizeof np);
+            np.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+            np.alloc.poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+            np.alloc.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            np.alloc.poolProps.location.id = other;
+            np.alloc.bytesize = 3 * GIB;
+            cuGraphCreate(&g, 0);
+            r = cuGraphAddNode_v2(&node, g, NULL, NULL, 0, &np);
+            say("grab", r);
+            if (r == CUDA_SUCCESS && cuGraphInstantiateWithFlags(&e, g, 0) == CUDA_SUCCESS)
+                say("launch", cuGraphLaunch(e, NULL));
+        } else if (!strcmp(way, "vmm")) {
             CUmemAllocationProp prop = {0};
             prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
             prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
