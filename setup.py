@@ -43,6 +43,7 @@ LIBRARIES = {
                 "init.c",
                 "mem.c",
                 "vmm.c",
+                "ipc.c",
                 "pool.c",
                 "ctx.c",
                 "launch.c",
