@@ -3,7 +3,8 @@
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
  * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
  * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles (vmm.c), pools, stream-ordered and graph memory (pool.c), contexts (ctx.c),
+ * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), pools,
+ * stream-ordered and graph memory (pool.c), contexts (ctx.c),
  * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
  * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
@@ -26,6 +27,8 @@
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2)            \
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
@@ -60,6 +63,8 @@
     X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
+    X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
+    X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2)
 
@@ -155,6 +160,9 @@ QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
 QGPU_HIDDEN CUcontext mem_current_ctx(void);
 QGPU_HIDDEN void mem_forget_ctx(CUcontext ctx); /* the driver freed what the context held */
 QGPU_HIDDEN void mem_untrack_if_tracked(uint64_t key);
+
+/* ipc.c: legacy IPC mappings the driver closed with their context */
+QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
 
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */

@@ -116,6 +116,22 @@ typedef struct {
     int id;
 } CUmemLocation;
 
+/* CUmemAllocationHandleType: what cuMemCreate may be asked to export to */
+#define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
+#define CU_MEM_HANDLE_TYPE_WIN32 0x2
+#define CU_MEM_HANDLE_TYPE_WIN32_KMT 0x4
+#define CU_MEM_HANDLE_TYPE_FABRIC 0x8
+#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+
+/* legacy IPC (cuIpcGetMemHandle): an opaque 64-byte handle passed by value */
+#define CU_IPC_HANDLE_SIZE 64
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+typedef struct CUipcMemHandle_st {
+    char reserved[CU_IPC_HANDLE_SIZE];
+} CUipcMemHandle;
+
 typedef struct {
     int type;                 /* CUmemAllocationType */
     int requestedHandleTypes; /* CUmemAllocationHandleType */

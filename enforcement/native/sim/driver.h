@@ -133,6 +133,14 @@ QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds 
 QGPU_HIDDEN CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr);
 QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
 
+/* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
+QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
+
+/* ipc.c: legacy IPC */
+QGPU_HIDDEN int sim_ipc_freed(uint64_t ptr); /* 1: exported, its shared entry let go of it */
+QGPU_HIDDEN void sim_ipc_forget_ctx(struct CUctx_st *ctx); /* closes what ctx opened */
+QGPU_HIDDEN int sim_ipc_range(uint64_t addr, uint64_t *base, uint64_t *size);
+
 /* exec.c */
 QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);
 QGPU_HIDDEN struct CUstream_st *sim_real_stream(CUstream s);

@@ -36,7 +36,9 @@
     X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \
-    X(cuGraphUpload_ptsz) X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuInit) X(cuLaunch) \
+    X(cuGraphUpload_ptsz) X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuInit) \
+    X(cuIpcCloseMemHandle) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) \
+    X(cuLaunch) \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernelMultiDevice) \
     X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchKernel) \
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
@@ -44,6 +46,8 @@
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
     X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
+    X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAddressRange) X(cuMemGetAddressRange_v2) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
     X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
