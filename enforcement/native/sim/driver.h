@@ -133,6 +133,14 @@ QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds 
 QGPU_HIDDEN CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr);
 QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
 
+/* driver.c: the visible ordinal of GPU index gidx (-1: not visible) */
+QGPU_HIDDEN int sim_visible_ordinal(int gidx);
+
+/* managed.c: where managed memory lives */
+QGPU_HIDDEN CUresult sim_managed_new(uint64_t base, uint64_t size, int gidx); /* on gidx */
+QGPU_HIDDEN int sim_managed_free(uint64_t base); /* 1: it was managed, its memory is freed */
+QGPU_HIDDEN void sim_managed_touch(int gidx);    /* a kernel launched on gidx */
+
 /* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
 QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
 

@@ -1,6 +1,7 @@
 /* Simulated device memory, with the lifetimes a real driver gives it:
  *  - plain allocations (cuMemAlloc v1/v2, pitch, managed, arrays, mipmapped arrays) belong to
- *    the context they were made in and die with it;
+ *    the context they were made in and die with it; managed memory lives where managed.c
+ *    says (its context's GPU, until prefetched or migrated elsewhere);
  *  - VMM physical allocations (cuMemCreate) live until they are released AND unmapped: a
  *    handle released while still mapped keeps its memory (NVIDIA's vectorAddMMAP sample
  *    releases right after mapping);
@@ -120,14 +121,21 @@ static CUresult alloc_in(struct CUctx_st *ctx, int kind, uint64_t size, CUdevice
     return CUDA_SUCCESS;
 }
 
+/* the memory of an allocation taken out of the table goes: managed memory from wherever
+ * it lives, IPC-exported memory when no importer holds it either */
+static void release(uint64_t key, uint64_t size, int64_t tag) {
+    if (tag_kind(tag) == KIND_V1) v1_give(key, size);
+    if (tag_kind(tag) == KIND_MANAGED && sim_managed_free(key)) return;
+    if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size);
+}
+
 static CUresult free_kind(uint64_t key, int want_array) {
     uint64_t size;
     int64_t tag;
     if (qgpu_table_get(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
     if ((tag_kind(tag) == KIND_ARRAY) != want_array) return CUDA_ERROR_INVALID_VALUE;
     if (qgpu_table_take(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (tag_kind(tag) == KIND_V1) v1_give(key, size);
-    if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size); /* IPC: importers may hold it */
+    release(key, size, tag);
     return CUDA_SUCCESS;
 }
 
@@ -154,10 +162,7 @@ QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx) {
     qgpu_entry_t taken[256];
     size_t n;
     while ((n = qgpu_table_take_if(&g_sim_allocs, owned_by_dying, taken, 256)) > 0) {
-        for (size_t i = 0; i < n; i++) {
-            if (tag_kind(taken[i].tag) == KIND_V1) v1_give(taken[i].key, taken[i].size);
-            if (!sim_ipc_freed(taken[i].key)) sim_uncharge(tag_gidx(taken[i].tag), taken[i].size);
-        }
+        for (size_t i = 0; i < n; i++) release(taken[i].key, taken[i].size, taken[i].tag);
         if (n < 256) break;
     }
     pthread_mutex_unlock(&dying_lock);
@@ -237,8 +242,13 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     int g;
     CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
-    if (!dptr || (flags != 1 && flags != 2)) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_in(c, KIND_MANAGED, size, dptr);
+    if (!dptr || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
+        return CUDA_ERROR_INVALID_VALUE;
+    r = alloc_in(c, KIND_MANAGED, size, dptr);
+    if (r) return r;
+    r = sim_managed_new(*dptr, size, c->gidx); /* populated on its context's GPU */
+    if (r) free_kind(*dptr, 0);
+    return r;
 }
 
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -672,12 +682,6 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocati
     return CUDA_SUCCESS;
 }
 
-static int visible_ordinal(int gidx) {
-    for (int v = 0; v < g_sim_nvis; v++)
-        if (g_sim_vis[v] == gidx) return v;
-    return -1;
-}
-
 /* Imports a descriptor another (or this) process exported: a new handle holding the memory,
  * to be released with cuMemRelease like one cuMemCreate made. */
 SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
@@ -690,7 +694,7 @@ SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
     uint64_t id, token;
     if (sim_shared_read_fd(fd, g_sim_cfg.ngpus, &g, &idx, &id, &token) != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (visible_ordinal(g) < 0) return CUDA_ERROR_NOT_SUPPORTED; /* its GPU is not ours */
+    if (sim_visible_ordinal(g) < 0) return CUDA_ERROR_NOT_SUPPORTED; /* its GPU is not ours */
     pthread_mutex_lock(&vmm_lock);
     if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) != 0) {
         pthread_mutex_unlock(&vmm_lock);
@@ -732,7 +736,7 @@ SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
         prop->location.type = CU_MEM_LOCATION_TYPE_HOST;
     } else {
         prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop->location.id = visible_ordinal(h->gidx);
+        prop->location.id = sim_visible_ordinal(h->gidx);
     }
     pthread_mutex_unlock(&vmm_lock);
     return CUDA_SUCCESS;

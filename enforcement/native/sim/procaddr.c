@@ -44,6 +44,7 @@
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
     X(cuMemAddressReserve) X(cuMemAlloc) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
+    X(cuMemAdvise) X(cuMemAdvise_v2) \
     X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
@@ -51,6 +52,11 @@
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
     X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2) \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardBatchAsync) X(cuMemDiscardBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz) \
+    X(cuMemRangeGetAttribute) X(cuMemRangeGetAttributes) \
     X(cuMemSetAccess) X(cuMemUnmap) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
