@@ -44,6 +44,7 @@ LIBRARIES = {
                 "mem.c",
                 "vmm.c",
                 "ipc.c",
+                "managed.c",
                 "pool.c",
                 "ctx.c",
                 "launch.c",

@@ -3,7 +3,8 @@
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
  * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
  * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), pools,
+ * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), where managed
+ * memory may be moved (managed.c), pools,
  * stream-ordered and graph memory (pool.c), contexts (ctx.c),
  * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
  * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
@@ -28,6 +29,10 @@
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2)                \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz)           \
+    X(cuMemAdvise) X(cuMemAdvise_v2)                                                         \
     X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
