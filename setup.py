@@ -61,7 +61,16 @@ LIBRARIES = {
         "libcuda.so.1",
         [
             str(NATIVE / "sim" / n)
-            for n in ("driver.c", "ctx.c", "mem.c", "managed.c", "ipc.c", "exec.c", "procaddr.c")
+            for n in (
+                "driver.c",
+                "ctx.c",
+                "mem.c",
+                "pool.c",
+                "managed.c",
+                "ipc.c",
+                "exec.c",
+                "procaddr.c",
+            )
         ]
         + SIM_CORE
         + COMMON,

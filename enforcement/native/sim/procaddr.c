@@ -50,7 +50,8 @@
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAddressRange) X(cuMemGetAddressRange_v2) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
-    X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
+    X(cuMemPoolExportPointer) X(cuMemPoolExportToShareableHandle) X(cuMemPoolGetAttribute) \
+    X(cuMemPoolImportFromShareableHandle) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
     X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2) \
     X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
