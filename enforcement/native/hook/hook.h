@@ -37,6 +37,8 @@
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
+    X(cuMemPoolExportToShareableHandle) X(cuMemPoolImportFromShareableHandle)                \
+    X(cuMemPoolImportPointer)                                                                \
     X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
     X(cuEventSynchronize)                                                                    \
@@ -171,6 +173,10 @@ QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
 
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
+/* `ptr` was freed (cuMemFree, or cuMemFreeAsync on `s`): a pointer imported into a shared pool
+ * lets go of the pool (async: once the stream reaches the free) */
+QGPU_HIDDEN void pool_forget_import(CUdeviceptr ptr, int async, CUstream s);
+QGPU_HIDDEN void pool_forget_ctx(CUcontext ctx); /* its imported pointers went with it */
 /* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
 QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);

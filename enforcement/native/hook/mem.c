@@ -129,14 +129,20 @@ QGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned 
 QGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     HOOK_ENTER(cuMemFree_v2, dptr);
     CUresult r = REAL(cuMemFree_v2)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 
 QGPU_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     HOOK_ENTER(cuMemFree, dptr);
     CUresult r = REAL(cuMemFree)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 
