@@ -41,6 +41,7 @@
     X(cuMemPoolImportPointer)                                                                \
     X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
+    X(cuCtxSynchronize_v2)                                                                   \
     X(cuEventSynchronize)                                                                    \
     X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2)                          \
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \

@@ -454,6 +454,7 @@ void pool_forget_ctx(CUcontext ctx) {
 SYNC_WRAPPER(cuStreamSynchronize, (CUstream s), ARGS(s))
 SYNC_WRAPPER(cuStreamSynchronize_ptsz, (CUstream s), ARGS(s))
 SYNC_WRAPPER(cuEventSynchronize, (CUevent e), ARGS(e))
+SYNC_WRAPPER(cuCtxSynchronize_v2, (CUcontext c), ARGS(c))
 
 QGPU_EXPORT CUresult cuCtxSynchronize(void) {
     hook_load_cuda();

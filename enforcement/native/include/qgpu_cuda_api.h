@@ -118,6 +118,7 @@ CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *location, int
 CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuStreamSynchronize_ptsz(CUstream hStream);
 CUresult cuCtxSynchronize(void);
+CUresult cuCtxSynchronize_v2(CUcontext ctx);
 CUresult cuEventSynchronize(CUevent hEvent);
 
 /* graph memory */

@@ -20,6 +20,7 @@
     X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxFromGreenCtx) X(cuCtxGetApiVersion) \
     X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxGetFlags) X(cuCtxGetLimit) X(cuCtxPopCurrent) \
     X(cuCtxPopCurrent_v2) X(cuCtxPushCurrent) X(cuCtxPushCurrent_v2) X(cuCtxSetCurrent) \
+    X(cuCtxSynchronize_v2) \
     X(cuCtxSetLimit) X(cuCtxSynchronize) X(cuDevResourceGenerateDesc) X(cuDeviceGet) \
     X(cuDeviceGetAttribute) X(cuDeviceGetCount) X(cuDeviceGetDefaultMemPool) \
     X(cuDeviceGetDevResource) X(cuDeviceGetGraphMemAttribute) X(cuDeviceGetMemPool) \
