@@ -45,6 +45,7 @@ LIBRARIES = {
                 "vmm.c",
                 "pool.c",
                 "ctx.c",
+                "module.c",
                 "launch.c",
                 "nvml.c",
             )

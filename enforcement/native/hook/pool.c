@@ -101,6 +101,19 @@ void pool_settle_all(void) {
     pthread_mutex_unlock(&pool_lock);
 }
 
+/* What the process's pools reserve now, by the driver's account: module.c takes pools
+ * giving memory back during a measured call out of what the call took. */
+uint64_t pool_reserved_total(void) {
+    uint64_t sum = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (size_t i = 0; i < npools; i++) {
+        uint64_t r;
+        if (pool_reserved(pools[i].pool, &r) == 0) sum += r;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return sum;
+}
+
 /* ---- stream-ordered allocations ---- */
 
 static int capturing(CUstream s) {
@@ -185,11 +198,13 @@ static CUresult alloc_stream_ordered(void *real, alloc_call_t call, CUdeviceptr 
 
 QGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
     HOOK_ENTER(cuMemAllocAsync, dptr, size, s);
+    HOOK_MEM_OP();
     return alloc_stream_ordered((void *)REAL(cuMemAllocAsync), call_async, dptr, size, NULL, s, s);
 }
 
 QGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
     HOOK_ENTER(cuMemAllocAsync_ptsz, dptr, size, s);
+    HOOK_MEM_OP();
     return alloc_stream_ordered((void *)REAL(cuMemAllocAsync_ptsz), call_async, dptr, size, NULL, s,
                                 PTSZ_STREAM(s));
 }
@@ -197,6 +212,7 @@ QGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstre
 QGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
                                              CUstream s) {
     HOOK_ENTER(cuMemAllocFromPoolAsync, dptr, size, pool, s);
+    HOOK_MEM_OP();
     if (!pool) return REAL(cuMemAllocFromPoolAsync)(dptr, size, pool, s); /* the driver refuses */
     return alloc_stream_ordered((void *)REAL(cuMemAllocFromPoolAsync), call_from_pool, dptr, size,
                                 pool, s, s);
@@ -205,6 +221,7 @@ QGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUm
 QGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
                                                   CUstream s) {
     HOOK_ENTER(cuMemAllocFromPoolAsync_ptsz, dptr, size, pool, s);
+    HOOK_MEM_OP();
     if (!pool) return REAL(cuMemAllocFromPoolAsync_ptsz)(dptr, size, pool, s);
     return alloc_stream_ordered((void *)REAL(cuMemAllocFromPoolAsync_ptsz), call_from_pool, dptr,
                                 size, pool, s, PTSZ_STREAM(s));
@@ -215,6 +232,7 @@ QGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size
  * it (like cuMemFree): that charge is given back. */
 QGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
     HOOK_ENTER(cuMemFreeAsync, dptr, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFreeAsync)(dptr, s);
     if (r == CUDA_SUCCESS) mem_untrack_if_tracked(dptr);
     return r;
@@ -222,6 +240,7 @@ QGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
 
 QGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
     HOOK_ENTER(cuMemFreeAsync_ptsz, dptr, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFreeAsync_ptsz)(dptr, s);
     if (r == CUDA_SUCCESS) mem_untrack_if_tracked(dptr);
     return r;
@@ -229,6 +248,7 @@ QGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
 
 QGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     HOOK_ENTER(cuMemPoolTrimTo, pool, keep);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemPoolTrimTo)(pool, keep);
     if (r == CUDA_SUCCESS) pool_settle_all();
     return r;
@@ -268,6 +288,7 @@ QGPU_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *l
  * which the hook cannot see: what is still in use stays charged until the process exits. */
 QGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     HOOK_ENTER(cuMemPoolDestroy, pool);
+    HOOK_MEM_OP();
     cuuint64_t used = UINT64_MAX;
     if (HAVE_REAL(cuMemPoolGetAttribute))
         REAL(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used);
@@ -339,6 +360,10 @@ QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphN
                                     size_t ndeps, CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode, node, g, deps, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    if (p && p->type == CU_GRAPH_NODE_TYPE_KERNEL) {
+        CUresult k = module_kernel_use((void *)p->kernel.func, NULL);
+        if (k != CUDA_SUCCESS) return k;
+    }
     CUresult r = REAL(cuGraphAddNode)(node, g, deps, ndeps, p);
     note_generic(r, g, p);
     return r;
@@ -349,6 +374,10 @@ QGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgra
                                        CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode_v2, node, g, deps, edges, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    if (p && p->type == CU_GRAPH_NODE_TYPE_KERNEL) {
+        CUresult k = module_kernel_use((void *)p->kernel.func, NULL);
+        if (k != CUDA_SUCCESS) return k;
+    }
     CUresult r = REAL(cuGraphAddNode_v2)(node, g, deps, edges, ndeps, p);
     note_generic(r, g, p);
     return r;
@@ -428,16 +457,19 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams_ptsz, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams_ptsz), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
     HOOK_ENTER(cuGraphExecDestroy, e);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuGraphExecDestroy)(e);
     if (r == CUDA_SUCCESS) qgpu_table_take(&exec_bytes, (uintptr_t)e, NULL, NULL);
     return r;
@@ -446,6 +478,7 @@ QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
 #define UPLOAD(name)                                                                         \
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
+        HOOK_MEM_OP();                                                                       \
         uint64_t need;                                                                       \
         if (graph_mem_before(e, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                \
         CUresult r = REAL(name)(e, s);                                                       \
@@ -457,6 +490,7 @@ UPLOAD(cuGraphUpload_ptsz)
 
 QGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
     HOOK_ENTER(cuDeviceGraphMemTrim, dev);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuDeviceGraphMemTrim)(dev);
     if (r == CUDA_SUCCESS && dev >= 0 && dev < MAX_DEVICES) {
         pthread_mutex_lock(&pool_lock);

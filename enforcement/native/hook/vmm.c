@@ -53,6 +53,7 @@ static void drop_if_freed(vhandle_t *h) {
 QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                  const CUmemAllocationProp *prop, unsigned long long flags) {
     HOOK_ENTER(cuMemCreate, handle, size, prop, flags);
+    HOOK_MEM_OP();
     if (prop && hook_foreign_location(&prop->location)) return CUDA_ERROR_INVALID_DEVICE;
     if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return REAL(cuMemCreate)(handle, size, prop, flags); /* host memory is not capped */
@@ -72,6 +73,7 @@ QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
 
 QGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     HOOK_ENTER(cuMemRelease, handle);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemRelease)(handle);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -86,6 +88,7 @@ QGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 QGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
     HOOK_ENTER(cuMemRetainAllocationHandle, handle, addr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemRetainAllocationHandle)(handle, addr);
     if (r != CUDA_SUCCESS || !handle) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -98,6 +101,7 @@ QGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
 QGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                               CUmemGenericAllocationHandle handle, unsigned long long flags) {
     HOOK_ENTER(cuMemMap, ptr, size, offset, handle, flags);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMap)(ptr, size, offset, handle, flags);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -116,6 +120,7 @@ QGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 
 QGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     HOOK_ENTER(cuMemUnmap, ptr, size);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemUnmap)(ptr, size);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -162,6 +167,7 @@ static void pin_mapped(void *list, unsigned count) {
 
 QGPU_EXPORT CUresult cuMemMapArrayAsync(void *list, unsigned int count, CUstream s) {
     HOOK_ENTER(cuMemMapArrayAsync, list, count, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMapArrayAsync)(list, count, s);
     if (r == CUDA_SUCCESS) pin_mapped(list, count);
     return r;
@@ -169,6 +175,7 @@ QGPU_EXPORT CUresult cuMemMapArrayAsync(void *list, unsigned int count, CUstream
 
 QGPU_EXPORT CUresult cuMemMapArrayAsync_ptsz(void *list, unsigned int count, CUstream s) {
     HOOK_ENTER(cuMemMapArrayAsync_ptsz, list, count, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMapArrayAsync_ptsz)(list, count, s);
     if (r == CUDA_SUCCESS) pin_mapped(list, count);
     return r;
