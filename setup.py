@@ -44,6 +44,7 @@ LIBRARIES = {
                 "mem.c",
                 "vmm.c",
                 "pool.c",
+                "graph.c",
                 "ctx.c",
                 "launch.c",
                 "nvml.c",
@@ -57,7 +58,10 @@ LIBRARIES = {
     "enforcement.native.sim.libcuda": (
         NATIVE / "sim" / "libcuda.so.1",
         "libcuda.so.1",
-        [str(NATIVE / "sim" / n) for n in ("driver.c", "ctx.c", "mem.c", "exec.c", "graph.c", "procaddr.c")]
+        [
+            str(NATIVE / "sim" / n)
+            for n in ("driver.c", "ctx.c", "mem.c", "exec.c", "graph.c", "procaddr.c")
+        ]
         + SIM_CORE
         + COMMON,
         ("libcuda.so",),
