@@ -45,6 +45,7 @@ LIBRARIES = {
                 "vmm.c",
                 "ipc.c",
                 "pool.c",
+                "graph.c",
                 "ctx.c",
                 "launch.c",
                 "nvml.c",
@@ -60,7 +61,7 @@ LIBRARIES = {
         "libcuda.so.1",
         [
             str(NATIVE / "sim" / n)
-            for n in ("driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "procaddr.c")
+            for n in ("driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "procaddr.c")
         ]
         + SIM_CORE
         + COMMON,

@@ -4,7 +4,8 @@
  * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
  * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
  * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), pools,
- * stream-ordered and graph memory (pool.c), contexts (ctx.c),
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
+ * contexts (ctx.c),
  * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
  * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
@@ -39,7 +40,8 @@
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
-    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \
+    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
+    X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -59,8 +61,9 @@
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
-    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
-    X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuDeviceGetCount)                              \
+    X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                 \
+    X(cuGraphChildGraphNodeGetGraph)                                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
@@ -166,9 +169,13 @@ QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
 
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
-/* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* after a graph upload or launch that was charged `need` first: the device's graph memory
+ * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
+
+/* graph.c: before a graph upload or launch, its allocations charged in full (-1: they do
+ * not fit, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
 
 /* launch.c */
 typedef struct {

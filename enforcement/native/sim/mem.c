@@ -985,7 +985,8 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, struct CUmemPoolHand
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return sim_graph_alloc_node(s->capture, size, dptr); /* a graph node */
+    if (s && s->capture) /* an allocation node of the graph, on the pool's device */
+        return sim_graph_capture_alloc(s->capture, pool ? pool->gidx : c->gidx, size, dptr);
     if (!pool) {
         pthread_mutex_lock(&pool_lock);
         pool = device_pool_locked(c->gidx, 1);
@@ -1027,7 +1028,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
     struct CUctx_st *c = sim_stream_ctx(stream);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return CUDA_SUCCESS; /* a free node of the captured graph */
+    if (s && s->capture) return sim_graph_capture_free(s->capture, dptr); /* a free node */
     uint64_t size;
     int64_t tag;
     pthread_mutex_lock(&pool_lock);
@@ -1095,18 +1096,6 @@ SIM_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *siz
 
 static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
 static uint64_t graph_used_high[SIM_MAX_GPUS];
-
-CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr) {
-    if (!size) return CUDA_ERROR_INVALID_VALUE;
-    if (g->nallocs >= SIM_GRAPH_ALLOCS) return CUDA_ERROR_OUT_OF_MEMORY;
-    uint64_t a = sim_next_address(size);
-    g->alloc_size[g->nallocs] = size;
-    g->alloc_ptr[g->nallocs] = a;
-    g->nallocs++;
-    g->nodes++;
-    *dptr = a;
-    return CUDA_SUCCESS;
-}
 
 CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
     pthread_mutex_lock(&pool_lock);
