@@ -8,23 +8,26 @@ A process's environment is its own: a tenant can name any slice in ``QGPU_SLICE_
 frame its owner: the watchdog would kill the victim's processes for memory the framer
 took) or name none (and hide). So the evidence is, strongest first:
 
-1. the slice's cgroup: for a slice owned by a process (a ``pid`` owner, or any owner with
-   ``meta.pid``: Ray and Dask workers), the agent makes a cgroup at reservation,
-   ``<owner's cgroup>/qgpu-<slice>``, and moves the owner and its descendants into it;
-   children inherit it, and only root can move a process into (or, outside a delegated
-   subtree, out of) a root-owned cgroup. A process in it (or below it) is the slice's. The
-   full path is compared, not the name: a cgroup called ``qgpu-<victim>`` that a tenant
-   made in a subtree delegated to it is not the victim's.
+1. the slice's cgroup: for slices owned by a process (a ``pid`` owner, or any owner with
+   ``meta.pid``: Ray workers, Dask nannies), the agent makes a cgroup at reservation,
+   ``<owner's cgroup>/qgpu-pid-<pid>-<start time>``, and moves the owner and its
+   descendants into it; children inherit it, and only root can move a process into (or,
+   outside a delegated subtree, out of) a root-owned cgroup. A process in it (or below it)
+   is that owner's. The full path is compared, not the name: a cgroup of that name that a
+   tenant made in a subtree delegated to it counts for nothing.
 2. descent from the slice's owner process (its pid and start time), where no cgroup could
    be made (cgroup v2 not mounted or not writable, the owner in another cgroup namespace,
    ``--slice-cgroups off``): a process cannot make itself another process's descendant.
+
+One owner process can hold several slices (a Dask cluster's client process holds every
+worker's; a reused Ray worker its successive ones): they are one tenant, and the process's
+``QGPU_SLICE_ID`` picks among them (else the first on its GPU). The same holds for a pod
+with several slices.
 3. Kubernetes: the pod UID in the process's cgroup path (kubelet's ``kubepods`` tree,
    cgroupfs driver ``.../pod<uid>/<container>`` and systemd driver
    ``...-pod<uid_with_underscores>.slice/...``), matched to the slices owned by that pod
-   (``kind: pod``, ``id``: its UID), on the process's GPU. A pod with several slices on that
-   GPU (several containers) is one tenant: its own ``QGPU_SLICE_ID`` picks among them. A
-   pod cgroup directory that exists here and is not root-owned (made by a tenant in a
-   delegated subtree) is not believed.
+   (``kind: pod``, ``id``: its UID). A pod cgroup directory that exists here and is not
+   root-owned (made by a tenant in a delegated subtree) is not believed.
 4. ``QGPU_SLICE_ID`` from ``/proc/<pid>/environ``, believed only for a slice with none of
    the above (a ``manual`` owner, a Ray actor without ``meta.pid``) and only from a process
    that is in no pod and no slice's cgroup: a claim that contradicts the process's cgroup is
@@ -233,11 +236,13 @@ def find_cgroup_v2() -> CgroupMount | None:
 
 
 class SliceCgroups:
-    """The agent's per-slice cgroups: ``<owner's cgroup>/qgpu-<slice>`` for slices owned
-    by a process, made at reservation, removed at release (what still runs there goes back
-    to the parent). Each one's path is kept in ``<records>/<slice>`` so that a restarted
-    agent knows them. Nested under the owner's own cgroup, the limits of its container or
-    systemd unit keep applying to it."""
+    """The agent's slice cgroups: ``<owner's cgroup>/qgpu-pid-<pid>-<start time>`` for the
+    slices owned by a process (one cgroup for all slices of one owner: a Dask cluster's
+    client process owns every worker's slice, a reused Ray worker its successive ones), made
+    at reservation, removed when the owner's last slice is released (what still runs there
+    goes back to the parent). Each slice's path is kept in ``<records>/<slice>`` so that a
+    restarted agent knows them. Nested under the owner's own cgroup, the limits of its
+    container or systemd unit keep applying to it."""
 
     def __init__(self, records: Path, mode: SliceCgroupMode, privileged: bool) -> None:
         self.records = records
@@ -291,10 +296,14 @@ class SliceCgroups:
             return None
         path = self.path_of(slice_id)
         if path is None:
+            name = f"{CGROUP_PREFIX}pid-{pid}-{start_time or 0}"
             base, ours = current.rstrip("/"), set(self.paths().values())
-            while base in ours:  # an owner already in a slice's cgroup: a sibling of it
-                base = base.rpartition("/")[0]
-            path = f"{base}/{CGROUP_PREFIX}{slice_id}"
+            if base.rpartition("/")[2] == name:
+                path = base  # another slice of the same owner: one cgroup for all of them
+            else:
+                while base in ours:  # in another owner's cgroup (its child): a sibling
+                    base = base.rpartition("/")[0]
+                path = f"{base}/{name}"
         target = self.v2.directory(path)
         if target is None:
             log.warning(
@@ -338,12 +347,13 @@ class SliceCgroups:
                 return
 
     def release(self, slice_id: str) -> bool:
-        """Move what still runs in the slice's cgroup to its parent and remove it; True
-        when it is gone (else `sweep` tries again)."""
+        """Forget the slice's cgroup; once no slice of its owner is left, move what still
+        runs there to the parent and remove it. True when done (else `sweep` tries again)."""
         path = self.path_of(slice_id)
         if path is None or self.v2 is None:
             return True
-        target = self.v2.directory(path)
+        shared = any(p == path for s, p in self.paths().items() if s != slice_id)
+        target = None if shared else self.v2.directory(path)
         if target is not None and target.exists() and not _remove_tree(target):
             return False
         with contextlib.suppress(FileNotFoundError):
@@ -437,7 +447,10 @@ class Attributor:
         self.allocs = {a.slice_id: a for a in allocs}
         self.v2 = v2
         self._claim_of = claim_of
-        self.cgroups = {p: s for s, p in cgroup_paths.items() if s in self.allocs}
+        self.cgroups: dict[str, list[str]] = {}
+        for sid, path in cgroup_paths.items():
+            if sid in self.allocs:
+                self.cgroups.setdefault(path, []).append(sid)
         self.anchors: dict[int, list[tuple[int | None, str]]] = {}
         self.pods: dict[str, list[Allocation]] = {}
         for a in allocs:
@@ -449,9 +462,9 @@ class Attributor:
         anchored = {s for v in self.anchors.values() for _t, s in v}
         pod_slices = {a.slice_id for v in self.pods.values() for a in v}
         # the slices only an environment can name: no process, no pod, no cgroup
-        self.claimable = {
-            s for s in self.allocs if s not in anchored and s not in pod_slices
-        } - set(self.cgroups.values())
+        self.claimable = {s for s in self.allocs if s not in anchored and s not in pod_slices} - {
+            sid for sids in self.cgroups.values() for sid in sids
+        }
 
     def of(self, proc: GpuProcess) -> Attribution:
         found = self._find(proc)
@@ -466,39 +479,49 @@ class Attributor:
         pid = proc.pid
         path = cgroup_v2_path(pid)
         if path is not None:
-            sid = self._slice_cgroup(path)
-            if sid is not None:
-                return Attribution(sid, "cgroup")
+            sids = self._slice_cgroup(path)
+            if sids:
+                return Attribution(self._pick(pid, proc, sids), "cgroup")
         for apid, started in ancestry(pid):
             if apid == 1 and pid != 1:
                 break  # an owner that is its namespace's init would own every process
-            for want, sid in self.anchors.get(apid, []):
-                if want is None or want == started:
-                    return Attribution(sid, "descent")
+            sids = [sid for want, sid in self.anchors.get(apid, []) if want in (None, started)]
+            if sids:
+                return Attribution(self._pick(pid, proc, sids), "descent")
         pod = pod_of_process(pid, self.v2)
         if pod is not None:
-            mine = sorted(
-                (a for a in self.pods.get(pod, []) if proc.device_uuid in a.gpu_uuids),
-                key=lambda a: a.slice_id,
-            )
+            mine = [a.slice_id for a in self.pods.get(pod, [])]
             if not mine:
                 return Attribution(None, "pod-without-slice")
-            claim = self._claim_of(pid)
-            pick = next((a for a in mine if a.slice_id == claim), mine[0])
-            return Attribution(pick.slice_id, "pod")
+            return Attribution(self._pick(pid, proc, mine), "pod")
         claim = self._claim_of(pid)
         if claim in self.claimable:
             return Attribution(claim, "environ")
         return Attribution(None, "none")
 
-    def _slice_cgroup(self, path: str) -> str | None:
+    def _pick(self, pid: int, proc: GpuProcess, sids: list[str]) -> str:
+        """One tenant's slice for the process: the only one, else (an owner process or pod
+        that holds several) those on the process's GPU, and among them the one its
+        environment names, else the first. The environment chooses only among slices the
+        evidence already gave the process: a tenant can only frame itself."""
+        if len(sids) == 1:
+            return sids[0]
+        here = sorted(s for s in sids if proc.device_uuid in self.allocs[s].gpu_uuids)
+        if not here:
+            return sorted(sids)[0]  # on none of their GPUs: `of` makes it of no slice
+        if len(here) == 1:
+            return here[0]
+        claim = self._claim_of(pid)
+        return claim if claim in here else here[0]
+
+    def _slice_cgroup(self, path: str) -> list[str]:
         cur = path.rstrip("/")
         while cur:
-            sid = self.cgroups.get(cur)
-            if sid is not None:
-                return sid
+            sids = self.cgroups.get(cur)
+            if sids:
+                return sids
             cur = cur.rpartition("/")[0]
-        return None
+        return []
 
 
 __all__ = [

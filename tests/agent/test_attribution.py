@@ -7,11 +7,14 @@ kubelet's layouts faked there), a fake GPU backend that lists them as GPU proces
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ import pytest
 from enforcement.agent import attribution
 from enforcement.agent.attribution import SliceCgroups, is_mps_server, pod_of_path
 from enforcement.agent.models import ReserveRequest
+from enforcement.agent.reconcile import proc_start_time
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
 from enforcement.discovery import GpuProcess
@@ -152,12 +156,16 @@ def test_other_paths_name_no_pod(path: str) -> None:
 # -- the agent's per-slice cgroups ----------------------------------------------------------
 
 
-def test_the_owner_and_its_children_move_into_the_slice_cgroup_and_back_at_release(
+def owner_cgroup(box: Sandbox, where: str, pid: int) -> str:
+    return box.path(f"{where}/qgpu-pid-{pid}-{proc_start_time(pid)}")
+
+
+def test_the_owner_and_its_children_move_into_its_cgroup_and_back_at_release(
     cgroup_sandbox: Sandbox, cg_agent: Agent, procs: Procs
 ) -> None:
     owner, child = procs.tree(cgroup_sandbox, "worker")
     sid = reserve(cg_agent, pid_owner(owner))
-    mine = cgroup_sandbox.path(f"worker/qgpu-{sid}")
+    mine = owner_cgroup(cgroup_sandbox, "worker", owner)
     assert cg_agent.cgroups.path_of(sid) == mine
     assert own_cgroup(owner) == own_cgroup(child) == mine
     later = procs.sleep()  # not a child: stays where it is
@@ -165,30 +173,40 @@ def test_the_owner_and_its_children_move_into_the_slice_cgroup_and_back_at_relea
     assert (cg_agent.config.state_dir / "cgroups" / sid).read_text().strip() == mine
     assert cg_agent.release(sid).released
     assert own_cgroup(owner) == own_cgroup(child) == cgroup_sandbox.path("worker")
-    assert not (cgroup_sandbox.root / "worker" / f"qgpu-{sid}").exists()
+    assert not cgroup_sandbox.mount.joinpath(mine.lstrip("/")).exists()
     assert cg_agent.cgroups.path_of(sid) is None
 
 
-def test_a_second_slice_of_one_owner_is_a_sibling_and_a_restart_keeps_both(
+def test_an_owners_slices_share_its_cgroup_until_the_last_and_a_restart_keeps_them(
     cgroup_sandbox: Sandbox, cg_agent: Agent, backend: FakeBackend, procs: Procs
 ) -> None:
-    """A unit of the node that happens to be named like a slice cgroup is still the base."""
+    """A unit of the node that happens to be named like the agent's cgroups is still only
+    the base. One cgroup per owner: a Dask cluster's client holds all its workers' slices."""
     w = "qgpu-ray.service"
-    owner, _child = procs.tree(cgroup_sandbox, w)
+    owner, child = procs.tree(cgroup_sandbox, w)
     first = reserve(cg_agent, pid_owner(owner))
     second = reserve(cg_agent, pid_owner(owner))
-    assert own_cgroup(owner) == cgroup_sandbox.path(f"{w}/qgpu-{second}")
+    mine = owner_cgroup(cgroup_sandbox, w, owner)
+    assert own_cgroup(owner) == own_cgroup(child) == mine
+    # a second owner started by the first: its own cgroup, beside the first's
+    inner = procs.sleep()
+    cgroup_sandbox.move(inner, mine.removeprefix(cgroup_sandbox.path("") + "/"))
+    third = reserve(cg_agent, pid_owner(inner))
+    assert own_cgroup(inner) == owner_cgroup(cgroup_sandbox, w, inner)
     cg_agent.close()
     again = make_agent(cg_agent.config.state_dir, backend, slice_cgroups="on")
     try:
         assert again.cgroups.paths() == {
-            first: cgroup_sandbox.path(f"{w}/qgpu-{first}"),
-            second: cgroup_sandbox.path(f"{w}/qgpu-{second}"),
+            first: mine,
+            second: mine,
+            third: owner_cgroup(cgroup_sandbox, w, inner),
         }
         again.release(first)
+        assert own_cgroup(owner) == mine  # its second slice still holds it
         again.release(second)
+        again.release(third)
         assert again.cgroups.paths() == {}
-        assert own_cgroup(owner) == cgroup_sandbox.path(w)
+        assert own_cgroup(owner) == own_cgroup(inner) == cgroup_sandbox.path(w)
     finally:
         again.close()
 
@@ -209,20 +227,73 @@ def test_slice_cgroups_on_refuses_to_start_without_cgroup_v2(
 def test_a_claim_that_contradicts_the_cgroup_is_never_believed(
     cgroup_sandbox: Sandbox, cg_agent: Agent, procs: Procs
 ) -> None:
-    """A process of slice A (by its cgroup) that names slice B, a manual slice whose only
-    evidence is the environment: A's. A tenant cgroup named like B's is not B's."""
+    """A process in slice A's owner's cgroup that names slice B, a manual slice whose only
+    evidence is the environment: A's. A tenant cgroup named like A's is not A's."""
     owner, _ = procs.tree(cgroup_sandbox, "a")
     a = reserve(cg_agent, pid_owner(owner))
     b = reserve(cg_agent)  # manual: no process, no pod, no cgroup
     gpu = uuid_of(cg_agent, a)
     assert uuid_of(cg_agent, b) == gpu
+    mine = cg_agent.cgroups.path_of(a)
+    assert mine is not None
     framer = procs.sleep(claim=b)
-    cgroup_sandbox.move(framer, f"a/qgpu-{a}")
+    cgroup_sandbox.move(framer, mine.removeprefix(cgroup_sandbox.path("") + "/"))
     believed = procs.sleep(claim=b)
     fake = procs.sleep(claim=b)
-    cgroup_sandbox.move(fake, f"tenant/qgpu-{a}")  # a delegated user could make this
+    cgroup_sandbox.move(fake, "tenant/" + mine.rpartition("/")[2])  # a delegated user could
     found = owners(cg_agent, [GpuProcess(gpu, p, GIB) for p in (framer, believed, fake)])
     assert found == {framer: a, believed: b, fake: b}
+
+
+FAMILY = """
+import os, subprocess, sys, time
+kids = []
+for claim in sys.argv[1:]:
+    env = {k: v for k, v in os.environ.items() if k != "QGPU_SLICE_ID"}
+    if claim != "-":
+        env["QGPU_SLICE_ID"] = claim
+    kids.append(subprocess.Popen(["sleep", "120"], env=env))
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("cgroups", ["on", "off"])
+def test_an_owner_of_several_slices_is_one_tenant_whose_environment_picks(
+    cgroup_sandbox: Sandbox, state_dir: Path, backend: FakeBackend, procs: Procs, cgroups: str
+) -> None:
+    """A Dask SliceCluster's client process owns every worker's slice and the workers are
+    its children: each worker's QGPU_SLICE_ID picks among its owner's slices, never one of
+    another owner's (then, as with none, the first of its owner's)."""
+    agent = make_agent(state_dir, backend, slice_cgroups=cgroups)
+    s1, s2, theirs = (f"s-{uuid.uuid4().hex[:12]}" for _ in range(3))
+    claims = [s1, s2, theirs, "-"]
+    client = subprocess.Popen(
+        [sys.executable, "-c", FAMILY, *claims], stdout=subprocess.PIPE, text=True
+    )
+    procs.started.append(client)  # type: ignore[arg-type]
+    assert client.stdout is not None
+    kids = [int(x) for x in client.stdout.readline().split()]
+    try:
+        cgroup_sandbox.move(client.pid, "client")
+        for kid in kids:
+            cgroup_sandbox.move(kid, "client")
+        other, _ = procs.tree(cgroup_sandbox, "other")
+        for sid, owner in ((s1, client.pid), (s2, client.pid), (theirs, other)):
+            req = SliceRequest(core=20, memory_gib=4, isolation="fs")
+            agent.reserve(ReserveRequest(request=req, owner=pid_owner(owner), slice_id=sid))
+        gpu = uuid_of(agent, s1)
+        assert uuid_of(agent, s2) == uuid_of(agent, theirs) == gpu
+        if cgroups == "on":
+            assert {own_cgroup(k) for k in kids} == {agent.cgroups.path_of(s1)}
+        found = owners(agent, [GpuProcess(gpu, k, GIB) for k in kids])
+        first = min(s1, s2)
+        assert found == dict(zip(kids, [s1, s2, first, first], strict=True))
+    finally:
+        for kid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kid, signal.SIGKILL)
+        agent.close()
 
 
 def test_without_cgroups_descent_from_the_owner_decides(

@@ -35,6 +35,7 @@ import pytest
 
 from enforcement.agent.client import AgentClient
 from enforcement.agent.models import Reservation
+from enforcement.agent.reconcile import proc_start_time
 from enforcement.sim import process_memory
 from tests.agent.conftest import start_agent, stop_agent
 from tests.cgroups import Sandbox, cgroup_sandbox, cgroupfs_pod, own_cgroup, systemd_pod
@@ -203,8 +204,9 @@ def test_framing_a_local_slice_kills_the_framer_not_the_victim(
     hproc = node.track(launcher(cgroup_sandbox, "hostile"))
     victim_res = reserve_for(node, vproc, 12)
     hostile_res = reserve_for(node, hproc, 4)
-    for proc, res, where in ((vproc, victim_res, "victim"), (hproc, hostile_res, "hostile")):
-        assert own_cgroup(proc.pid) == cgroup_sandbox.path(f"{where}/qgpu-{res.slice_id}")
+    for proc, where in ((vproc, "victim"), (hproc, "hostile")):  # each in its owner's cgroup
+        started = proc_start_time(proc.pid)
+        assert own_cgroup(proc.pid) == cgroup_sandbox.path(f"{where}/qgpu-pid-{proc.pid}-{started}")
     victim = start_victim(node, vproc, victim_res)
     run_in(
         hproc,
