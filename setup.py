@@ -23,7 +23,7 @@ NATIVE = Path("enforcement") / "native"
 COMMON = [
     str(NATIVE / "common" / n) for n in ("clock.c", "proc.c", "shm.c", "table.c", "procaddr.c")
 ]
-SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c")]
+SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c", "shared.c")]
 
 # (extension name, output file relative to the package root, soname, sources, extra links,
 #  extra compiler flags)
@@ -43,7 +43,9 @@ LIBRARIES = {
                 "init.c",
                 "mem.c",
                 "vmm.c",
+                "ipc.c",
                 "pool.c",
+                "graph.c",
                 "ctx.c",
                 "module.c",
                 "launch.c",
@@ -60,7 +62,17 @@ LIBRARIES = {
         "libcuda.so.1",
         [
             str(NATIVE / "sim" / n)
-            for n in ("driver.c", "ctx.c", "mem.c", "exec.c", "module.c", "image.c", "procaddr.c")
+            for n in (
+                "driver.c",
+                "ctx.c",
+                "mem.c",
+                "ipc.c",
+                "exec.c",
+                "graph.c",
+                "module.c",
+                "image.c",
+                "procaddr.c",
+            )
         ]
         + SIM_CORE
         + COMMON,

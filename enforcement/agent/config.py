@@ -32,6 +32,12 @@ Enforcement = Literal["interposer", "mps"]
 # Which slices' over-cap processes the watchdog kills: none, fixed-share and burst-share
 # slices (the default), or every share slice (best-effort too).
 WatchdogKill = Literal["off", "share", "all"]
+# What the watchdog does with a GPU process of no slice on a GPU that holds a slice it kills
+# for: kill it (after the grace), or only report it.
+WatchdogUnowned = Literal["kill", "report"]
+# Per-slice cgroups for slices owned by a process: auto (when root, not --test-mode, and
+# cgroup v2 is writable), on (required: the agent refuses to start without them), off.
+SliceCgroupMode = Literal["auto", "on", "off"]
 
 
 class AgentConfig(BaseModel):
@@ -76,6 +82,16 @@ class AgentConfig(BaseModel):
         le=100,
         description="percentage points a fixed-share slice's measured SM use may exceed its "
         "core before the watchdog counts it over (100: never)",
+    )
+    watchdog_unowned: WatchdogUnowned = Field(
+        default="kill",
+        description="GPU processes of no slice on a GPU holding a slice that --watchdog-kill "
+        "covers: kill (after the grace) or report",
+    )
+    slice_cgroups: SliceCgroupMode = Field(
+        default="auto",
+        description="make a cgroup per slice owned by a process, for attribution that its "
+        "environment cannot forge",
     )
     enforcement: Enforcement = "interposer"
     mps_control: str = "nvidia-cuda-mps-control"

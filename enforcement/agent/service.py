@@ -38,6 +38,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcement.agent import slice_env
+from enforcement.agent.attribution import (
+    Attributor,
+    SliceCgroups,
+    environ_slice_id,
+    is_mps_server,
+    owner_anchor,
+)
 from enforcement.agent.config import AgentConfig
 from enforcement.agent.models import (
     MAX_LEASE_S,
@@ -142,6 +149,7 @@ class Counters:
     watchdog_over_cap: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_kills: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_over_core: Counter[tuple[str, str]] = field(default_factory=Counter)
+    watchdog_unowned_kills: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, key: object, n: int = 1) -> None:
@@ -185,6 +193,12 @@ class Agent:
         self._last_limits: tuple[Allocation, dict[str, str]] | None = None
         self._gpu_index: tuple[NodeInventory | None, dict[str, int]] = (None, {})
         self.privileged = not config.test_mode and os.geteuid() == 0
+        self.cgroups = SliceCgroups(
+            config.state_dir / "cgroups", config.slice_cgroups, privileged=self.privileged
+        )
+        log.info("per-slice cgroups: %s", "on, " + self.cgroups.reason if self.cgroups.enabled
+                 else "not made (" + self.cgroups.reason + "): slices owned by a process are "
+                 "attributed by descent from it")  # fmt: skip
         config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.state_dir, 0o755)
         self.tree = StateTree(
@@ -256,6 +270,10 @@ class Agent:
             if sid not in held:
                 self._drop_slice_dir(sid)
         self._drop_legacy()
+        self.cgroups.sweep(held)
+        for alloc in held.values():
+            if self.cgroups.path_of(alloc.slice_id) is None:  # made before slice cgroups
+                self._enroll(alloc)
 
     def _drop_legacy(self) -> None:
         """Files of the flat layout of older versions: limits/<id>.limits (their slices now
@@ -325,6 +343,7 @@ class Agent:
             if not created:
                 alloc = self._adopted(alloc, owner)
                 self._recheck_files(alloc)
+            self._enroll(alloc)
         self.counters.add("reservations", "ok")
         log.info(
             "reserved %s on %s core=%d memory=%dGiB owner=%s:%s",
@@ -382,6 +401,16 @@ class Agent:
         log.info("%s taken over by %s:%s", alloc.slice_id, owner.kind.value, owner.id)
         return adopted
 
+    def _enroll(self, alloc: Allocation) -> None:
+        """Put a slice's owner process (and its descendants) into the slice's cgroup, where
+        the node allows one (see `enforcement.agent.attribution`)."""
+        anchor = owner_anchor(alloc)
+        if anchor is None or not is_slice_id(alloc.slice_id):
+            return
+        path = self.cgroups.enroll(alloc.slice_id, *anchor)
+        if path is not None:
+            log.info("slice %s: owner %d in cgroup %s", alloc.slice_id, anchor[0], path)
+
     def _recheck_files(self, alloc: Allocation) -> None:
         """A repeated reservation re-checks its older slice's files (never undoes it)."""
         stored = self.ledger.attrs(alloc.slice_id)
@@ -438,9 +467,10 @@ class Agent:
                 raise
             alloc, created = commit()
         self._storage_error = None
-        if not created:
-            with self._stripe(alloc.slice_id):
+        with self._stripe(alloc.slice_id):
+            if not created:
                 self._recheck_files(alloc)
+            self._enroll(alloc)
         self.counters.add("reservations", "ok")
         log.info("recorded %s on %s (placed elsewhere)", alloc.slice_id, ",".join(alloc.gpu_uuids))
         return self.reservation(alloc)
@@ -499,6 +529,7 @@ class Agent:
         if is_slice_id(slice_id):
             self.tree.remove_limits(slice_id)
             self._drop_slice_dir(slice_id)
+            self.cgroups.release(slice_id)  # a busy one is removed by a later reconcile
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)
@@ -615,31 +646,32 @@ class Agent:
 
     # -- live usage ----------------------------------------------------------------------
 
-    def slice_of_pid(self, pid: int, owners: dict[int, str]) -> str | None:
-        """The slice a GPU process belongs to: its QGPU_SLICE_ID, else its owner pid."""
+    def _claim(self, pid: int) -> str | None:
+        """The slice id a process's environment names (it cannot change for a process: the
+        environment is read once per pid and start time)."""
         started = proc_start_time(pid)
         if started is None:
-            return owners.get(pid)
+            return None
         key = (pid, started)
         if key not in self._environ_cache:
             if len(self._environ_cache) > 4096:
                 self._environ_cache.clear()
-            self._environ_cache[key] = _environ_slice_id(pid)
-        return self._environ_cache[key] or owners.get(pid)
+            self._environ_cache[key] = environ_slice_id(pid)
+        return self._environ_cache[key]
 
     def attribute(
         self, allocs: list[Allocation], procs: list[GpuProcess]
     ) -> tuple[dict[str, list[GpuProcess]], list[GpuProcess]]:
-        """GPU processes per slice, and the processes that belong to no slice."""
-        known = {a.slice_id for a in allocs}
-        owners = {int(a.owner.id): a.slice_id for a in allocs if a.owner.kind is OwnerKind.PID}
+        """GPU processes per slice, and the processes that belong to no slice (NVIDIA's
+        MPS server is neither). The rules: `enforcement.agent.attribution`."""
+        rule = Attributor(allocs, self.cgroups.paths(), self.cgroups.v2, self._claim)
         by_slice: dict[str, list[GpuProcess]] = {}
         unowned = []
         for proc in procs:
-            sid = self.slice_of_pid(proc.pid, owners)
-            if sid in known:
-                by_slice.setdefault(sid, []).append(proc)
-            else:
+            found = rule.of(proc)
+            if found.slice_id is not None:
+                by_slice.setdefault(found.slice_id, []).append(proc)
+            elif not is_mps_server(proc.pid):
                 unowned.append(proc)
         return by_slice, unowned
 
@@ -820,6 +852,7 @@ class Agent:
                 alloc.owner.kind.value,
                 alloc.owner.id,
             )
+        self.cgroups.sweep(a.slice_id for a in self.ledger.allocations(self.node))
         with self.counters._lock:
             self.counters.reconcile_released += len(released)
         self.last_reconcile_at = time.time()
@@ -839,17 +872,6 @@ def _owner_process(owner: Owner) -> tuple[str | None, str | None]:
     """The process an owner names (pid and start time), if any."""
     pid = owner.id if owner.kind is OwnerKind.PID else owner.meta.get("pid")
     return pid, owner.meta.get("start_time")
-
-
-def _environ_slice_id(pid: int) -> str | None:
-    try:
-        data = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    for entry in data.split(b"\0"):
-        if entry.startswith(b"QGPU_SLICE_ID="):
-            return entry[len(b"QGPU_SLICE_ID=") :].decode(errors="replace")
-    return None
 
 
 def _safe(call, default):

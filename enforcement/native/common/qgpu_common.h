@@ -80,6 +80,10 @@ QGPU_HIDDEN int qgpu_table_put(qgpu_table_t *t, uint64_t key, uint64_t size, int
 /* Removes key; returns 0 and fills size/tag when found, -1 otherwise. */
 QGPU_HIDDEN int qgpu_table_take(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
 QGPU_HIDDEN int qgpu_table_get(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
+/* The entry whose [key, key + size) holds addr (a linear scan: address look-ups that are
+ * not a hot path); 0 and fills key/size when found, -1 otherwise. */
+QGPU_HIDDEN int qgpu_table_find_range(qgpu_table_t *t, uint64_t addr, uint64_t *key,
+                                      uint64_t *size);
 /* Removes up to `max` entries for which pred() holds, copying them to out; returns how many. */
 QGPU_HIDDEN size_t qgpu_table_take_if(qgpu_table_t *t,
                                       int (*pred)(uint64_t key, uint64_t size, int64_t tag),

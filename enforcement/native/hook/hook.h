@@ -3,9 +3,11 @@
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
  * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
  * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles (vmm.c), pools, stream-ordered and graph memory (pool.c), contexts (ctx.c),
- * what loading device code takes (module.c), launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
- * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
+ * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), pools,
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
+ * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
+ * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -26,6 +28,8 @@
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2)            \
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
@@ -36,7 +40,8 @@
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
-    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \
+    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
+    X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -60,10 +65,13 @@
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
-    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
-    X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuDeviceGetCount)                              \
+    X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                 \
+    X(cuGraphChildGraphNodeGetGraph)                                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
+    X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
+    X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2) X(cuKernelGetLibrary) X(cuStreamGetCtx)                 \
     X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
@@ -161,10 +169,13 @@ QGPU_HIDDEN CUcontext mem_current_ctx(void);
 QGPU_HIDDEN void mem_forget_ctx(CUcontext ctx); /* the driver freed what the context held */
 QGPU_HIDDEN void mem_untrack_if_tracked(uint64_t key);
 
+/* ipc.c: legacy IPC mappings the driver closed with their context */
+QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
+
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
-/* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* after a graph upload or launch that was charged `need` first: the device's graph memory
+ * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
 QGPU_HIDDEN uint64_t pool_reserved_total(void); /* what the process's pools reserve now */
 
@@ -189,6 +200,10 @@ QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is
 /* Before a CUkernel is launched or put in a graph node on stream `s`: its library is loaded
  * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
 QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
+
+/* graph.c: before a graph upload or launch, its allocations charged in full (-1: they do
+ * not fit, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
 
 /* launch.c */
 typedef struct {

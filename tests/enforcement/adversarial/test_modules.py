@@ -63,6 +63,7 @@ WAYS = {
     "lazy-kernel": ("lazy-kernel", "cubin", {}),
     "lazy-launch": ("lazy-launch", "cubin", {}),
     "lazy-graph": ("lazy-graph", "cubin", {}),
+    "lazy-graph-node": ("lazy-graph-node", "cubin", {}),
     "lazy-stream": ("lazy-stream", "cubin", {}),
     "contexts": ("contexts", "fatbin", EAGER),
 }

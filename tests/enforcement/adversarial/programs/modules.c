@@ -10,8 +10,9 @@
  *                                   CUDA_MODULE_LOADING=EAGER: loaded into the context at once)
  *   lazy-module, lazy-global,       cuLibraryLoadData under lazy loading (NVIDIA's default),
  *   lazy-kernel, lazy-launch,       then what loads it into the context: cuLibraryGetModule,
- *   lazy-graph                      cuLibraryGetGlobal, cuKernelGetFunction, a cuLaunchKernel
+ *   lazy-graph, lazy-graph-node     cuLibraryGetGlobal, cuKernelGetFunction, a cuLaunchKernel
  *                                   of the CUkernel itself, a graph kernel node of it
+ *                                   (cuGraphAddKernelNode / the generic cuGraphAddNode_v2)
  *   lazy-stream                     a CUkernel launched on a stream of a second context (it
  *                                   loads there, not in the current one)
  *   contexts                        one library, eager loading, then a new context per
@@ -105,6 +106,19 @@ static CUresult lazy_use(const char *way, CUlibrary lib) {
         p.kernelParams = args;
         cuGraphCreate(&g, 0);
         return cuGraphAddKernelNode(&node, g, NULL, 0, &p);
+    }
+    if (!strcmp(way, "lazy-graph-node")) {
+        CUgraph g;
+        CUgraphNode node;
+        CUgraphNodeParams p;
+        memset(&p, 0, sizeof p);
+        p.type = CU_GRAPH_NODE_TYPE_KERNEL;
+        p.kernel.func = (CUfunction)k;
+        p.kernel.gridDimX = p.kernel.gridDimY = p.kernel.gridDimZ = 1;
+        p.kernel.blockDimX = p.kernel.blockDimY = p.kernel.blockDimZ = 1;
+        p.kernel.kernelParams = args;
+        cuGraphCreate(&g, 0);
+        return cuGraphAddNode(&node, g, NULL, NULL, 0, &p); /* cuGraphAddNode_v2 */
     }
     return CUDA_ERROR_INVALID_VALUE;
 }
