@@ -145,7 +145,7 @@ class StateTree:
 
     `privileged`: chown to root and to the slices' identities (the agent or plugin runs as
     root in production); otherwise files keep the caller's ownership. `workload_gid`: the
-    group that may use the GPUs' region files (0: root only).
+    group of the GPUs' shared state, which their tenants read (0: root only).
     """
 
     def __init__(self, root: Path, *, privileged: bool, workload_gid: int = 0) -> None:
