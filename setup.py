@@ -39,6 +39,7 @@ LIBRARIES = {
                 "dlsym.c",
                 "config.c",
                 "ledger.c",
+                "roster.c",
                 "region.c",
                 "init.c",
                 "mem.c",

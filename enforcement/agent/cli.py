@@ -330,7 +330,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "--workload-gid",
         type=int,
         default=0,
-        help="group that may use the GPUs' region files (default 0: root only)",
+        help="group that may read the GPUs' shared state, slices/.gpu-<uuid>/ (default 0: "
+        "root only)",
     )
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="request body limit")
     p.add_argument(

@@ -1,7 +1,8 @@
 """The agent's settings (one pydantic model, validated like every other input).
 
 Paths derive from `state_dir` unless given: the ledger ``ledger.sqlite``, one directory
-per slice (limits file and interposer ledger) and the GPUs' region files under ``slices/``
+per slice (limits file and interposer ledger) and one per GPU (its roster and its slices'
+activity files) under ``slices/``
 (`enforcement.state_tree`), MPS pipe/log directories under ``mps/`` and the simulator's
 files under ``sim/``.
 """
@@ -105,8 +106,9 @@ class AgentConfig(BaseModel):
         default=0,
         ge=0,
         le=2**32 - 2,
-        description="group allowed to use the GPUs' region files (the interposer's "
-        "cross-slice compute coordination); 0: root only",
+        description="group of the GPUs' shared state (.gpu-<uuid>/: the roster and the "
+        "slices' activity files the interposer coordinates compute with), which every "
+        "tenant of the GPUs must be in to read it; 0: root only",
     )
     max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
     head_timeout_s: float = Field(default=10.0, gt=0, le=3600)

@@ -4,11 +4,13 @@ State lives in two places, both under the state directory and both rebuilt from 
 ledger on start: the core SQLite ledger (``ledger.sqlite``, WAL, synchronous=FULL: a
 reservation is acknowledged only after it is committed) and one directory per slice
 (``slices/<slice>/``: its limits file and the interposer's ledger, owned by the slice's
-user, see `enforcement.state_tree`), made inside the transaction that records a new slice,
+user, see `enforcement.state_tree`) with its entry in its GPU's roster and its activity
+file (``slices/.gpu-<uuid>/``), made inside the transaction that records a new slice,
 before its commit (`Ledger.reserve(prepare=...)`): a slice whose files cannot be made is
 never recorded, even when the disk turned read-only and nothing can be undone. A
 restart — even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file,
-deletes the directories of slices that are gone, and reconciles owners. Running processes
+deletes the directories of slices that are gone, makes each GPU's roster list exactly its
+slices, and reconciles owners. Running processes
 keep their caps: the interposer read its limits at ``cuInit`` and shares per-slice state
 through its ledger, which the agent never rewrites.
 
@@ -31,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -76,6 +78,7 @@ from enforcement.discovery import (
     UtilSample,
     discover,
 )
+from enforcement.gpu_roster import WRITER_AGENT, RosterEntry
 from enforcement.native import HOOK_LIBRARY
 from enforcement.state_tree import Identity, StateTree, process_identity
 from qgpu.errors import QgpuError, RuleViolation
@@ -213,7 +216,7 @@ class Agent:
         self.inventory = self._discover()
         self.ledger.put_node(self.inventory)
         for gpu in self.inventory.gpus:
-            self.tree.ensure_region(gpu.uuid)
+            self.tree.ensure_gpu(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
         self.restore()
@@ -243,7 +246,7 @@ class Agent:
                 return False
             self.ledger.put_node(fresh)
             for gpu in fresh.gpus:
-                self.tree.ensure_region(gpu.uuid)
+                self.tree.ensure_gpu(gpu.uuid)
             self.inventory = fresh
             log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
             return True
@@ -269,17 +272,32 @@ class Agent:
         for sid in self.tree.slice_ids():
             if sid not in held:
                 self._drop_slice_dir(sid)
+        self._sync_gpus(held.values())
         self._drop_legacy()
         self.cgroups.sweep(held)
         for alloc in held.values():
             if self.cgroups.path_of(alloc.slice_id) is None:  # made before slice cgroups
                 self._enroll(alloc)
 
+    def _sync_gpus(self, held: Iterable[Allocation]) -> None:
+        """Each GPU's roster lists exactly the agent's interposer slices on it (entries of
+        the device plugin, or of hooks, are theirs to keep)."""
+        listed: dict[str, dict[str, RosterEntry]] = {g.uuid: {} for g in self.inventory.gpus}
+        for alloc in held:
+            if self.enforcement_of(alloc) == "interposer":
+                entry = RosterEntry.of(alloc.slice_id, alloc.isolation, alloc.core, WRITER_AGENT)
+                listed.setdefault(alloc.gpu_uuids[0], {})[alloc.slice_id] = entry
+        for uuid, entries in listed.items():
+            self.tree.sync_gpu(uuid, WRITER_AGENT, entries)
+
     def _drop_legacy(self) -> None:
         """Files of the flat layout of older versions: limits/<id>.limits (their slices now
-        have limits.conf in their own directory) and slices/slice-<id>.ledger once no
+        have limits.conf in their own directory), slices/gpu-<uuid>.region (every tenant of
+        a GPU could write it: now .gpu-<uuid>/) and slices/slice-<id>.ledger once no
         process maps it."""
         shutil.rmtree(self.config.legacy_limits_dir, ignore_errors=True)
+        for path in self.tree.legacy_regions():  # running processes keep their mapping
+            path.unlink(missing_ok=True)
         for path in self.tree.legacy_files():
             led = read_ledger_file(path)
             if led is None or not led.pids:
@@ -364,18 +382,20 @@ class Agent:
         rollback needs no disk write, so a disk that turned read-only leaves no orphan row),
         and files whose commit then failed are removed (or, on a read-only disk, dropped by
         `restore` at the next start). Returns the allocation and whether it is new."""
-        made: list[str] = []
+        made: list[Allocation] = []
 
         def prepare(alloc: Allocation) -> None:
-            made.append(alloc.slice_id)
+            made.append(alloc)
             self._prepare_slice(alloc, who)
 
         try:
             alloc = commit(prepare)
         except BaseException:
-            for sid in made:
+            for new in made:
                 with contextlib.suppress(OSError):
-                    self.tree.remove(sid)
+                    self.tree.remove(new.slice_id)
+                with contextlib.suppress(OSError):
+                    self.tree.leave_gpu(new.gpu_uuids[0], new.slice_id)
             raise
         return alloc, bool(made)
 
@@ -518,6 +538,7 @@ class Agent:
         where the slice files cannot be written (a read-only disk) the release is refused
         with nothing changed, and where the commit fails (a full disk) it is put back."""
         retired = is_slice_id(slice_id) and self.tree.retire_limits(slice_id)
+        held = self.ledger.get(slice_id)
         try:
             with self._write_lock:
                 released = self.ledger.release(slice_id)
@@ -530,6 +551,10 @@ class Agent:
             self.tree.remove_limits(slice_id)
             self._drop_slice_dir(slice_id)
             self.cgroups.release(slice_id)  # a busy one is removed by a later reconcile
+            if held is not None and self.enforcement_of(held) == "interposer":
+                # a roster that cannot be written now is put right by the next start
+                with contextlib.suppress(OSError):
+                    self.tree.leave_gpu(held.gpu_uuids[0], slice_id)
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)
@@ -592,13 +617,17 @@ class Agent:
         return values
 
     def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
-        """An interposer slice's directory, ledger and limits file (idempotent)."""
+        """An interposer slice's directory, ledger and limits file, and its entry and
+        activity file on its GPU (idempotent)."""
         if self.enforcement_of(alloc) != "interposer":
             return
         self.tree.create(alloc.slice_id, who)
         # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
         # rewrites every limits file from it when it starts
         self.tree.write_limits(alloc.slice_id, self._limits(alloc), who)
+        self.tree.join_gpu(
+            alloc.gpu_uuids[0], alloc.slice_id, who, alloc.isolation, alloc.core, WRITER_AGENT
+        )
 
     def reservation(self, alloc: Allocation, attrs: SliceAttrs | None = None) -> Reservation:
         attrs = self.ledger.attrs(alloc.slice_id) if attrs is None else attrs

@@ -1,13 +1,13 @@
 /* libqgpu_hook.so: internal declarations.
  *
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
- * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
- * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), pools,
- * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
- * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
- * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
- * cuGetProcAddress; real.c finds the real driver's functions. */
+ * through the hook. Then the limits are read (config.c), the slice ledger is mapped
+ * (ledger.c), the GPU's shared state is opened (roster.c, region.c), and the wrappers
+ * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
+ * legacy IPC mappings (ipc.c), pools, stream-ordered and graph memory (pool.c), what
+ * executable graphs allocate (graph.c), contexts (ctx.c), what loading device code takes
+ * (module.c), launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable
+ * through dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -149,7 +149,30 @@ QGPU_HIDDEN void ledger_add_throttled(int64_t held_ns);
 /* 1 if `pid` holds a live slot of this slice (NVML views show only the slice's processes) */
 QGPU_HIDDEN int ledger_has_pid(int pid);
 
-/* region.c: the processes of one GPU */
+/* roster.c: the slices placed on one GPU (written by the agent / device plugin / own hooks) */
+#define ROSTER_MAX 128
+enum { ROSTER_WRITER_AGENT = 1, ROSTER_WRITER_PLUGIN = 2, ROSTER_WRITER_HOOK = 3 };
+typedef struct {
+    char slice_id[72];
+    int32_t policy; /* POLICY_* */
+    int32_t core;
+    uint32_t writer; /* ROSTER_WRITER_* */
+    uint32_t reserved[3];
+} roster_entry_t;
+typedef struct roster roster_t;
+struct stat;
+/* A state file or directory the hook may believe: root's or this user's, and nobody else
+ * may write it. */
+QGPU_HIDDEN int state_trusted(const struct stat *st);
+/* Maps <dir>/roster read-only (NULL when missing or not trusted); in a roster this user
+ * owns (no agent), this slice is listed first. */
+QGPU_HIDDEN roster_t *roster_open(const char *dir, const hook_limits_t *lim);
+QGPU_HIDDEN uint64_t roster_seq(const roster_t *r);
+/* A consistent copy of the listed slices (out: ROSTER_MAX entries); -1 while a writer is
+ * at work. */
+QGPU_HIDDEN int roster_read(const roster_t *r, roster_entry_t *out, uint64_t *seq_out);
+
+/* region.c: the slices of one GPU, what each is doing */
 typedef struct {
     int other_slices;       /* other slices of any policy active on the GPU */
     int guaranteed_slices;  /* other fixed-/burst-share slices active on the GPU */
@@ -162,6 +185,8 @@ QGPU_HIDDEN void region_publish_launch(void); /* every launch: one coarse clock 
 QGPU_HIDDEN void region_publish_pending(int gated, int64_t until_ns);
 QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on the device */
 QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
+/* 0 and *alive (a process named in the slice's activity file lives), -1 when unreadable */
+QGPU_HIDDEN int activity_any_alive(const char *path, int *alive);
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
