@@ -125,6 +125,7 @@ typedef struct {
 #define CU_MEM_HANDLE_TYPE_FABRIC 0x8
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 0x1
 
 /* legacy IPC (cuIpcGetMemHandle): an opaque 64-byte handle passed by value */
 #define CU_IPC_HANDLE_SIZE 64
