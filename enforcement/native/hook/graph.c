@@ -234,10 +234,18 @@ static CUresult instantiated(CUresult r, CUgraphExec *e, CUgraph g, uint64_t at_
     return wr;
 }
 
-/* Before an upload or launch: the executable graph's allocations, charged in full. */
-int graph_mem_before(CUgraphExec e, uint64_t *need) {
+/* Before an upload or launch: the executable graph's allocations, charged in full. When
+ * they do not fit, the driver is asked to give back the graph memory nothing uses
+ * (pool.c), first at once, then after the stream's earlier work has run (a relaunch of the
+ * same graph on the same stream): the charge is never smaller than the driver's pool plus
+ * the whole need, so a launch can take no more than it was charged for. `s` NULL: no
+ * waiting. */
+int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need) {
     *need = need_of(e);
-    return *need && ledger_reserve(*need) != 0 ? -1 : 0;
+    if (!*need || ledger_reserve(*need) == 0) return 0;
+    for (int wait = 0; wait <= can_wait; wait++)
+        if (graph_mem_make_room(s, wait) && ledger_reserve(*need) == 0) return 0;
+    return -1;
 }
 
 /* ---- graph allocation nodes: the slice's GPU only (refused early; the walk checks too) ---- */
@@ -305,7 +313,9 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
     uint64_t need;
     CUresult r = before_instantiate(g, &need);
     if (r != CUDA_SUCCESS) return r;
-    if (upload && need && ledger_reserve(need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (upload && need && ledger_reserve(need) != 0 &&
+        (!graph_mem_make_room(NULL, 0) || ledger_reserve(need) != 0))
+        return CUDA_ERROR_OUT_OF_MEMORY;
     r = real(e, g, params);
     if (upload) graph_mem_after(r, need);
     return instantiated(r, e, g, need);
@@ -459,14 +469,16 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
 
 /* ---- upload ---- */
 
-#define UPLOAD(name)                                                                         \
+#define UPLOAD(name, SMAP)                                                                   \
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
         uint64_t need;                                                                       \
-        if (graph_mem_before(e, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                \
+        if (graph_mem_before(e, SMAP(s), 1, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;    \
         CUresult r = REAL(name)(e, s);                                                       \
         graph_mem_after(r, need);                                                            \
         return r;                                                                            \
     }
-UPLOAD(cuGraphUpload)
-UPLOAD(cuGraphUpload_ptsz)
+#define SAME_STREAM(s) (s)
+#define PTSZ_STREAM(s) ((s) ? (s) : (CUstream)(uintptr_t)0x2)
+UPLOAD(cuGraphUpload, SAME_STREAM)
+UPLOAD(cuGraphUpload_ptsz, PTSZ_STREAM)

@@ -298,6 +298,25 @@ void graph_mem_after(CUresult r, uint64_t need) {
     pthread_mutex_unlock(&pool_lock);
 }
 
+int graph_mem_make_room(CUstream s, int wait) {
+    int dev = current_device();
+    if (dev < 0 || !HAVE_REAL(cuDeviceGraphMemTrim)) return 0;
+    pthread_mutex_lock(&pool_lock);
+    uint64_t before = graph_charged[dev];
+    pthread_mutex_unlock(&pool_lock);
+    if (!before) return 0;
+    if (wait && (capturing(s) || !HAVE_REAL(cuStreamSynchronize) ||
+                 REAL(cuStreamSynchronize)(s) != CUDA_SUCCESS))
+        return 0;
+    if (REAL(cuDeviceGraphMemTrim)(dev) != CUDA_SUCCESS) return 0;
+    pthread_mutex_lock(&pool_lock);
+    uint64_t truth;
+    if (graph_reserved(dev, &truth) == 0) settle_to(&graph_charged[dev], truth);
+    int fell = graph_charged[dev] < before;
+    pthread_mutex_unlock(&pool_lock);
+    return fell;
+}
+
 QGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
     HOOK_ENTER(cuDeviceGraphMemTrim, dev);
     CUresult r = REAL(cuDeviceGraphMemTrim)(dev);

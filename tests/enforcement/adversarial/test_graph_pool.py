@@ -118,3 +118,15 @@ def test_many_small_graph_allocations_are_charged_whole_granules(
     h = arena.start([programs.c("graphpool"), mode])
     arena.contained(h)
     assert h.all("run") == [OOM], h.lines
+
+
+def test_a_slice_can_relaunch_its_graphs(arena: Arena, programs: Programs) -> None:
+    """What a workload does in a 4 GiB slice: a graph allocating and freeing 3 GiB relaunched
+    back to back, graphs keeping 3 GiB one after another once the last was freed, an
+    AUTO_FREE_ON_LAUNCH graph relaunched. The whole need is charged again at each launch;
+    the hook makes room by having the driver give back the graph memory nothing uses."""
+    h = arena.start([programs.c("graphpool"), "relaunch"])
+    assert h.all("run") == [SUCCESS] * 8 and h.all("free") == [SUCCESS] * 2, h.lines
+    assert h.all("reserved_end") == [1024]
+    assert h.all("grab") == [SUCCESS] * (ROOM - 2) + [OOM]
+    arena.contained(h)

@@ -31,9 +31,11 @@
  *                  allocation nodes of 4 KiB each (7 MiB asked; each takes a whole 2 MiB
  *                  granule: 3400 MiB), kept
  *   attack_upload  the same, the graph uploaded, not launched
- *   relaunch       what a workload does: a graph allocating and freeing 3 GiB launched 3
- *                  times, and an AUTO_FREE_ON_LAUNCH graph keeping 3 GiB relaunched 3
- *                  times (each "run" must succeed), then grab */
+ *   relaunch       what a workload does (each "run" must succeed): a graph allocating and
+ *                  freeing 3 GiB around a 100 ms kernel launched 3 times back to back; a
+ *                  graph keeping 3 GiB, freed by cuMemFree, then another, freed by
+ *                  cuMemFreeAsync; an AUTO_FREE_ON_LAUNCH graph keeping 1 GiB launched 3
+ *                  times; then grab */
 #include "hostile.h"
 
 static CUstream s;
@@ -263,11 +265,17 @@ static void attack(const char *mode) {
         say("run", cuGraphUpload(many_small(1700, 4096), s));
         sync_stream();
     } else if (!strcmp(mode, "relaunch")) {
-        CUgraphExec t = temporary(3 * GIB, 0);
-        for (int i = 0; i < 3; i++) say("run", cuGraphLaunch(t, s));
+        CUgraphExec t = temporary(3 * GIB, 100000000ULL);
+        for (int i = 0; i < 3; i++) say("run", cuGraphLaunch(t, s)); /* back to back */
         sync_stream();
         cuGraphExecDestroy(t);
-        CUgraphExec a = keeper(3 * GIB, CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, NULL, NULL);
+        CUdeviceptr p;
+        say("run", cuGraphLaunch(keeper(3 * GIB, 0, &p, NULL), s));
+        sync_stream();
+        say("free", cuMemFree(p));
+        say("run", cuGraphLaunch(keeper(3 * GIB, 0, &p, NULL), s));
+        say("free", cuMemFreeAsync(p, s));
+        CUgraphExec a = keeper(GIB, CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, NULL, NULL);
         for (int i = 0; i < 3; i++) say("run", cuGraphLaunch(a, s));
         sync_stream();
     }
