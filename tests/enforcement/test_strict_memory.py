@@ -2,8 +2,9 @@
 lives until its last unmap and release, stream-ordered frees take effect when the stream
 reaches them, pools keep freed memory up to their release threshold until trimmed, contexts
 cost memory (configurable per GPU), and every size check refuses instead of wrapping. Each
-test here failed on the simulator before commit 4b11bae. The simulator alone, no
-interposer: what it does is what the interposer's accounting must match."""
+test here failed on the simulator before commit 4b11bae (the device runtime's limits came
+later). The simulator alone, no interposer: what it does is what the interposer's accounting
+must match; test_device_runtime_limits_are_charged_to_the_slice runs the same calls under it."""
 
 from __future__ import annotations
 
@@ -262,6 +263,26 @@ def test_strict_device_runtime_limits_reserve_memory(short_tmp: Path, gpu: int) 
         assert out["sync_default"] == [SUCCESS, 2]
         assert out["sync"] == SUCCESS and out["sync_used"] == 2 * 40 * 1024 * 4096
         assert out["sync_deep"] == INVALID_VALUE
+        assert out["sync_back"] == SUCCESS and out["sync_gone"] == 0
+
+
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_device_runtime_limits_are_charged_to_the_slice(short_tmp: Path, gpu: int) -> None:
+    """The same calls in a 4 GiB slice: each raise is charged the hook's bound (16 KiB per
+    pending launch, 8 KiB per resident thread per sync level; more than this driver takes),
+    lowering gives it back, and the sync depth an H100 does not have is refused as the
+    driver refuses it, before anything is charged."""
+    cfg = write_sim_config(short_tmp / "d.conf", "H100-80GB,T4", node="devrt-hooked")
+    env = Sim(cfg, short_tmp / "l").slice_env("devrt", gpu=gpu, memory=4 * GIB)
+    out = run_json(env, DEVRT)
+    assert out["pending"] == SUCCESS and out["pending_used"] == 1024 * 16 * 1024
+    assert out["pending_huge"] == OUT_OF_MEMORY
+    assert out["pending_back"] == SUCCESS and out["pending_gone"] == 0
+    if gpu == 0:
+        assert out["sync"] == UNSUPPORTED_LIMIT and out["sync_used"] == 0
+    else:
+        assert out["sync"] == SUCCESS and out["sync_used"] == 2 * 40 * 1024 * 8192
+        assert out["sync_deep"] in (INVALID_VALUE, OUT_OF_MEMORY)  # 24 levels do not fit
         assert out["sync_back"] == SUCCESS and out["sync_gone"] == 0
 
 

@@ -212,6 +212,7 @@ static uint64_t limit_cost(int limit, uint64_t value) {
  * scaled to the new value, whichever is larger. Calls are serialised in the process, so two
  * threads' measurements never overlap. */
 #define SYNC_DEPTH_DEFAULT 2ULL
+#define SYNC_DEPTH_MAX 24ULL
 #define PENDING_DEFAULT 2048ULL
 #define DEVRT_LAUNCH_BOUND (16ULL << 10)
 #define DEVRT_SYNC_THREAD_BOUND (8ULL << 10)
@@ -225,6 +226,8 @@ static uint64_t devrt_default(int limit) {
 /* the hook's bound for a value (UINT64_MAX when it cannot be represented) */
 static uint64_t devrt_bound(int limit, uint64_t value) {
     uint64_t base = devrt_default(limit), per = DEVRT_LAUNCH_BOUND, cost;
+    if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH && value > SYNC_DEPTH_MAX)
+        value = SYNC_DEPTH_MAX; /* cuda.h's maximum: the driver refuses or clamps above it */
     if (value <= base) return 0;
     if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH &&
         hook_mul(threads_on_device(), DEVRT_SYNC_THREAD_BOUND, &per) != 0)
@@ -260,7 +263,10 @@ static uint64_t devrt_target(int limit, uint64_t old, uint64_t now, uint64_t hel
 
 static CUresult set_devrt_limit(int limit, size_t value) {
     size_t old = devrt_default(limit);
-    if (HAVE_REAL(cuCtxGetLimit)) REAL(cuCtxGetLimit)(&old, limit); /* refused: the default */
+    /* a limit the device does not have (the sync depth from compute capability 9.0) is
+     * refused as the driver would, before anything is charged or reaches it */
+    if (HAVE_REAL(cuCtxGetLimit) && REAL(cuCtxGetLimit)(&old, limit) == CUDA_ERROR_UNSUPPORTED_LIMIT)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
     CUcontext ctx = mem_current_ctx();
     uint64_t key = (uintptr_t)ctx | (uint64_t)limit, held = 0;
     pthread_mutex_lock(&devrt_lock);
