@@ -9,8 +9,9 @@
  *  - graph memory (allocation nodes; cuMemAllocAsync while a stream is captured is one): an
  *    upload or launch charges what the executable graph allocates (graph.c) first, refused
  *    over the cap, then the device's graph memory charge is set to what the driver reserves
- *    for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT); cuDeviceGraphMemTrim gives back
- *    what the driver gives back.
+ *    for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), which holds every allocation a
+ *    launched graph did not free; cuDeviceGraphMemTrim gives back what the driver gives
+ *    back. A need that does not fit first has the driver trim (graph_mem_make_room).
  * The charges are settled again at every synchronisation, cuMemGetInfo, trim and destroy. */
 #include <stdlib.h>
 
