@@ -213,7 +213,10 @@ CUresult sim_gmem_launch(struct CUgraphExec_st *e, int gidx) {
         pthread_mutex_unlock(&gm_lock);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    CUresult r = reserve_locked(gidx, needs_locked(e, gidx));
+    /* room to remember what it frees itself (sim_gmem_launched), before anything changes */
+    CUresult r = e->temp_backed && grow_array((void **)&holds, &cap_holds, nholds, sizeof *holds)
+                     ? CUDA_ERROR_OUT_OF_MEMORY
+                     : reserve_locked(gidx, needs_locked(e, gidx));
     if (!r) {
         for (size_t i = 0; i < nholds;) { /* its earlier launch ends before this one starts */
             if (holds[i].exec_id == e->id) {
@@ -226,9 +229,6 @@ CUresult sim_gmem_launch(struct CUgraphExec_st *e, int gidx) {
             galloc_t *a = find_locked(e->keep[i]);
             if (a) a->state = G_LIVE;
         }
-        /* the allocations it frees itself are in use until the launch ends (launched) */
-        if (e->temp_backed && grow_array((void **)&holds, &cap_holds, nholds, sizeof *holds) != 0)
-            r = CUDA_ERROR_OUT_OF_MEMORY;
     }
     pthread_mutex_unlock(&gm_lock);
     return r;

@@ -42,7 +42,7 @@ def test_a_running_graph_keeps_its_memory_through_a_trim(arena: Arena, programs:
     assert out["used_running"] == [G] and out["reserved_running"] == [G]
     assert out["used_done"] == [0] and out["reserved_done"] == [G]
     assert out["used_trimmed"] == [0] and out["reserved_trimmed"] == [0]
-    assert out["used_end"] == [0] and out["reserved_end"] == [G]  # relaunches reuse it
+    assert out["used_end"] == [0] and out["reserved_end"] == [G]  # launches after reuse it
 
 
 def test_stream_ordered_free_of_graph_memory(arena: Arena, programs: Programs) -> None:

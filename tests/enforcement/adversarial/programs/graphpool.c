@@ -10,9 +10,10 @@
  * What the driver does (run without the hook; the test checks every number):
  *   lifetime       a graph keeping 1 GiB: launched, relaunched (refused while unfreed),
  *                  trimmed, destroyed, freed by cuMemFree, freed again (refused), trimmed
- *   in_flight      a graph allocating and freeing 1 GiB around a 300 ms kernel: trimmed
- *                  while it runs (kept) and after (given back); relaunched 3 times
- *   stream_free    a kept 1 GiB freed by cuMemFreeAsync behind a 300 ms kernel: in use
+ *   in_flight      a graph allocating and freeing 1 GiB around a 1 s kernel: trimmed
+ *                  while it runs (kept) and after (given back); then a graph like it
+ *                  without the kernel launched 3 times
+ *   stream_free    a kept 1 GiB freed by cuMemFreeAsync behind a 1 s kernel: in use
  *                  until the stream reaches it; then the graph relaunches
  *   free_node      a kept 1 GiB freed by another graph's free node; relaunch after
  *   auto_free      AUTO_FREE_ON_LAUNCH: relaunched 3 times, 1 GiB in use, 1 GiB reserved
@@ -145,7 +146,7 @@ static void driver(const char *mode) {
         say("trim", cuDeviceGraphMemTrim(0));
         report("end");
     } else if (!strcmp(mode, "in_flight")) {
-        CUgraphExec e = temporary(GIB, 300000000ULL);
+        CUgraphExec e = temporary(GIB, 1000000000ULL);
         say("run", cuGraphLaunch(e, s));
         say("trim", cuDeviceGraphMemTrim(0));
         report("running");
@@ -153,14 +154,15 @@ static void driver(const char *mode) {
         report("done");
         say("trim", cuDeviceGraphMemTrim(0));
         report("trimmed");
-        for (int i = 0; i < 3; i++) say("run", cuGraphLaunch(e, s));
+        CUgraphExec quick = temporary(GIB, 0);
+        for (int i = 0; i < 3; i++) say("run", cuGraphLaunch(quick, s));
         sync_stream();
         report("end");
     } else if (!strcmp(mode, "stream_free")) {
         CUdeviceptr p;
         CUgraphExec e = keeper(GIB, 0, &p, NULL);
         say("run", cuGraphLaunch(e, s));
-        busy_launch(300000000ULL);
+        busy_launch(1000000000ULL);
         say("free", cuMemFreeAsync(p, s));
         report("queued");
         sync_stream();
