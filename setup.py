@@ -62,7 +62,10 @@ LIBRARIES = {
         "libcuda.so.1",
         [
             str(NATIVE / "sim" / n)
-            for n in ("driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "procaddr.c")
+            for n in (
+                "driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "graphmem.c",
+                "procaddr.c",
+            )
         ]
         + SIM_CORE
         + COMMON,
