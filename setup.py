@@ -72,6 +72,7 @@ LIBRARIES = {
                 "graph.c",
                 "module.c",
                 "image.c",
+                "graphmem.c",
                 "procaddr.c",
             )
         ]

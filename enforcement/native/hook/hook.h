@@ -202,6 +202,9 @@ QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory ga
 /* after a graph upload or launch that was charged `need` first: the device's graph memory
  * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
+/* the driver gives back the graph memory nothing uses (after stream s's earlier work with
+ * `wait`) and the charge follows; 1 when the charge fell */
+QGPU_HIDDEN int graph_mem_make_room(CUstream s, int wait);
 QGPU_HIDDEN uint64_t pool_reserved_total(void); /* what the process's pools reserve now */
 
 /* module.c: device memory taken by loading device code, measured around the driver's call.
@@ -226,9 +229,9 @@ QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is
  * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
 QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
 
-/* graph.c: before a graph upload or launch, its allocations charged in full (-1: they do
- * not fit, refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
+ * room made by trimming when they do not fit (-1: they still do not, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need);
 
 /* launch.c */
 typedef struct {

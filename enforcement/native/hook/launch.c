@@ -458,7 +458,7 @@ static void note_mode(int gated) {
         HOOK_ENTER(name, g, s);                                                              \
         HOOK_MEM_OP();                                                                       \
         uint64_t need_;                                                                      \
-        if (graph_mem_before(g, &need_) != 0) return CUDA_ERROR_OUT_OF_MEMORY;               \
+        if (graph_mem_before(g, SMAP(s), 1, &need_) != 0) return CUDA_ERROR_OUT_OF_MEMORY;   \
         CUresult r_;                                                                         \
         region_publish_launch();                                                             \
         gate_mode_t m_ = gate_mode();                                                        \

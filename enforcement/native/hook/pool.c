@@ -9,8 +9,9 @@
  *  - graph memory (allocation nodes; cuMemAllocAsync while a stream is captured is one): an
  *    upload or launch charges what the executable graph allocates (graph.c) first, refused
  *    over the cap, then the device's graph memory charge is set to what the driver reserves
- *    for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT); cuDeviceGraphMemTrim gives back
- *    what the driver gives back.
+ *    for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT), which holds every allocation a
+ *    launched graph did not free; cuDeviceGraphMemTrim gives back what the driver gives
+ *    back. A need that does not fit first has the driver trim (graph_mem_make_room).
  * The charges are settled again at every synchronisation, cuMemGetInfo, trim and destroy. */
 #include <stdlib.h>
 
@@ -317,6 +318,25 @@ void graph_mem_after(CUresult r, uint64_t need) {
         if (charged) __atomic_store_n(&outstanding, 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&pool_lock);
+}
+
+int graph_mem_make_room(CUstream s, int wait) {
+    int dev = current_device();
+    if (dev < 0 || !HAVE_REAL(cuDeviceGraphMemTrim)) return 0;
+    pthread_mutex_lock(&pool_lock);
+    uint64_t before = graph_charged[dev];
+    pthread_mutex_unlock(&pool_lock);
+    if (!before) return 0;
+    if (wait && (capturing(s) || !HAVE_REAL(cuStreamSynchronize) ||
+                 REAL(cuStreamSynchronize)(s) != CUDA_SUCCESS))
+        return 0;
+    if (REAL(cuDeviceGraphMemTrim)(dev) != CUDA_SUCCESS) return 0;
+    pthread_mutex_lock(&pool_lock);
+    uint64_t truth;
+    if (graph_reserved(dev, &truth) == 0) settle_to(&graph_charged[dev], truth);
+    int fell = graph_charged[dev] < before;
+    pthread_mutex_unlock(&pool_lock);
+    return fell;
 }
 
 QGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {

@@ -19,6 +19,7 @@
 #define KERNEL_MAGIC 0x4b45524eu
 #define LINK_MAGIC 0x4c494e4bu
 #define NODE_MAGIC 0x474e4f44u
+#define SIM_GRANULE (2ULL << 20) /* physical memory is mapped in 2 MiB granules */
 
 /* A device code image, read by image.c: what loading it takes and what it defines. */
 typedef struct {
@@ -58,7 +59,7 @@ struct CUctx_st {
     int green;
     unsigned flags;
     int64_t last_end_ns; /* fifo: end of the last op queued by this context */
-    uint64_t limits[3];  /* CU_LIMIT_STACK_SIZE, PRINTF_FIFO_SIZE, MALLOC_HEAP_SIZE */
+    uint64_t limits[5];  /* CU_LIMIT_STACK_SIZE .. DEV_RUNTIME_PENDING_LAUNCH_COUNT */
     uint64_t charged;    /* device memory this context holds (its cost + its limits) */
 };
 
@@ -160,8 +161,17 @@ struct CUgraphExec_st {
     /* what the copy needs, refreshed after every update */
     int64_t total_ns;
     int kernels;
-    uint64_t alloc_bytes; /* what its allocation nodes take from the graph pool */
-    int mem_gidx;         /* where (-1: no allocation nodes) */
+    int mem_gidx; /* the device of its allocation nodes (-1: none) */
+    /* its graph memory (graphmem.c): the allocations it leaves allocated (no free node for
+     * them in the graph), the physical size of those it frees itself, and the addresses of
+     * other graphs' allocations its free nodes free */
+    uint64_t id;
+    uint64_t *keep;
+    int nkeep;
+    uint64_t keep_backed;
+    uint64_t temp_backed;
+    uint64_t *frees;
+    int nfrees;
 };
 
 struct CUmemPoolHandle_st {
@@ -205,7 +215,6 @@ QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
 QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
-QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
 
 /* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
 QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
@@ -248,6 +257,26 @@ QGPU_HIDDEN void sim_wait_idle(struct CUctx_st *ctx, struct CUstream_st *s);
 /* the kernel-duration rule (see exec.c) */
 QGPU_HIDDEN int64_t sim_kernel_duration(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                                         void **params, void **extra);
+
+/* graphmem.c: graph allocations and the per-device graph memory pool (locked inside) */
+QGPU_HIDDEN uint64_t sim_gmem_backed(uint64_t size); /* whole granules (UINT64_MAX: too big) */
+QGPU_HIDDEN uint64_t sim_gmem_new_exec_id(void);
+QGPU_HIDDEN CUresult sim_gmem_node_added(struct CUgraphNode_st *node, uint64_t dptr,
+                                         uint64_t size, int gidx);
+QGPU_HIDDEN void sim_gmem_node_gone(struct CUgraphNode_st *node); /* an original node freed */
+/* 0 with the allocation node that made dptr (NULL once destroyed) and whether a free node
+ * for it is in another graph; -1 when dptr is no graph allocation's address */
+QGPU_HIDDEN int sim_gmem_lookup(uint64_t dptr, struct CUgraphNode_st **node, int *freed_elsewhere);
+QGPU_HIDDEN void sim_gmem_freed_elsewhere(uint64_t dptr);
+QGPU_HIDDEN CUresult sim_gmem_upload(struct CUgraphExec_st *e, int gidx);
+/* before a launch queues its work (refusals, growth), and after (what it frees) */
+QGPU_HIDDEN CUresult sim_gmem_launch(struct CUgraphExec_st *e, int gidx);
+QGPU_HIDDEN void sim_gmem_launched(struct CUgraphExec_st *e, int gidx, struct CUctx_st *c,
+                                   struct CUstream_st *s);
+/* cuMemFree (async 0) / cuMemFreeAsync of a graph allocation: -1 when dptr is none, else
+ * the CUresult */
+QGPU_HIDDEN int sim_gmem_free(uint64_t dptr, struct CUctx_st *c, struct CUstream_st *s, int async);
+QGPU_HIDDEN int sim_gmem_range(uint64_t addr, uint64_t *base, uint64_t *size);
 
 /* graph.c: what stream capture records */
 QGPU_HIDDEN struct CUgraph_st *sim_graph_new(int gidx);

@@ -8,8 +8,8 @@
  *    grew by (its "reserved" memory) after cuMemFreeAsync, which takes effect when the stream
  *    reaches it; at a synchronisation the pool gives back what it holds above its release
  *    threshold (default 0), and cuMemPoolTrimTo gives back on demand;
- *  - graph memory nodes take memory from a per-device graph pool at upload or launch, kept
- *    until cuDeviceGraphMemTrim.
+ *  - graph memory nodes take memory from a per-device graph pool (graphmem.c); cuMemFree and
+ *    cuMemFreeAsync free graph allocations too.
  * Every size check is overflow-safe. No host memory backs the device addresses. */
 #include <stdlib.h>
 #include <string.h>
@@ -241,18 +241,20 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     return alloc_in(c, KIND_MANAGED, size, dptr);
 }
 
+/* cuMemFree frees a graph allocation at once ("immediately upon the freeing call"). */
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!dptr) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    int gr = sim_gmem_free(dptr, NULL, NULL, 0);
+    return gr >= 0 ? (CUresult)gr : free_kind(dptr, 0);
 }
 
 SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!dptr) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    return free_kind(dptr, 0); /* 32-bit pointers: never a graph allocation */
 }
 
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
@@ -1034,8 +1036,11 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
     pthread_mutex_lock(&pool_lock);
     int found = qgpu_table_take(&pool_allocs, dptr, &size, &tag) == 0;
     pthread_mutex_unlock(&pool_lock);
-    if (!found) /* cuMemFreeAsync also frees cuMemAlloc'ed memory (at once, like cuMemFree) */
+    if (!found) { /* a graph allocation (in stream order), or cuMemAlloc'ed memory (at once) */
+        int gr = sim_gmem_free(dptr, c, s, 1);
+        if (gr >= 0) return (CUresult)gr;
         return free_kind(dptr, 0) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    }
     pending_free_t f = {.pool = (struct CUmemPoolHandle_st *)(uintptr_t)tag, .size = size};
     sim_marker_record(c, s, &f.m); /* takes effect when the stream reaches this point */
     pthread_mutex_lock(&pool_lock);
@@ -1064,7 +1069,7 @@ SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUd
     uint64_t b = 0, n = 0;
     int found = qgpu_table_find_range(&g_sim_allocs, dptr, &b, &n) == 0 ||
                 qgpu_table_find_range(&pool_allocs, dptr, &b, &n) == 0 ||
-                sim_ipc_range(dptr, &b, &n) == 0;
+                sim_ipc_range(dptr, &b, &n) == 0 || sim_gmem_range(dptr, &b, &n) == 0;
     if (!found) {
         pthread_mutex_lock(&vmm_lock);
         for (size_t i = 0; i < nmaps && !found; i++) {
@@ -1090,58 +1095,6 @@ SIM_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *siz
     if (base) *base = (CUdeviceptr_v1)b;
     if (size) *size = n > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)n;
     return CUDA_SUCCESS;
-}
-
-/* ---- graph memory: a per-device pool for graph allocation nodes ---- */
-
-static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
-static uint64_t graph_used_high[SIM_MAX_GPUS];
-
-CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
-    pthread_mutex_lock(&pool_lock);
-    CUresult r = CUDA_SUCCESS;
-    if (bytes > graph_reserved[gidx]) {
-        uint64_t more = round_up(bytes - graph_reserved[gidx]);
-        r = more ? sim_charge(gidx, more) : CUDA_ERROR_OUT_OF_MEMORY;
-        if (!r) {
-            graph_reserved[gidx] += more;
-            if (graph_reserved[gidx] > graph_reserved_high[gidx])
-                graph_reserved_high[gidx] = graph_reserved[gidx];
-        }
-    }
-    if (!r && bytes > graph_used_high[gidx]) graph_used_high[gidx] = bytes;
-    pthread_mutex_unlock(&pool_lock);
-    return r;
-}
-
-SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    struct CUctx_st *c = sim_current_ctx();
-    if (c) sim_wait_idle(c, NULL); /* graph allocations are free once their launches end */
-    pthread_mutex_lock(&pool_lock);
-    sim_uncharge(g, graph_reserved[g]);
-    graph_reserved[g] = 0;
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    switch (attr) {
-    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = 0; break;
-    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = graph_used_high[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = graph_reserved[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = graph_reserved_high[g]; break;
-    default: r = CUDA_ERROR_INVALID_VALUE;
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return r;
 }
 
 /* ---- what the simulator does not model: sharing memory with other processes ---- */

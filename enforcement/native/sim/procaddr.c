@@ -27,7 +27,7 @@
     X(cuDeviceGraphMemTrim) X(cuDevicePrimaryCtxGetState) X(cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxSetFlags) X(cuDevicePrimaryCtxSetFlags_v2) \
-    X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
+    X(cuDeviceSetGraphMemAttribute) X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
     X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
