@@ -48,6 +48,7 @@ LIBRARIES = {
                 "pool.c",
                 "graph.c",
                 "ctx.c",
+                "module.c",
                 "launch.c",
                 "nvml.c",
             )
@@ -63,7 +64,15 @@ LIBRARIES = {
         [
             str(NATIVE / "sim" / n)
             for n in (
-                "driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "graphmem.c",
+                "driver.c",
+                "ctx.c",
+                "mem.c",
+                "ipc.c",
+                "exec.c",
+                "graph.c",
+                "module.c",
+                "image.c",
+                "graphmem.c",
                 "procaddr.c",
             )
         ]

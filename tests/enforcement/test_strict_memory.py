@@ -59,7 +59,7 @@ def prop():
     p.type, p.location.type, p.location.id = 1, 1, 0
     return p
 mod, busy = c_void_p(), c_void_p()
-lib.cuModuleLoadData(byref(mod), b"m")
+lib.cuModuleLoadData(byref(mod), b"qgpu-sim-module")
 lib.cuModuleGetFunction(byref(busy), mod, b"qgpu_sim_busy")
 def launch(ns, stream=None):
     arg = c_uint64(ns)

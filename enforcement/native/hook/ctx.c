@@ -9,8 +9,9 @@
  * call (refused with CUDA_ERROR_OUT_OF_MEMORY over the cap) and given back when the context
  * is destroyed
  * (cuCtxDestroy, the last primary release, a primary reset, cuGreenCtxDestroy), together with
- * the allocations the driver frees with it. A context on a device other than the slice's GPU
- * is refused (CUDA_ERROR_INVALID_DEVICE). */
+ * the allocations the driver frees with it. A context created while libraries are loaded is
+ * measured as well (module.c: eager loading brings them into it). A context on a device other
+ * than the slice's GPU is refused (CUDA_ERROR_INVALID_DEVICE). */
 #include "hook.h"
 
 #define MAX_DEVICES 64
@@ -47,6 +48,16 @@ static void context_gone(CUcontext ctx) {
                     NULL);
     mem_forget_ctx(ctx);
     ipc_forget_ctx(ctx);
+    module_forget_ctx(ctx);
+}
+
+/* A created context that module.c found over the cap (the libraries eager loading brought
+ * into it do not fit) is destroyed again. */
+static CUresult refuse_created(CUcontext ctx) {
+    if (HAVE_REAL(cuCtxDestroy_v2)) REAL(cuCtxDestroy_v2)(ctx);
+    module_forget_ctx(ctx);
+    ledger_release(g_lim.context_memory);
+    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 #define CTX_CREATE(name, params, args)                                                       \
@@ -54,11 +65,16 @@ static void context_gone(CUcontext ctx) {
         HOOK_ENTER(name, args);                                                              \
         if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;                      \
         if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
+        measure_t m;                                                                         \
+        module_ctx_begin(&m);                                                                \
         CUresult r = REAL(name)(args);                                                       \
+        int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,           \
+                                  g_lim.context_memory);                                     \
         if (r != CUDA_SUCCESS || !pctx) {                                                    \
             ledger_release(g_lim.context_memory);                                            \
             return r;                                                                        \
         }                                                                                    \
+        if (over) return refuse_created(*pctx);                                              \
         note_context(*pctx, g_lim.context_memory);                                           \
         return r;                                                                            \
     }
@@ -75,6 +91,7 @@ CTX_CREATE(cuCtxCreate_v4, (CUcontext * pctx, CUctxCreateParams *params, unsigne
 #define CTX_DESTROY(name)                                                                    \
     QGPU_EXPORT CUresult name(CUcontext ctx) {                                               \
         HOOK_ENTER(name, ctx);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(ctx);                                                        \
         if (r == CUDA_SUCCESS) context_gone(ctx);                                            \
         return r;                                                                            \
@@ -86,13 +103,23 @@ QGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     HOOK_ENTER(cuDevicePrimaryCtxRetain, pctx, dev);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (dev < 0 || dev >= MAX_DEVICES) return REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    measure_t m;
+    module_ctx_begin(&m); /* before primary_lock: the memory lock is always taken first */
     pthread_mutex_lock(&primary_lock);
     int creates = !primary[dev].active;
     if (creates && take_context_charge() != 0) {
         pthread_mutex_unlock(&primary_lock);
+        module_ctx_end(&m, CUDA_ERROR_OUT_OF_MEMORY, NULL, 0);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult r = REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,
+                              creates ? g_lim.context_memory : 0);
+    if (r == CUDA_SUCCESS && pctx && over) { /* the libraries it brought in do not fit */
+        if (HAVE_REAL(cuDevicePrimaryCtxRelease_v2)) REAL(cuDevicePrimaryCtxRelease_v2)(dev);
+        module_forget_ctx(*pctx);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (r != CUDA_SUCCESS || !pctx) {
         if (creates) ledger_release(g_lim.context_memory);
     } else {
@@ -116,6 +143,7 @@ static void primary_gone_locked(CUdevice dev) {
 #define PRIMARY_RELEASE(name)                                                                \
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(dev);                                                        \
         if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
         pthread_mutex_lock(&primary_lock);                                                   \
@@ -131,6 +159,7 @@ PRIMARY_RELEASE(cuDevicePrimaryCtxRelease_v2)
 #define PRIMARY_RESET(name)                                                                  \
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(dev);                                                        \
         if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
         pthread_mutex_lock(&primary_lock);                                                   \
@@ -146,20 +175,32 @@ QGPU_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, C
     HOOK_ENTER(cuGreenCtxCreate, out, desc, dev, flags);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    measure_t m;
+    module_ctx_begin(&m);
     CUresult r = REAL(cuGreenCtxCreate)(out, desc, dev, flags);
+    CUcontext as_ctx = NULL;
+    if (r == CUDA_SUCCESS && out && HAVE_REAL(cuCtxFromGreenCtx))
+        REAL(cuCtxFromGreenCtx)(&as_ctx, *out);
+    /* the primary context it may have created is measured too: nothing is taken off */
+    int over = module_ctx_end(&m, r, as_ctx, 0);
     if (r != CUDA_SUCCESS || !out) {
         ledger_release(g_lim.context_memory);
         return r;
     }
+    if (over) {
+        if (HAVE_REAL(cuGreenCtxDestroy)) REAL(cuGreenCtxDestroy)(*out);
+        module_forget_ctx(as_ctx);
+        ledger_release(g_lim.context_memory);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     note_context((CUcontext)(void *)*out, g_lim.context_memory);
-    CUcontext as_ctx = NULL;
-    if (HAVE_REAL(cuCtxFromGreenCtx) && REAL(cuCtxFromGreenCtx)(&as_ctx, *out) == CUDA_SUCCESS)
-        qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx, 0);
+    if (as_ctx) qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx, 0);
     return r;
 }
 
 QGPU_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx g) {
     HOOK_ENTER(cuGreenCtxDestroy, g);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuGreenCtxDestroy)(g);
     if (r != CUDA_SUCCESS) return r;
     uint64_t as_ctx = 0;
@@ -312,6 +353,7 @@ static CUresult set_devrt_limit(int limit, size_t value) {
 
 QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     HOOK_ENTER(cuCtxSetLimit, limit, value);
+    HOOK_MEM_OP();
     if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH || limit == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT)
         return set_devrt_limit(limit, value);
     if (limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE || !HAVE_REAL(cuCtxGetLimit))

@@ -262,10 +262,19 @@ static int generic_alloc_refused(const CUgraphNodeParams *p) {
            hook_foreign_location(&p->alloc.poolProps.location);
 }
 
+/* A kernel node of a CUkernel: its library is loaded into the current context first,
+ * measured (module.c), as for cuGraphAddKernelNode. */
+static CUresult generic_kernel_loaded(const CUgraphNodeParams *p) {
+    if (!p || p->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_SUCCESS;
+    return module_kernel_use((void *)p->kernel.func, NULL);
+}
+
 QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                     size_t ndeps, CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode, node, g, deps, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult k = generic_kernel_loaded(p);
+    if (k != CUDA_SUCCESS) return k;
     return REAL(cuGraphAddNode)(node, g, deps, ndeps, p);
 }
 
@@ -274,6 +283,8 @@ QGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgra
                                        CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode_v2, node, g, deps, edges, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult k = generic_kernel_loaded(p);
+    if (k != CUDA_SUCCESS) return k;
     return REAL(cuGraphAddNode_v2)(node, g, deps, edges, ndeps, p);
 }
 
@@ -323,16 +334,19 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams_ptsz, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams_ptsz), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
     HOOK_ENTER(cuGraphExecDestroy, e);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuGraphExecDestroy)(e);
     if (r == CUDA_SUCCESS) {
         pthread_mutex_lock(&graph_lock);
@@ -472,6 +486,7 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
 #define UPLOAD(name, SMAP)                                                                   \
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
+        HOOK_MEM_OP();                                                                       \
         uint64_t need;                                                                       \
         if (graph_mem_before(e, SMAP(s), 1, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;    \
         CUresult r = REAL(name)(e, s);                                                       \

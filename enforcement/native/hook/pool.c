@@ -100,6 +100,19 @@ void pool_settle_all(void) {
     pthread_mutex_unlock(&pool_lock);
 }
 
+/* What the process's pools reserve now, by the driver's account: module.c takes pools
+ * giving memory back during a measured call out of what the call took. */
+uint64_t pool_reserved_total(void) {
+    uint64_t sum = 0;
+    pthread_mutex_lock(&pool_lock);
+    for (size_t i = 0; i < npools; i++) {
+        uint64_t r;
+        if (pool_reserved(pools[i].pool, &r) == 0) sum += r;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return sum;
+}
+
 /* ---- stream-ordered allocations ---- */
 
 static int capturing(CUstream s) {
@@ -158,11 +171,13 @@ static CUresult alloc_stream_ordered(void *real, alloc_call_t call, CUdeviceptr 
 
 QGPU_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s) {
     HOOK_ENTER(cuMemAllocAsync, dptr, size, s);
+    HOOK_MEM_OP();
     return alloc_stream_ordered((void *)REAL(cuMemAllocAsync), call_async, dptr, size, NULL, s, s);
 }
 
 QGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream s) {
     HOOK_ENTER(cuMemAllocAsync_ptsz, dptr, size, s);
+    HOOK_MEM_OP();
     return alloc_stream_ordered((void *)REAL(cuMemAllocAsync_ptsz), call_async, dptr, size, NULL, s,
                                 PTSZ_STREAM(s));
 }
@@ -170,6 +185,7 @@ QGPU_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstre
 QGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
                                              CUstream s) {
     HOOK_ENTER(cuMemAllocFromPoolAsync, dptr, size, pool, s);
+    HOOK_MEM_OP();
     if (!pool) return REAL(cuMemAllocFromPoolAsync)(dptr, size, pool, s); /* the driver refuses */
     return alloc_stream_ordered((void *)REAL(cuMemAllocFromPoolAsync), call_from_pool, dptr, size,
                                 pool, s, s);
@@ -178,6 +194,7 @@ QGPU_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUm
 QGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
                                                   CUstream s) {
     HOOK_ENTER(cuMemAllocFromPoolAsync_ptsz, dptr, size, pool, s);
+    HOOK_MEM_OP();
     if (!pool) return REAL(cuMemAllocFromPoolAsync_ptsz)(dptr, size, pool, s);
     return alloc_stream_ordered((void *)REAL(cuMemAllocFromPoolAsync_ptsz), call_from_pool, dptr,
                                 size, pool, s, PTSZ_STREAM(s));
@@ -188,6 +205,7 @@ QGPU_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size
  * it (like cuMemFree): that charge is given back. */
 QGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
     HOOK_ENTER(cuMemFreeAsync, dptr, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFreeAsync)(dptr, s);
     if (r == CUDA_SUCCESS) mem_untrack_if_tracked(dptr);
     return r;
@@ -195,6 +213,7 @@ QGPU_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) {
 
 QGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
     HOOK_ENTER(cuMemFreeAsync_ptsz, dptr, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFreeAsync_ptsz)(dptr, s);
     if (r == CUDA_SUCCESS) mem_untrack_if_tracked(dptr);
     return r;
@@ -202,6 +221,7 @@ QGPU_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) {
 
 QGPU_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     HOOK_ENTER(cuMemPoolTrimTo, pool, keep);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemPoolTrimTo)(pool, keep);
     if (r == CUDA_SUCCESS) pool_settle_all();
     return r;
@@ -241,6 +261,7 @@ QGPU_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *l
  * which the hook cannot see: what is still in use stays charged until the process exits. */
 QGPU_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
     HOOK_ENTER(cuMemPoolDestroy, pool);
+    HOOK_MEM_OP();
     cuuint64_t used = UINT64_MAX;
     if (HAVE_REAL(cuMemPoolGetAttribute))
         REAL(cuMemPoolGetAttribute)(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &used);
@@ -320,6 +341,7 @@ int graph_mem_make_room(CUstream s, int wait) {
 
 QGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
     HOOK_ENTER(cuDeviceGraphMemTrim, dev);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuDeviceGraphMemTrim)(dev);
     if (r == CUDA_SUCCESS && dev >= 0 && dev < MAX_DEVICES) {
         pthread_mutex_lock(&pool_lock);

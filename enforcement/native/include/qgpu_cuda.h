@@ -25,7 +25,23 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUgreenCtx_st *CUgreenCtx;
 typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUkern_st *CUkernel;
+typedef struct CUlinkState_st *CUlinkState;
 typedef unsigned int CUdeviceptr_v1;
+typedef int CUjit_option;     /* enum CUjit_option_enum */
+typedef int CUjitInputType;   /* enum CUjitInputType_enum */
+typedef int CUlibraryOption;  /* enum CUlibraryOption_enum */
+typedef int CUmoduleLoadingMode; /* enum CUmoduleLoadingMode_enum */
+
+#define CU_JIT_INPUT_CUBIN 0
+#define CU_JIT_INPUT_PTX 1
+#define CU_JIT_INPUT_FATBINARY 2
+#define CU_JIT_INPUT_OBJECT 3
+#define CU_JIT_INPUT_LIBRARY 4
+#define CU_JIT_INPUT_NVVM 5
+#define CU_MODULE_EAGER_LOADING 1
+#define CU_MODULE_LAZY_LOADING 2
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -36,6 +52,10 @@ typedef unsigned int CUdeviceptr_v1;
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_IMAGE 200
 #define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_NO_BINARY_FOR_GPU 209
+#define CUDA_ERROR_INVALID_PTX 218
+#define CUDA_ERROR_JIT_COMPILER_NOT_FOUND 221
+#define CUDA_ERROR_FILE_NOT_FOUND 301
 #define CUDA_ERROR_INVALID_HANDLE 400
 #define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_NOT_READY 600

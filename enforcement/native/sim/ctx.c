@@ -12,7 +12,7 @@
  * A reservation the card cannot hold is refused (CUDA_ERROR_OUT_OF_MEMORY); the sync depth is
  * refused on compute capability 9.0 and later (CUDA_ERROR_UNSUPPORTED_LIMIT) and above 24
  * (CUDA_ERROR_INVALID_VALUE), the pending launch count below 3.5. Destroying a context frees
- * the memory allocated in it. */
+ * the memory allocated in it and unloads its modules (module.c). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,7 +183,15 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
     sim_proc_t *p = sim_state_proc_slot(st, 1);
     if (p) p->contexts++;
     sim_state_unlock(st);
-    return CUDA_SUCCESS;
+    r = sim_modules_ctx_created(c); /* eager loading: the libraries loaded so far come in */
+    if (r) {
+        sim_state_lock(st);
+        if (p && p->contexts) p->contexts--;
+        sim_state_unlock(st);
+        sim_uncharge(gidx, cost);
+        c->magic = 0;
+    }
+    return r;
 }
 
 /* Frees what the context holds: its allocations (mem.c tags them with the context), its
@@ -191,6 +199,7 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
 QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx);
 
 static void ctx_release(struct CUctx_st *c) {
+    sim_modules_ctx_gone(c); /* its modules and library instances unload with it */
     sim_free_ctx_allocations(c);
     sim_uncharge(c->gidx, c->charged);
     c->charged = 0;

@@ -15,8 +15,29 @@
 #define POOL_MAGIC 0x504f4f4cu
 #define GREEN_MAGIC 0x4752454eu
 #define DESC_MAGIC 0x44455343u
+#define LIB_MAGIC 0x4c494252u
+#define KERNEL_MAGIC 0x4b45524eu
+#define LINK_MAGIC 0x4c494e4bu
 #define NODE_MAGIC 0x474e4f44u
 #define SIM_GRANULE (2ULL << 20) /* physical memory is mapped in 2 MiB granules */
+
+/* A device code image, read by image.c: what loading it takes and what it defines. */
+typedef struct {
+    char *name;
+    uint64_t offset; /* in the module's data block */
+    uint64_t size;
+    int managed;
+} sim_sym_t;
+
+typedef struct {
+    int builtin;         /* the simulator's own image: no data, every kernel name exists */
+    int sm;              /* SASS architecture of the cubin used (75 = sm_75) */
+    uint64_t data_bytes; /* device memory for its globals and constant banks */
+    int nfuncs;
+    char **funcs; /* kernel (entry) names */
+    int nsyms;
+    sim_sym_t *syms; /* globals */
+} sim_image_t;
 
 /* A point in a process's queue: an event, or a stream-ordered free. fifo: its time is known
  * when recorded; timesliced: it completes when the process's queue reaches it while the
@@ -56,14 +77,46 @@ struct CUevent_st {
     sim_marker_t m;
 };
 
+/* A module loaded into a context (cuModuleLoad*), or a library's instance in a context. */
 struct CUmod_st {
     uint32_t magic;
+    struct CUctx_st *ctx;
+    struct CUlib_st *lib; /* the library it is an instance of, or NULL */
+    sim_image_t img;
+    uint64_t base;           /* device address of its data block (img.data_bytes) */
+    struct CUfunc_st *funcs; /* functions handed out, freed with the module */
+    struct CUmod_st *next;   /* every live module of the process (module.c) */
+};
+
+struct CUlib_st {
+    uint32_t magic;
+    unsigned char *code; /* a copy of the image: instances are made from it per device */
+    size_t len;
+    sim_image_t img;     /* its names, read for the device current at load */
+    struct CUkern_st *kernels;
+    struct CUlib_st *next;
+};
+
+struct CUkern_st {
+    uint32_t magic; /* first, like CUfunc_st: a CUkernel may be passed where a CUfunction goes */
+    struct CUlib_st *lib;
+    char *name;
+    struct CUkern_st *next;
+};
+
+struct CUlinkState_st {
+    uint32_t magic;
+    int cc_major, cc_minor; /* the target: the current context's device at cuLinkCreate */
+    int inputs;
+    unsigned char *cubin; /* the one input, as a plain cubin */
+    size_t cubin_len;
 };
 
 struct CUfunc_st {
     uint32_t magic;
     int busy_kernel; /* named qgpu_sim_busy: first param is nanoseconds */
-    char name[128];
+    char *name;
+    struct CUfunc_st *next; /* in its module's list */
     /* legacy launch state (cuFuncSetBlockShape, cuParamSet*) */
     int bx, by, bz;
     unsigned param_size;
@@ -170,6 +223,27 @@ QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
 QGPU_HIDDEN int sim_ipc_freed(uint64_t ptr); /* 1: exported, its shared entry let go of it */
 QGPU_HIDDEN void sim_ipc_forget_ctx(struct CUctx_st *ctx); /* closes what ctx opened */
 QGPU_HIDDEN int sim_ipc_range(uint64_t addr, uint64_t *base, uint64_t *size);
+
+/* image.c */
+extern QGPU_HIDDEN const char sim_builtin_image[];
+/* Reads an image (len 0: a bare pointer, whose headers give its extent) for a device of
+ * compute capability cc_major.cc_minor (-1: any). */
+QGPU_HIDDEN CUresult sim_image_parse(const void *image, size_t len, int cc_major, int cc_minor,
+                                     sim_image_t *out);
+QGPU_HIDDEN CUresult sim_image_extent(const void *image, size_t *len);
+/* The plain cubin the device would run from an image (malloc'd copy). */
+QGPU_HIDDEN CUresult sim_image_cubin(const void *image, size_t len, int cc_major, int cc_minor,
+                                     unsigned char **out, size_t *out_len);
+QGPU_HIDDEN int sim_image_has_kernel(const sim_image_t *img, const char *name);
+QGPU_HIDDEN const sim_sym_t *sim_image_symbol(const sim_image_t *img, const char *name);
+QGPU_HIDDEN void sim_image_free(sim_image_t *img);
+
+/* module.c */
+QGPU_HIDDEN CUresult sim_modules_ctx_created(struct CUctx_st *ctx); /* eager libraries */
+QGPU_HIDDEN void sim_modules_ctx_gone(struct CUctx_st *ctx);        /* its modules unload */
+/* The function a CUkernel is in `ctx` (its library loaded there first if it is not). */
+QGPU_HIDDEN CUresult sim_kernel_function(struct CUkern_st *k, struct CUctx_st *ctx,
+                                         struct CUfunc_st **out);
 
 /* exec.c */
 QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);

@@ -215,6 +215,12 @@ static CUresult add_kernel(CUgraphNode *out, struct CUgraph_st *g, int64_t ns) {
 static CUresult kernel_node(CUgraphNode *out, CUgraph g, CUfunction f, unsigned gx, unsigned gy,
                             unsigned gz, void **params, void **extra) {
     if (!out || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    if (f && f->magic == KERNEL_MAGIC) { /* a CUkernel: resolved in the current context */
+        struct CUctx_st *c = sim_current_ctx();
+        if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+        CUresult r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
+        if (r) return r;
+    }
     if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     /* node parameters are captured when added: the duration is fixed now */
     return add_kernel(out, g, sim_kernel_duration(f, gx, gy, gz, params, extra));

@@ -289,7 +289,7 @@ int main(int argc, char **argv) {
     if (argc < 2) return 2;
     setup();
     CUmodule mod;
-    if (cuModuleLoadData(&mod, "m") || cuModuleGetFunction(&busy, mod, "qgpu_sim_busy")) exit(14);
+    if (cuModuleLoadData(&mod, "qgpu-sim-module") || cuModuleGetFunction(&busy, mod, "qgpu_sim_busy")) exit(14);
     cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
     if (!strncmp(argv[1], "attack_", 7) || !strcmp(argv[1], "relaunch"))
         attack(argv[1]);
