@@ -39,6 +39,7 @@ LIBRARIES = {
                 "dlsym.c",
                 "config.c",
                 "ledger.c",
+                "roster.c",
                 "region.c",
                 "init.c",
                 "mem.c",
@@ -46,7 +47,9 @@ LIBRARIES = {
                 "ipc.c",
                 "managed.c",
                 "pool.c",
+                "graph.c",
                 "ctx.c",
+                "module.c",
                 "launch.c",
                 "nvml.c",
             )
@@ -69,6 +72,10 @@ LIBRARIES = {
                 "managed.c",
                 "ipc.c",
                 "exec.c",
+                "graph.c",
+                "module.c",
+                "image.c",
+                "graphmem.c",
                 "procaddr.c",
             )
         ]

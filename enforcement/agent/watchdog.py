@@ -1,16 +1,24 @@
 """The watchdog: GPU processes over their slice's memory cap, and GPU processes of no slice.
 
 Each scan reads per-process GPU memory from NVML (or the simulated driver, through the same
-pynvml calls) and attributes every process to a slice (its ``QGPU_SLICE_ID`` environment
-variable, else the slice's pid owner). A share slice whose processes together hold more
-than its cap on its GPU has escaped the interposer (a bypass: static linking, a raw ioctl,
-an unpreloaded process). Each such process is reported once while it stays over, as one
-structured JSON log line, and counted in ``qgpu_watchdog_over_cap_total``;
+pynvml calls) and attributes every process to a slice by evidence the process cannot forge
+(the slice's cgroup, descent from its owner process, its pod's cgroup; its environment only
+where none of those exists: `enforcement.agent.attribution`). A share slice whose processes
+together hold more than its cap on its GPU has escaped the interposer (a bypass: static
+linking, a raw ioctl, an unpreloaded process). Each such process is reported once while it
+stays over, as one structured JSON log line, and counted in ``qgpu_watchdog_over_cap_total``;
 ``qgpu_watchdog_over_cap_processes`` is the number over the cap at the last scan.
 With ``kill`` enabled, the slice's largest processes are SIGKILLed, largest first, until
-the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Processes that belong to
-no slice are logged once each and exposed as ``qgpu_watchdog_unowned_processes``.
-Whole-GPU slices own their card: no cap.
+the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Whole-GPU slices own their
+card: no cap.
+
+Processes that belong to no slice are logged once each and exposed as
+``qgpu_watchdog_unowned_processes``. On a GPU that holds a slice the kill policy covers,
+every byte is promised to a slice, so such a process (``env -i`` and a static binary, a
+process that left its slice, a slice's process on another GPU) takes what a slice was
+promised: with ``unowned="kill"`` (the node's default) it is SIGKILLed once it has been
+seen for the grace (``qgpu_watchdog_unowned_kills_total``). Processes the agent cannot
+see in its own pid namespace are only reported; NVIDIA's MPS server is never unowned.
 
 Compute has the same backstop. The interposer's compute gate runs inside the tenant's own
 process, so a process that launches through the raw driver (found in libcuda's symbol
@@ -36,7 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from enforcement.agent.config import WatchdogKill
+from enforcement.agent.config import WatchdogKill, WatchdogUnowned
+from enforcement.agent.reconcile import proc_start_time
 from enforcement.discovery import GpuProcess, UtilSample
 from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
@@ -80,12 +89,21 @@ class _CoreWatch:
     reported: set[int] = field(default_factory=set)  # pids logged in this episode
 
 
+@dataclass(frozen=True)
+class Unowned:
+    device_uuid: str
+    pid: int
+    used_bytes: int | None
+    action: str  # reported | killed | kill-failed
+
+
 @dataclass
 class WatchdogReport:
     at: float
     over_cap: list[OverCap] = field(default_factory=list)
     over_core: list[OverCore] = field(default_factory=list)
     unowned: list[GpuProcess] = field(default_factory=list)
+    unowned_actions: list[Unowned] = field(default_factory=list)
 
 
 class Watchdog:
@@ -96,6 +114,7 @@ class Watchdog:
         kill: WatchdogKill = "off",
         grace_s: float = 0.0,
         core_margin: int = 15,
+        unowned: WatchdogUnowned = "report",
         killer: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -103,10 +122,13 @@ class Watchdog:
         self.kill = kill
         self.grace_s = grace_s
         self.core_margin = core_margin
+        self.unowned = unowned
         self._core: dict[str, _CoreWatch] = {}  # slice -> its compute check
         self._killer = killer
         self._clock = clock
         self._seen_unowned: set[tuple[str, int]] = set()
+        # (device, pid, start time) -> when a scan first saw it belong to no slice
+        self._unowned_since: dict[tuple[str, int, int | None], float] = {}
         self._seen_over: set[tuple[str, int]] = set()
         self._over_since: dict[str, float] = {}  # slice -> when a scan first saw it over
         self.last: WatchdogReport | None = None
@@ -184,24 +206,60 @@ class Watchdog:
         self._seen_over = {(e.slice_id, e.pid) for e in report.over_cap if e.action == "reported"}
         self._check_compute(allocs, by_slice, report, now)
         self._over_since = {k: v for k, v in self._over_since.items() if k in over_now}
-        current = {(p.device_uuid, p.pid) for p in unowned}
-        for proc in unowned:
-            if (proc.device_uuid, proc.pid) not in self._seen_unowned:
-                log.warning(
-                    json.dumps(
-                        {
-                            "event": "qgpu.watchdog.unowned_process",
-                            "node": agent.node,
-                            "device_uuid": proc.device_uuid,
-                            "pid": proc.pid,
-                            "used_bytes": proc.used_memory_bytes,
-                        },
-                        sort_keys=True,
-                    )
-                )
-        self._seen_unowned = current
+        self._check_unowned(allocs, unowned, report, now)
         self.last = report
         return report
+
+    def _check_unowned(
+        self,
+        allocs: list[Allocation],
+        unowned: list[GpuProcess],
+        report: WatchdogReport,
+        now: float,
+    ) -> None:
+        """Report each process of no slice once; where its GPU holds a slice the kill
+        policy covers and ``unowned`` is ``kill``, kill it once seen for the grace."""
+        agent = self.agent
+        guarded = {
+            a.gpu_uuids[0] for a in allocs if not a.is_whole_gpu and self.kills_for(a)
+        }
+        seen: dict[tuple[str, int, int | None], float] = {}
+        current: set[tuple[str, int]] = set()
+        for proc in unowned:
+            started = proc_start_time(proc.pid)
+            key = (proc.device_uuid, proc.pid, started)
+            since = seen[key] = self._unowned_since.get(key, now)
+            current.add((proc.device_uuid, proc.pid))
+            action = "reported"
+            if (
+                self.unowned == "kill"
+                and proc.device_uuid in guarded
+                and started is not None  # not in our pid namespace: the pid is not its own
+                and now - since >= self.grace_s
+            ):
+                action = self._kill(proc.pid, started)
+                if action == "killed":
+                    agent.counters.add("watchdog_unowned_kills", proc.device_uuid)
+            report.unowned_actions.append(
+                Unowned(proc.device_uuid, proc.pid, proc.used_memory_bytes, action)
+            )
+            if action == "reported" and (proc.device_uuid, proc.pid) in self._seen_unowned:
+                continue  # logged at an earlier scan and still there: no new event
+            log.warning(
+                json.dumps(
+                    {
+                        "event": "qgpu.watchdog.unowned_process",
+                        "node": agent.node,
+                        "device_uuid": proc.device_uuid,
+                        "pid": proc.pid,
+                        "used_bytes": proc.used_memory_bytes,
+                        "action": action,
+                    },
+                    sort_keys=True,
+                )
+            )
+        self._seen_unowned = current
+        self._unowned_since = seen
 
     def _check_compute(
         self,
@@ -308,9 +366,11 @@ class Watchdog:
                 )
             )
 
-    def _kill(self, pid: int) -> str:
+    def _kill(self, pid: int, started: int | None = None) -> str:
         if pid <= 1 or pid == os.getpid():
             return "kill-failed"
+        if started is not None and proc_start_time(pid) != started:
+            return "kill-failed"  # gone, or the pid now names another process
         try:
             self._killer(pid, signal.SIGKILL)
         except OSError as exc:
@@ -319,4 +379,4 @@ class Watchdog:
         return "killed"
 
 
-__all__ = ["OverCap", "OverCore", "Watchdog", "WatchdogReport"]
+__all__ = ["OverCap", "OverCore", "Unowned", "Watchdog", "WatchdogReport"]

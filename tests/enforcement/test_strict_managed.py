@@ -77,7 +77,7 @@ def attr(a, ptr, size):
     r = lib.cuMemRangeGetAttribute(byref(v), 4, a, ptr, size)
     return v.value if r == 0 else ("error", r)
 mod, kern = c_void_p(), c_void_p()
-lib.cuModuleLoadData(byref(mod), b"m")
+lib.cuModuleLoadData(byref(mod), b"qgpu-sim-module")
 lib.cuModuleGetFunction(byref(kern), mod, b"k")
 def launch():
     assert lib.cuLaunchKernel(kern, 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0

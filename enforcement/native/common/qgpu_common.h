@@ -36,8 +36,9 @@ typedef void (*qgpu_init_cb)(void *base, void *arg);
 QGPU_HIDDEN void *qgpu_map_state(const char *path, size_t size, uint64_t magic,
                                  size_t mutex_offset, qgpu_init_cb init_cb, void *arg);
 /* The same, but a file this call creates gets exactly `mode` (umask-proof), and an existing
- * file's mode is never changed: the slice ledger (0600) and the GPU region (0600 when the
- * hook creates it; the node agent pre-creates it group-shared) are never world-writable. */
+ * file's mode is never changed: the slice ledger and a slice's activity file (0600 when the
+ * hook creates them; the node agent pre-creates them for the slice's user) are never
+ * world-writable. */
 QGPU_HIDDEN void *qgpu_map_state_mode(const char *path, size_t size, uint64_t magic,
                                       size_t mutex_offset, qgpu_init_cb init_cb, void *arg,
                                       mode_t mode);

@@ -1,13 +1,14 @@
 /* libqgpu_hook.so: internal declarations.
  *
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
- * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
- * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles and their export/import (vmm.c), legacy IPC mappings (ipc.c), where managed
- * memory may be moved (managed.c), pools,
- * stream-ordered and graph memory (pool.c), contexts (ctx.c),
- * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
- * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
+ * through the hook. Then the limits are read (config.c), the slice ledger is mapped
+ * (ledger.c), the GPU's shared state is opened (roster.c, region.c), and the wrappers
+ * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
+ * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
+ * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
+ * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -47,7 +48,8 @@
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
-    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \
+    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
+    X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -55,7 +57,11 @@
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)    \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)                           \
     X(cuLaunchCooperativeKernelMultiDevice) X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                   \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)  \
+    X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary)       \
+    X(cuModuleUnload) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
+    X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) X(cuLibraryGetKernel) \
+    X(cuLibraryEnumerateKernels) X(cuKernelGetFunction)                                      \
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)                                 \
     X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)       \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)      \
@@ -67,14 +73,16 @@
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
-    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
-    X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuDeviceGetCount)                              \
+    X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                 \
+    X(cuGraphChildGraphNodeGetGraph)                                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
-    X(nvmlDeviceGetHandleByIndex_v2)
+    X(nvmlDeviceGetHandleByIndex_v2) X(cuKernelGetLibrary) X(cuStreamGetCtx)                 \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
@@ -149,7 +157,30 @@ QGPU_HIDDEN void ledger_add_throttled(int64_t held_ns);
 /* 1 if `pid` holds a live slot of this slice (NVML views show only the slice's processes) */
 QGPU_HIDDEN int ledger_has_pid(int pid);
 
-/* region.c: the processes of one GPU */
+/* roster.c: the slices placed on one GPU (written by the agent / device plugin / own hooks) */
+#define ROSTER_MAX 128
+enum { ROSTER_WRITER_AGENT = 1, ROSTER_WRITER_PLUGIN = 2, ROSTER_WRITER_HOOK = 3 };
+typedef struct {
+    char slice_id[72];
+    int32_t policy; /* POLICY_* */
+    int32_t core;
+    uint32_t writer; /* ROSTER_WRITER_* */
+    uint32_t reserved[3];
+} roster_entry_t;
+typedef struct roster roster_t;
+struct stat;
+/* A state file or directory the hook may believe: root's or this user's, and nobody else
+ * may write it. */
+QGPU_HIDDEN int state_trusted(const struct stat *st);
+/* Maps <dir>/roster read-only (NULL when missing or not trusted); in a roster this user
+ * owns (no agent), this slice is listed first. */
+QGPU_HIDDEN roster_t *roster_open(const char *dir, const hook_limits_t *lim);
+QGPU_HIDDEN uint64_t roster_seq(const roster_t *r);
+/* A consistent copy of the listed slices (out: ROSTER_MAX entries); -1 while a writer is
+ * at work. */
+QGPU_HIDDEN int roster_read(const roster_t *r, roster_entry_t *out, uint64_t *seq_out);
+
+/* region.c: the slices of one GPU, what each is doing */
 typedef struct {
     int other_slices;       /* other slices of any policy active on the GPU */
     int guaranteed_slices;  /* other fixed-/burst-share slices active on the GPU */
@@ -162,6 +193,8 @@ QGPU_HIDDEN void region_publish_launch(void); /* every launch: one coarse clock 
 QGPU_HIDDEN void region_publish_pending(int gated, int64_t until_ns);
 QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on the device */
 QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
+/* 0 and *alive (a process named in the slice's activity file lives), -1 when unreadable */
+QGPU_HIDDEN int activity_any_alive(const char *path, int *alive);
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
@@ -178,9 +211,39 @@ QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory ga
  * lets go of the pool (async: once the stream reaches the free) */
 QGPU_HIDDEN void pool_forget_import(CUdeviceptr ptr, int async, CUstream s);
 QGPU_HIDDEN void pool_forget_ctx(CUcontext ctx); /* its imported pointers went with it */
-/* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* after a graph upload or launch that was charged `need` first: the device's graph memory
+ * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
+/* the driver gives back the graph memory nothing uses (after stream s's earlier work with
+ * `wait`) and the charge follows; 1 when the charge fell */
+QGPU_HIDDEN int graph_mem_make_room(CUstream s, int wait);
+QGPU_HIDDEN uint64_t pool_reserved_total(void); /* what the process's pools reserve now */
+
+/* module.c: device memory taken by loading device code, measured around the driver's call.
+ * Every wrapper that makes the driver allocate or free device memory holds the process's
+ * memory lock shared for the call (HOOK_MEM_OP); a measured call holds it exclusively. */
+QGPU_HIDDEN int memop_begin(void);
+QGPU_HIDDEN void memop_end(int *held);
+#define HOOK_MEM_OP() \
+    int hook_memop_ __attribute__((cleanup(memop_end), unused)) = memop_begin()
+typedef struct {
+    int own_ok, dev_ok;
+    uint64_t own, dev, pools; /* before the call: this pid's, the device's, the pools' */
+    int measuring;            /* a context creation measured (libraries are loaded) */
+    int shared;               /* otherwise: the lock held shared */
+} measure_t;
+/* Around a context creation: measured while libraries are loaded (eager loading brings them
+ * into the new context). -1 when what it took beyond `own_cost` does not fit (undo it). */
+QGPU_HIDDEN void module_ctx_begin(measure_t *m);
+QGPU_HIDDEN int module_ctx_end(measure_t *m, CUresult r, CUcontext ctx, uint64_t own_cost);
+QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is gone */
+/* Before a CUkernel is launched or put in a graph node on stream `s`: its library is loaded
+ * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
+QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
+
+/* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
+ * room made by trimming when they do not fit (-1: they still do not, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need);
 
 /* launch.c */
 typedef struct {

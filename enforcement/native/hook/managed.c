@@ -9,7 +9,10 @@
  * and host-NUMA locations) and the slice's own GPU pass; advice that names no location
  * (read-mostly, unset preferred location) and UNSET_ACCESSED_BY (it only removes a mapping)
  * pass untouched. Range attribute queries (cuMemRangeGetAttribute(s)) move nothing and are
- * not wrapped. */
+ * not wrapped. A prefetch moves memory onto or off the slice's GPU and advice can drop
+ * read-mostly copies, which changes what NVML shows this process holding: every wrapper here
+ * holds the process's memory lock shared (HOOK_MEM_OP, module.c) so that a measured load of
+ * device code does not count it. */
 #include "hook.h"
 
 /* the v1 forms name a device ordinal, or CU_DEVICE_CPU for the host */
@@ -20,6 +23,7 @@ static int foreign_device_or_cpu(CUdevice dev) {
 #define PREFETCH_V1(name)                                                                    \
     QGPU_EXPORT CUresult name(CUdeviceptr p, size_t n, CUdevice dst, CUstream s) {           \
         HOOK_ENTER(name, p, n, dst, s);                                                      \
+        HOOK_MEM_OP();                                                                       \
         if (foreign_device_or_cpu(dst)) return CUDA_ERROR_INVALID_DEVICE;                    \
         return REAL(name)(p, n, dst, s);                                                     \
     }
@@ -30,6 +34,7 @@ PREFETCH_V1(cuMemPrefetchAsync_ptsz)
     QGPU_EXPORT CUresult name(CUdeviceptr p, size_t n, CUmemLocation loc, unsigned int flags, \
                               CUstream s) {                                                  \
         HOOK_ENTER(name, p, n, loc, flags, s);                                               \
+        HOOK_MEM_OP();                                                                       \
         if (hook_foreign_location(&loc)) return CUDA_ERROR_INVALID_DEVICE;                   \
         return REAL(name)(p, n, loc, flags, s);                                              \
     }
@@ -48,6 +53,7 @@ static int foreign_batch(const CUmemLocation *locs, size_t nlocs) {
                               CUmemLocation *locs, size_t *idxs, size_t nlocs,               \
                               unsigned long long flags, CUstream s) {                        \
         HOOK_ENTER(name, dptrs, sizes, count, locs, idxs, nlocs, flags, s);                  \
+        HOOK_MEM_OP();                                                                       \
         if (foreign_batch(locs, nlocs)) return CUDA_ERROR_INVALID_DEVICE;                    \
         return REAL(name)(dptrs, sizes, count, locs, idxs, nlocs, flags, s);                 \
     }
@@ -63,12 +69,14 @@ static int places(int advice) {
 
 QGPU_EXPORT CUresult cuMemAdvise(CUdeviceptr p, size_t n, int advice, CUdevice dev) {
     HOOK_ENTER(cuMemAdvise, p, n, advice, dev);
+    HOOK_MEM_OP();
     if (places(advice) && foreign_device_or_cpu(dev)) return CUDA_ERROR_INVALID_DEVICE;
     return REAL(cuMemAdvise)(p, n, advice, dev);
 }
 
 QGPU_EXPORT CUresult cuMemAdvise_v2(CUdeviceptr p, size_t n, int advice, CUmemLocation loc) {
     HOOK_ENTER(cuMemAdvise_v2, p, n, advice, loc);
+    HOOK_MEM_OP();
     if (places(advice) && hook_foreign_location(&loc)) return CUDA_ERROR_INVALID_DEVICE;
     return REAL(cuMemAdvise_v2)(p, n, advice, loc);
 }

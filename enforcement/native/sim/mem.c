@@ -6,8 +6,8 @@
  *    handle released while still mapped keeps its memory (NVIDIA's vectorAddMMAP sample
  *    releases right after mapping);
  *  - stream-ordered allocations come from memory pools (pool.c);
- *  - graph memory nodes take memory from a per-device graph pool at upload or launch, kept
- *    until cuDeviceGraphMemTrim.
+ *  - graph memory nodes take memory from a per-device graph pool (graphmem.c); cuMemFree and
+ *    cuMemFreeAsync free graph allocations too.
  * Every size check is overflow-safe. No host memory backs the device addresses. */
 #include <stdlib.h>
 #include <string.h>
@@ -251,18 +251,20 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     return r;
 }
 
+/* cuMemFree frees a graph allocation at once ("immediately upon the freeing call"). */
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!dptr || sim_pool_import_free(dptr)) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    int gr = sim_gmem_free(dptr, NULL, NULL, 0);
+    return gr >= 0 ? (CUresult)gr : free_kind(dptr, 0);
 }
 
 SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!dptr || sim_pool_import_free(dptr)) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    return free_kind(dptr, 0); /* 32-bit pointers: never a graph allocation */
 }
 
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
@@ -751,7 +753,7 @@ SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUd
     uint64_t b = 0, n = 0;
     int found = qgpu_table_find_range(&g_sim_allocs, dptr, &b, &n) == 0 ||
                 sim_pool_range(dptr, &b, &n) == 0 ||
-                sim_ipc_range(dptr, &b, &n) == 0;
+                sim_ipc_range(dptr, &b, &n) == 0 || sim_gmem_range(dptr, &b, &n) == 0;
     if (!found) {
         pthread_mutex_lock(&vmm_lock);
         for (size_t i = 0; i < nmaps && !found; i++) {
@@ -779,67 +781,3 @@ SIM_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *siz
     return CUDA_SUCCESS;
 }
 
-/* ---- graph memory: a per-device pool for graph allocation nodes ---- */
-
-static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
-static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t graph_used_high[SIM_MAX_GPUS];
-
-CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr) {
-    if (!size) return CUDA_ERROR_INVALID_VALUE;
-    if (g->nallocs >= SIM_GRAPH_ALLOCS) return CUDA_ERROR_OUT_OF_MEMORY;
-    uint64_t a = sim_next_address(size);
-    g->alloc_size[g->nallocs] = size;
-    g->alloc_ptr[g->nallocs] = a;
-    g->nallocs++;
-    g->nodes++;
-    *dptr = a;
-    return CUDA_SUCCESS;
-}
-
-CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
-    pthread_mutex_lock(&graph_lock);
-    CUresult r = CUDA_SUCCESS;
-    if (bytes > graph_reserved[gidx]) {
-        uint64_t more = round_up(bytes - graph_reserved[gidx]);
-        r = more ? sim_charge(gidx, more) : CUDA_ERROR_OUT_OF_MEMORY;
-        if (!r) {
-            graph_reserved[gidx] += more;
-            if (graph_reserved[gidx] > graph_reserved_high[gidx])
-                graph_reserved_high[gidx] = graph_reserved[gidx];
-        }
-    }
-    if (!r && bytes > graph_used_high[gidx]) graph_used_high[gidx] = bytes;
-    pthread_mutex_unlock(&graph_lock);
-    return r;
-}
-
-SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    struct CUctx_st *c = sim_current_ctx();
-    if (c) sim_wait_idle(c, NULL); /* graph allocations are free once their launches end */
-    pthread_mutex_lock(&graph_lock);
-    sim_uncharge(g, graph_reserved[g]);
-    graph_reserved[g] = 0;
-    pthread_mutex_unlock(&graph_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&graph_lock);
-    switch (attr) {
-    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = 0; break;
-    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = graph_used_high[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = graph_reserved[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = graph_reserved_high[g]; break;
-    default: r = CUDA_ERROR_INVALID_VALUE;
-    }
-    pthread_mutex_unlock(&graph_lock);
-    return r;
-}

@@ -359,7 +359,8 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, struct CUmemPoolHand
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return sim_graph_alloc_node(s->capture, size, dptr); /* a graph node */
+    if (s && s->capture) /* an allocation node of the graph, on the pool's device */
+        return sim_graph_capture_alloc(s->capture, pool ? pool->gidx : c->gidx, size, dptr);
     if (!pool) {
         pthread_mutex_lock(&pool_lock);
         pool = device_pool_locked(c->gidx, 1);
@@ -416,7 +417,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
     struct CUctx_st *c = sim_stream_ctx(stream);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return CUDA_SUCCESS; /* a free node of the captured graph */
+    if (s && s->capture) return sim_graph_capture_free(s->capture, dptr); /* a free node */
     uint64_t size;
     int64_t tag;
     pending_free_t f = {0};
@@ -429,8 +430,11 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
         found = take_import_locked(dptr, &f);
     }
     pthread_mutex_unlock(&pool_lock);
-    if (!found) /* cuMemFreeAsync also frees cuMemAlloc'ed memory (at once, like cuMemFree) */
+    if (!found) { /* a graph allocation (in stream order), or cuMemAlloc'ed memory (at once) */
+        int gr = sim_gmem_free(dptr, c, s, 1);
+        if (gr >= 0) return (CUresult)gr;
         return sim_free_plain(dptr) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    }
     sim_marker_record(c, s, &f.m); /* takes effect when the stream reaches this point */
     pthread_mutex_lock(&pool_lock);
     if (grow((void **)&pending, &cap_pending, npending, sizeof *pending) != 0) {

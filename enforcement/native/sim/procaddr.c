@@ -28,12 +28,18 @@
     X(cuDeviceGraphMemTrim) X(cuDevicePrimaryCtxGetState) X(cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxSetFlags) X(cuDevicePrimaryCtxSetFlags_v2) \
-    X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
+    X(cuDeviceSetGraphMemAttribute) X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
     X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
     X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
-    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) \
+    X(cuGraphAddChildGraphNode) X(cuGraphAddEmptyNode) X(cuGraphChildGraphNodeGetGraph) \
+    X(cuGraphClone) X(cuGraphConditionalHandleCreate) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphDestroyNode) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
+    X(cuGraphExecUpdate) X(cuGraphExecUpdate_v2) X(cuGraphGetNodes) \
+    X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuGraphNodeGetType) \
+    X(cuGraphNodeSetParams) \
     X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \
@@ -61,8 +67,17 @@
     X(cuMemRangeGetAttribute) X(cuMemRangeGetAttributes) \
     X(cuMemSetAccess) X(cuMemUnmap) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
+    X(cuModuleLoad) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleGetGlobal_v2) \
+    X(cuModuleGetLoadingMode) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload) \
+    X(cuLibraryGetModule) X(cuLibraryGetKernel) X(cuLibraryGetKernelCount) \
+    X(cuLibraryEnumerateKernels) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) \
+    X(cuKernelGetFunction) X(cuKernelGetLibrary) X(cuLinkCreate) X(cuLinkCreate_v2) \
+    X(cuLinkAddData) X(cuLinkAddData_v2) X(cuLinkAddFile) X(cuLinkAddFile_v2) X(cuLinkComplete) \
+    X(cuLinkDestroy) X(cuStreamGetCtx) X(cuStreamGetCtx_ptsz) X(cuStreamGetCtx_v2) \
+    X(cuStreamGetCtx_v2_ptsz) \
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
     X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
+    X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) \
     X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2) \
     X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamGetCaptureInfo) \
     X(cuStreamGetCaptureInfo_ptsz) X(cuStreamGetCaptureInfo_v2) X(cuStreamGetCaptureInfo_v2_ptsz) \

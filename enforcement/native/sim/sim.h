@@ -43,6 +43,11 @@ typedef struct {
     uint64_t memory;
     uint64_t context_memory; /* device memory a context costs */
     int context_memory_set;
+    /* device runtime reservations (cuCtxSetLimit): per pending launch above the default
+     * 2048, and per resident thread per sync-depth level above the default 2 */
+    uint64_t devrt_launch_bytes;
+    uint64_t devrt_sync_thread_bytes;
+    int devrt_launch_set, devrt_sync_set;
     int sms;
     int threads_per_sm;
     int cc_major, cc_minor;

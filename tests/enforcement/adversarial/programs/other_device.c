@@ -123,7 +123,7 @@ static int is_move(const char *way) {
 static void fault(CUstream s) {
     CUmodule mod;
     CUfunction f;
-    if (cuModuleLoadData(&mod, "qgpu") || cuModuleGetFunction(&f, mod, "touch")) return;
+    if (cuModuleLoadData(&mod, "qgpu-sim-module") || cuModuleGetFunction(&f, mod, "touch")) return;
     say("launch", cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL));
     cuStreamSynchronize(s);
 }

@@ -107,7 +107,7 @@ static void serve(void) {
             CUmodule mod;
             CUfunction busy;
             cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-            cuModuleLoadData(&mod, "qgpu");
+            cuModuleLoadData(&mod, "qgpu-sim-module");
             cuModuleGetFunction(&busy, mod, "qgpu_sim_busy"); /* runs for its argument, in ns */
             unsigned long long ns = mib;
             void *args[] = {&ns};
