@@ -48,6 +48,7 @@ static void context_gone(CUcontext ctx) {
                     NULL);
     mem_forget_ctx(ctx);
     ipc_forget_ctx(ctx);
+    pool_forget_ctx(ctx);
     module_forget_ctx(ctx);
 }
 

@@ -4,10 +4,11 @@
  * through the hook. Then the limits are read (config.c), the slice ledger is mapped
  * (ledger.c), the GPU's shared state is opened (roster.c, region.c), and the wrappers
  * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
- * legacy IPC mappings (ipc.c), pools, stream-ordered and graph memory (pool.c), what
- * executable graphs allocate (graph.c), contexts (ctx.c), what loading device code takes
- * (module.c), launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable
- * through dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
+ * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
+ * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
+ * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -29,12 +30,19 @@
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2)                \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz)           \
+    X(cuMemAdvise) X(cuMemAdvise_v2)                                                         \
     X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
+    X(cuMemPoolExportToShareableHandle) X(cuMemPoolImportFromShareableHandle)                \
+    X(cuMemPoolImportPointer)                                                                \
     X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
+    X(cuCtxSynchronize_v2)                                                                   \
     X(cuEventSynchronize)                                                                    \
     X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2)                          \
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
@@ -199,6 +207,10 @@ QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
 
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
+/* `ptr` was freed (cuMemFree, or cuMemFreeAsync on `s`): a pointer imported into a shared pool
+ * lets go of the pool (async: once the stream reaches the free) */
+QGPU_HIDDEN void pool_forget_import(CUdeviceptr ptr, int async, CUstream s);
+QGPU_HIDDEN void pool_forget_ctx(CUcontext ctx); /* its imported pointers went with it */
 /* after a graph upload or launch that was charged `need` first: the device's graph memory
  * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);

@@ -135,7 +135,10 @@ QGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     HOOK_ENTER(cuMemFree_v2, dptr);
     HOOK_MEM_OP();
     CUresult r = REAL(cuMemFree_v2)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 
@@ -143,7 +146,10 @@ QGPU_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     HOOK_ENTER(cuMemFree, dptr);
     HOOK_MEM_OP();
     CUresult r = REAL(cuMemFree)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 

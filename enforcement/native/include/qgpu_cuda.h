@@ -132,6 +132,8 @@ typedef struct {
 #define CU_MEM_LOCATION_TYPE_INVALID 0
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_LOCATION_TYPE_HOST 2
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA 3
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT 4
 
 typedef struct {
     int type; /* CUmemLocationType */
@@ -182,6 +184,32 @@ typedef struct {
     CUmemLocation location;
     int flags; /* CUmemAccess_flags */
 } CUmemAccessDesc;
+
+/* cuMemPoolExportPointer: an opaque 64-byte record passed by address */
+typedef struct {
+    unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+
+/* managed memory (cuMemAllocManaged, cuMemPrefetchAsync, cuMemAdvise) */
+#define CU_DEVICE_CPU ((CUdevice)-1)
+#define CU_DEVICE_INVALID ((CUdevice)-2)
+#define CU_MEM_ATTACH_GLOBAL 0x1
+#define CU_MEM_ATTACH_HOST 0x2
+#define CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS 89
+#define CU_MEM_ADVISE_SET_READ_MOSTLY 1
+#define CU_MEM_ADVISE_UNSET_READ_MOSTLY 2
+#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
+#define CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION 4
+#define CU_MEM_ADVISE_SET_ACCESSED_BY 5
+#define CU_MEM_ADVISE_UNSET_ACCESSED_BY 6
+#define CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY 1
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION 2
+#define CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY 3
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION 4
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE 5
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_ID 6
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_TYPE 7
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID 8
 
 typedef struct {
     CUmemPoolProps poolProps;

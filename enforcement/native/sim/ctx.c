@@ -339,6 +339,17 @@ SIM_EXPORT CUresult cuCtxSynchronize(void) {
     return CUDA_SUCCESS;
 }
 
+/* CUDA 13: a given context (NULL: the current one) */
+SIM_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = ctx ? ctx : sim_current_ctx();
+    if (!c || !valid(c)) return CUDA_ERROR_INVALID_CONTEXT;
+    sim_wait_idle(c, NULL);
+    sim_pools_on_sync(c);
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     CUresult r = sim_check_init();
     if (r) return r;

@@ -178,6 +178,10 @@ struct CUmemPoolHandle_st {
     uint32_t magic;
     int gidx;
     int is_default;
+    int imported;          /* cuMemPoolImportFromShareableHandle: no allocations of its own */
+    uint32_t handle_types; /* CUmemPoolProps.handleTypes: what it may be exported to */
+    int share;             /* its entry in the GPU's shared table (shared.c), -1: not shared */
+    uint64_t share_id;
     uint64_t reserved; /* physical memory the pool holds (charged to the device) */
     uint64_t used;     /* handed out and not yet freed in stream order */
     uint64_t threshold;
@@ -214,10 +218,24 @@ QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);
 QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
 QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
-QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
+
+/* driver.c: the visible ordinal of GPU index gidx (-1: not visible) */
+QGPU_HIDDEN int sim_visible_ordinal(int gidx);
+
+/* managed.c: where managed memory lives */
+QGPU_HIDDEN CUresult sim_managed_new(uint64_t base, uint64_t size, int gidx); /* on gidx */
+QGPU_HIDDEN int sim_managed_free(uint64_t base); /* 1: it was managed, its memory is freed */
+QGPU_HIDDEN void sim_managed_touch(int gidx);    /* a kernel launched on gidx */
 
 /* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
 QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
+QGPU_HIDDEN CUresult sim_free_plain(uint64_t ptr); /* cuMemFree of a plain allocation */
+
+/* pool.c: pools, the stream-ordered allocator, pools shared between processes */
+QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
+QGPU_HIDDEN int sim_pool_range(uint64_t addr, uint64_t *base, uint64_t *size);
+QGPU_HIDDEN int sim_pool_import_free(uint64_t ptr); /* 1: an imported pointer, let go */
+QGPU_HIDDEN void sim_pool_forget_ctx(struct CUctx_st *ctx); /* its imported pointers go */
 
 /* ipc.c: legacy IPC */
 QGPU_HIDDEN int sim_ipc_freed(uint64_t ptr); /* 1: exported, its shared entry let go of it */

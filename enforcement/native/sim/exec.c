@@ -64,6 +64,7 @@ static int64_t fifo_enqueue(struct CUctx_st *ctx, struct CUstream_st *s, int64_t
 }
 
 void sim_submit(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur, int kernels) {
+    if (kernels) sim_managed_touch(ctx->gidx); /* kernels may touch any managed memory */
     if (!ts_mode(ctx->gidx)) {
         fifo_enqueue(ctx, s, dur, kernels);
         return;

@@ -20,6 +20,7 @@
     X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxFromGreenCtx) X(cuCtxGetApiVersion) \
     X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxGetFlags) X(cuCtxGetLimit) X(cuCtxPopCurrent) \
     X(cuCtxPopCurrent_v2) X(cuCtxPushCurrent) X(cuCtxPushCurrent_v2) X(cuCtxSetCurrent) \
+    X(cuCtxSynchronize_v2) \
     X(cuCtxSetLimit) X(cuCtxSynchronize) X(cuDevResourceGenerateDesc) X(cuDeviceGet) \
     X(cuDeviceGetAttribute) X(cuDeviceGetCount) X(cuDeviceGetDefaultMemPool) \
     X(cuDeviceGetDevResource) X(cuDeviceGetGraphMemAttribute) X(cuDeviceGetMemPool) \
@@ -50,13 +51,20 @@
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
     X(cuMemAddressReserve) X(cuMemAlloc) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
+    X(cuMemAdvise) X(cuMemAdvise_v2) \
     X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAddressRange) X(cuMemGetAddressRange_v2) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
-    X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
+    X(cuMemPoolExportPointer) X(cuMemPoolExportToShareableHandle) X(cuMemPoolGetAttribute) \
+    X(cuMemPoolImportFromShareableHandle) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2) \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardBatchAsync) X(cuMemDiscardBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz) \
+    X(cuMemRangeGetAttribute) X(cuMemRangeGetAttributes) \
     X(cuMemSetAccess) X(cuMemUnmap) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
     X(cuModuleLoad) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleGetGlobal_v2) \
