@@ -426,6 +426,7 @@ class FragPolicy(Policy):
         core = float(self.t_weight @ self.t_unit)
         self.cpu_per_core = float(self.t_weight @ self.t_cpu) / core if core else 0.0
         self.hostmem_per_core = float(self.t_weight @ self.t_hostmem) / core if core else 0.0
+        self.t_values = self.t_weight * self.t_unit  # what one copy of each type is worth
 
     def _refresh(self, state: ClusterState) -> None:
         if self._arrays_version != self._version:
@@ -1094,12 +1095,19 @@ class FragPolicy(Policy):
         the mix or the request shape changes: the extender's hold on the node it has just
         ranked first (and the engine's GPU choice there) reads them."""
         s = view.state
-        gpus, _ = s.gpus_of(nodes)
-        keep = view.gpu_mask[gpus]
-        cand = gpus[keep]
+        if len(nodes) == 1:  # one node (the extender's hold): its GPUs' range
+            start = int(s.node_start[nodes[0]])
+            end = start + int(s.node_gpu_count[nodes[0]])
+            cand = np.flatnonzero(view.gpu_mask[start:end]) + start
+            owner = np.zeros(len(cand), dtype=np.int64)
+        else:
+            gpus, _ = s.gpus_of(nodes)
+            keep = view.gpu_mask[gpus]
+            cand = gpus[keep]
+            owner = np.repeat(np.arange(len(nodes), dtype=np.int64), s.node_gpu_count[nodes])
+            owner = owner[keep]
         if not len(cand):
             return None
-        owner = np.repeat(np.arange(len(nodes), dtype=np.int64), s.node_gpu_count[nodes])[keep]
         groups = s.node_groups()
         slot = groups.current()[nodes]
         rank = groups.rank[cand]
@@ -1228,7 +1236,7 @@ class FragPolicy(Policy):
         """Scores of rows `idx`: 0.0 - row . values, plus the gap term as in `_score` (the
         change of the GPU's gap value, kept per row for the prices it was read from;
         `gap_of(positions)` gives the free core and free slices of those rows' GPUs)."""
-        lost = cache.rows[idx] @ (self.t_weight * self.t_unit)
+        lost = cache.rows[idx] @ self.t_values
         out = 0.0 - lost
         if self.gap_weight and view.core < WHOLE_GPU_CORE:
             by_room = self.gap_by_room(view.state)
@@ -1313,16 +1321,22 @@ class FragPolicy(Policy):
             per_gpu[shift[1]] -= shift[0]
         self._last_view = view
         self._last_shift = (None if shift is None else shift[0],)
-        starts = np.cumsum([0, *sizes[:-1]])
-        has = np.asarray(sizes) > 0
-        best = np.full(len(nodes), -np.inf)
-        best[has] = np.maximum.reduceat(per_gpu, starts[has])
-        fill = np.fromiter((e[4] for e in found), np.float64, len(found))
+        # each node's best GPU (numpy's maximum, as `_best_per_node`), then the node terms
+        # as `node_scores` adds them, in Python floats: a few nodes, the same operations
+        starts = list(itertools.accumulate(sizes[:-1], initial=0))
+        has = [i for i, size in enumerate(sizes) if size]
+        if len(has) == len(sizes):
+            best = np.maximum.reduceat(per_gpu, starts).tolist()
+        else:
+            best = [-np.inf] * len(sizes)
+            top = np.maximum.reduceat(per_gpu, [starts[i] for i in has]).tolist()
+            for i, value in zip(has, top, strict=True):
+                best[i] = value
         host = self._host_term(
             s, nodes, req.core_per_gpu * req.gpu_count, req.cpu_milli, req.host_memory_mib
-        )
-        out = best + host + _TIE_WEIGHT * fill / 2
-        return out[at]
+        ).tolist()
+        out = [b + h + _TIE_WEIGHT * e[4] / 2 for b, h, e in zip(best, host, found, strict=True)]
+        return np.asarray(out, dtype=np.float64)[at]
 
     def _group_entries(
         self, view: CandidateView, cache: _ScoreCache, shape: tuple, nodes: np.ndarray
@@ -1331,11 +1345,17 @@ class FragPolicy(Policy):
         node GPU order; which of them are empty; their free core; their free slices; the
         node's fill, `_fill_of`; their ranks)."""
         s = view.state
-        gpus, _ = s.gpus_of(nodes)
-        keep = view.gpu_mask[gpus]
-        cand = gpus[keep]
-        counts = s.node_gpu_count[nodes]
-        owner = np.repeat(np.arange(len(nodes), dtype=np.int64), counts)[keep]
+        if len(nodes) == 1:  # the node the last pod went to (its new state): its range
+            start = int(s.node_start[nodes[0]])
+            end = start + int(s.node_gpu_count[nodes[0]])
+            cand = np.flatnonzero(view.gpu_mask[start:end]) + start
+            owner = np.zeros(len(cand), dtype=np.int64)
+        else:
+            gpus, _ = s.gpus_of(nodes)
+            keep = view.gpu_mask[gpus]
+            cand = gpus[keep]
+            counts = s.node_gpu_count[nodes]
+            owner = np.repeat(np.arange(len(nodes), dtype=np.int64), counts)[keep]
         groups = s.node_groups()
         slot = groups.current()[nodes][owner]
         idx = self._row_numbers(
@@ -1353,6 +1373,8 @@ class FragPolicy(Policy):
         room = s.max_slices[cand] - s.slices[cand]
         fill = _fill_of(s, nodes).tolist()
         ranks = groups.rank[cand].tolist()
+        if len(nodes) == 1:
+            return [(idx, empty, free, room, fill[0], ranks)]
         bounds = np.searchsorted(owner, np.arange(len(nodes) + 1)).tolist()
         return [
             (idx[a:b], empty[a:b], free[a:b], room[a:b], fill[i], ranks[a:b])
@@ -1458,6 +1480,8 @@ def _scores_of(
     gpu_ids: np.ndarray, cand: np.ndarray, scores: np.ndarray, out: np.ndarray
 ) -> np.ndarray:
     """`out` with, for each of `gpu_ids` that is in `cand`, its score there."""
+    if len(gpu_ids) == len(cand) and gpu_ids.tolist() == cand.tolist():
+        return scores  # the usual question: the candidates themselves
     order = np.argsort(cand, kind="stable")
     pos = np.minimum(np.searchsorted(cand[order], gpu_ids), len(cand) - 1)
     found = cand[order][pos] == gpu_ids
