@@ -128,11 +128,24 @@ def _extender(
     serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
 
 
+# the CPUs this driver may use, as it started (`_pin` narrows the driver's own set; a later
+# run in the same invocation starts from this again)
+_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _unpin() -> None:
+    """Give the driver back every CPU it started with (before a run spawns its processes,
+    which inherit the driver's set)."""
+    if _CPUS:
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            os.sched_setaffinity(int(task.name), set(_CPUS))
+
+
 def _pin(extender_pid: int, others: list[int]) -> str:
     """The extender on the last CPU we may use, everything else on the rest; what was done."""
     if not hasattr(os, "sched_setaffinity"):
         return "not pinned (no sched_setaffinity here)"
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = _CPUS
     if len(cpus) < 2:
         return "not pinned (one CPU)"
     for pid, where in [(extender_pid, {cpus[-1]})] + [(p, set(cpus[:-1])) for p in others]:
@@ -333,6 +346,7 @@ def _run(args: argparse.Namespace, policy: str) -> dict[str, Any]:
 
     from tests.k8s.helpers import free_port
 
+    _unpin()  # an earlier run of this invocation pinned the driver to its CPUs
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     t0 = time.perf_counter()
