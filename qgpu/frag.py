@@ -116,7 +116,7 @@ CACHE_SCORES = True
 _CACHED_NODES = 256  # at most this many distinct node states scored through the cache ...
 _CACHE_BACKOFF = 64  # ... else the next this many calls go the vectorised way directly
 _CACHE_ROWS = 1 << 14  # loss rows a cache keeps before it starts over
-_CACHE_SHAPES = 256  # request shapes likewise
+_CACHE_TABLES = 1 << 22  # entries of its (shape, host mode) tables likewise (16 MiB)
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
 HOST_WEIGHT = 16.0
@@ -1510,8 +1510,8 @@ class _ScoreCache:
     `FragPolicy._cached_base`): per request shape and host mode, a table over the node
     groups' slots (`qgpu.node_groups`) and their GPUs' ranks of row numbers, valid for the
     slot's generation it records; and per slot the host CPU and memory its GPUs' copies
-    need (`FragPolicy._need_of`). Starts over when it holds `_CACHE_ROWS` rows or
-    `_CACHE_SHAPES` tables."""
+    need (`FragPolicy._need_of`). Starts over when it holds `_CACHE_ROWS` rows or group
+    entries, or its tables `_CACHE_TABLES` entries."""
 
     def __init__(self, state: ClusterState, types: tuple[int, int]) -> None:
         self.state = state
@@ -1541,9 +1541,10 @@ class _ScoreCache:
 
     def make_room(self) -> None:
         """Start over when full (before a call looks anything up)."""
+        table = len(self.groups.gen) * (self.width + 1)  # one table's entries
         if (
             self.count >= _CACHE_ROWS
-            or len(self.tables) >= _CACHE_SHAPES
+            or (len(self.tables) + 1) * table > _CACHE_TABLES
             or len(self.entries) >= _CACHE_ROWS
         ):
             self.tables = {}
@@ -1555,7 +1556,7 @@ class _ScoreCache:
         table = self.tables.get((shape, mode))
         if table is None or len(table[0]) < slots:
             gens = np.zeros(slots, dtype=np.int64)  # generations start at 1
-            rows = np.full((slots, self.width), -1, dtype=np.int64)
+            rows = np.full((slots, self.width), -1, dtype=np.int32)
             if table is not None:
                 gens[: len(table[0])] = table[0]
                 rows[: len(table[0])] = table[1]

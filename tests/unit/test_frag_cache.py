@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from qgpu import frag as frag_module
 from qgpu.errors import NoFit
 from qgpu.frag import FragPolicy
 from qgpu.model import GpuDevice, NodeInventory, SliceRequest
@@ -84,7 +85,15 @@ def _compare(cached: FragPolicy, plain: FragPolicy, engine: Engine, req: SliceRe
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_many_requests_on_one_state_score_as_without_the_cache(seed: int) -> None:
+@pytest.mark.parametrize("room", ["default", "starts over often"])
+def test_many_requests_on_one_state_score_as_without_the_cache(
+    seed: int, room: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "starts over often": the cache forgets everything once it holds 8 rows, 8 group
+    entries or 2 tables' entries."""
+    if room != "default":
+        monkeypatch.setattr(frag_module, "_CACHE_ROWS", 8)
+        monkeypatch.setattr(frag_module, "_CACHE_TABLES", 2 * 64 * 9)
     rng = random.Random(seed)
     state = ClusterState(_cluster(rng).nodes)
     cached, plain = FragPolicy(cache=True), FragPolicy(cache=False)
