@@ -13,10 +13,13 @@ driver the other CPU(s), as in a cluster, where the extender's pod has its own C
 between the cores, and the extender's CPU per pod rises by about a tenth).
 
     .venv/bin/python bench/extender_throughput.py [--nodes 1000] [--gpus 8] [--pods 1000]
-        [--policy binpack|spread|frag] [--bind-workers 16] [--extender-bind-threads 4]
-        [--nodes-per-pod all|kube|N] [--pin | --no-pin]
+        [--policy binpack|spread|frag[,...]] [--rounds 1] [--bind-workers 16]
+        [--extender-bind-threads 4] [--nodes-per-pod all|kube|N] [--pin | --no-pin]
 
-``--policy`` defaults to the extender's own default node policy (qgpu's default, frag).
+``--policy`` defaults to the extender's own default node policy (qgpu's default, frag);
+several policies (``--policy binpack,frag --rounds 3``) run one after the other in one
+invocation, alternating, with a summary line per run (pods/s, the extender's CPU per pod,
+the load average) at the end: compare policies within one invocation, not across days.
 """
 
 from __future__ import annotations
@@ -125,11 +128,24 @@ def _extender(
     serve(create_app(ext, bind_threads=bind_threads), host="127.0.0.1", port=port)
 
 
+# the CPUs this driver may use, as it started (`_pin` narrows the driver's own set; a later
+# run in the same invocation starts from this again)
+_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def _unpin() -> None:
+    """Give the driver back every CPU it started with (before a run spawns its processes,
+    which inherit the driver's set)."""
+    if _CPUS:
+        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+            os.sched_setaffinity(int(task.name), set(_CPUS))
+
+
 def _pin(extender_pid: int, others: list[int]) -> str:
     """The extender on the last CPU we may use, everything else on the rest; what was done."""
     if not hasattr(os, "sched_setaffinity"):
         return "not pinned (no sched_setaffinity here)"
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = _CPUS
     if len(cpus) < 2:
         return "not pinned (one CPU)"
     for pid, where in [(extender_pid, {cpus[-1]})] + [(p, set(cpus[:-1])) for p in others]:
@@ -252,11 +268,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import httpx
-
     from k8s_bridge.extender.service import ExtenderConfig
     from qgpu.model import PlacementPolicy
-    from tests.k8s.helpers import free_port
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1000)
@@ -265,8 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--policy",
         default=ExtenderConfig().node_policy.value,
-        choices=[p.value for p in PlacementPolicy],
-        help="the extender's node policy (default: the extender's own, qgpu's default)",
+        help="the extender's node policy (default: the extender's own, qgpu's default); "
+        "several, comma-separated (binpack,frag), are run one after the other, side by side",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the policies this many times, alternating (a summary line per run at the end)",
     )
     ap.add_argument("--bind-workers", type=int, default=16)
     ap.add_argument(
@@ -298,7 +317,36 @@ def main(argv: list[str] | None = None) -> int:
         help="give the extender a CPU of its own, as in a cluster (default: yes)",
     )
     args = ap.parse_args(argv)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    known = [p.value for p in PlacementPolicy]
+    for policy in policies:
+        if policy not in known:
+            raise SystemExit(f"--policy {policy!r}: must be one of {', '.join(known)}")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    runs = []
+    for _ in range(args.rounds):
+        for policy in policies:
+            runs.append(_run(args, policy))
+    if len(runs) > 1:
+        print("summary, in the order run:")
+        for r in runs:
+            print(
+                f"  {r['policy']:<8} {r['pods_s']:5.0f} pods/s  extender CPU "
+                f"{r['extender_ms']:.2f} ms/pod  prioritize p50 {r['prioritize_p50']:.2f} ms  "
+                f"load average {r['load']:.1f}  bind errors {r['errors']}"
+            )
+    return 0
 
+
+def _run(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """One run of the bench with `policy` (fresh apiserver and extender); prints its report
+    and returns the summary figures."""
+    import httpx
+
+    from tests.k8s.helpers import free_port
+
+    _unpin()  # an earlier run of this invocation pinned the driver to its CPUs
     ctx = mp.get_context("spawn")
     q: Any = ctx.Queue()
     t0 = time.perf_counter()
@@ -310,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         target=_extender,
         args=(
             api_url,
-            args.policy,
+            policy,
             port,
             args.extender_bind_threads,
             args.apiserver_client,
@@ -415,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = args.pods - unschedulable - len(failures)
     print(
         f"extender throughput: {args.pods} pods, {n_nodes} nodes x {args.gpus} GPUs, "
-        f"policy {args.policy}, nodeCacheCapable, {per_pod} node names per filter, "
+        f"policy {policy}, nodeCacheCapable, {per_pod} node names per filter, "
         f"{args.bind_workers} binding workers, apiserver client {args.apiserver_client}"
     )
     print(f"  setup (seed apiserver, extender list+watch): {setup_s:.1f} s")
@@ -441,7 +489,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     if failures:
         print(f"  first bind error: {failures[0]}")
-    return 0
+    ext_cpu = sum(cpu["extender"])
+    return {
+        "policy": policy,
+        "pods_s": args.pods / wall,
+        "extender_ms": ext_cpu / args.pods * 1e3,
+        "prioritize_p50": _pct(lat["prioritize"], 0.5) * 1e3,
+        "load": os.getloadavg()[0],
+        "errors": len(failures),
+    }
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ until then finds a whole empty node whatever the shares do.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -84,11 +86,13 @@ import numpy as np
 from qgpu.gap_prices import NO_PRICES, GapPrices, price_gaps, warm_up
 from qgpu.mix_prior import PriorSetting, configured_prior, resolve_prior
 from qgpu.model import WHOLE_GPU_CORE, PlacementPolicy, SliceRequest
+from qgpu.node_groups import groupable
 from qgpu.placement import (
     CandidateView,
     ClusterState,
     HostView,
     Policy,
+    _fill_of,
     _Held,
     _host_fill,
     _leftover,
@@ -109,6 +113,13 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _ALL = slice(None)
 _log = logging.getLogger(__name__)
 _FEW_GPUS = 64  # below this many GPUs, grouping equal states costs more than it saves
+# the score cache (`FragPolicy._cached_scores`): on by default; tests and benches compare
+# against a policy without it (same scores, bit for bit)
+CACHE_SCORES = True
+_CACHED_NODES = 256  # at most this many distinct node states scored through the cache ...
+_CACHE_BACKOFF = 64  # ... else the next this many calls go the vectorised way directly
+_CACHE_ROWS = 1 << 14  # loss rows a cache keeps before it starts over
+_CACHE_TABLES = 1 << 22  # entries of its (shape, host mode) tables likewise (16 MiB)
 # how much more a qgpu-core stranded behind host CPU / memory counts than a qgpu-core of
 # expected fragmentation (measured on the Alibaba trace: 4 to 100 all gain, 8-16 most)
 HOST_WEIGHT = 16.0
@@ -143,6 +154,7 @@ class FragPolicy(Policy):
         prior: PriorSetting | Literal["configured"] = "configured",
         keep_empty: float | None = None,
         keep_empty_until: int | None = None,
+        cache: bool | None = None,
     ) -> None:
         if measure not in ("fill", "fgd") or weight not in ("demand", "count", "gpus"):
             raise ValueError(f"unknown frag settings measure={measure!r} weight={weight!r}")
@@ -184,6 +196,14 @@ class FragPolicy(Policy):
         if prior == "configured":
             prior = configured_prior() if measure == "fill" else None
         self.prior: PriorSetting = prior
+        # score through the cache of loss rows (`_cached_scores`); None: `CACHE_SCORES`
+        self.cache = CACHE_SCORES if cache is None else bool(cache)
+        self._score_cache: _ScoreCache | None = None
+        self._gate: tuple[ClusterState | None, int, int] = (None, 0, 0)
+        self._last_shift: tuple[float | None] | None = None  # the last view's, when cached
+        # the last `_cached_scores`: (state, (its version, the mix's, request shape), scores
+        # by (group slot, GPU rank))
+        self._base_memo: tuple[ClusterState | None, tuple, dict] = (None, (), {})
         self._started = False
         self._observed = 0  # real arrivals counted (not the prior)
         # while nothing is observed, the live slices counted in the mix (`_follow_live`):
@@ -398,6 +418,7 @@ class FragPolicy(Policy):
         else:
             unit = np.where(self.k_whole, WHOLE_GPU_CORE * self.k_count, self.k_core)
         self.t_unit = unit[self.t_class].astype(np.float64)
+        self.host_types = bool(self.t_cpu.any() or self.t_hostmem.any())
         self._arrays_shape = (len(self._k_core), len(self._t_class))
 
     def _refresh_weights(self) -> None:
@@ -408,6 +429,7 @@ class FragPolicy(Policy):
         core = float(self.t_weight @ self.t_unit)
         self.cpu_per_core = float(self.t_weight @ self.t_cpu) / core if core else 0.0
         self.hostmem_per_core = float(self.t_weight @ self.t_hostmem) / core if core else 0.0
+        self.t_values = self.t_weight * self.t_unit  # what one copy of each type is worth
 
     def _refresh(self, state: ClusterState) -> None:
         if self._arrays_version != self._version:
@@ -798,25 +820,47 @@ class FragPolicy(Policy):
         (a uniform shift, larger than any other difference of the scores, the host term's at
         the node level included; the order among the empty GPUs stays frag's). Applied to a
         copy, after the memoised scores (`_score`)."""
+        cand = np.flatnonzero(np.isfinite(per_gpu))
+        shift = self._empty_shift(view, cand, per_gpu[cand])
+        if shift is None:
+            return per_gpu
+        out = per_gpu.copy()
+        out[cand[shift[1]]] -= shift[0]
+        return out
+
+    def _empty_shift(
+        self,
+        view: CandidateView,
+        cand: np.ndarray | None,
+        scores: np.ndarray,
+        empties: Callable[[], np.ndarray] | None = None,
+    ) -> tuple[float, np.ndarray] | None:
+        """`_keep_empty` for candidate GPUs `cand` scored `scores` (every candidate of the
+        view, or one per distinct state: the same spread, the same empties or none): None
+        where the rule does not apply, else (the shift, which of `cand` it lowers). With
+        `empties` instead of `cand`: which candidates are empty GPUs, when asked."""
+        if not self.keep_empty or view.core >= WHOLE_GPU_CORE:
+            return None
+        if self.keep_empty_until and self._requests_seen() >= self.keep_empty_until:
+            return None
         s = view.state
         cap = float(s.cap_core.sum())
-        if not self.keep_empty or view.core >= WHOLE_GPU_CORE or cap <= 0:
-            return per_gpu
-        if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
-            return per_gpu
+        if cap <= 0 or 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
+            return None
         if self.keep_empty_until:
             to_come = self.keep_empty_until - self._requests_seen()
-            if to_come <= 0 or self._spare_whole_nodes(s) > to_come:
-                return per_gpu
-        cand = np.flatnonzero(np.isfinite(per_gpu))
-        empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]
-        if len(empty) == 0 or len(empty) == len(cand):
-            return per_gpu
-        spread = float(np.ptp(per_gpu[cand]))
+            if self._spare_whole_nodes(s) > to_come:
+                return None
+        if empties is not None:
+            empty = empties()
+        else:
+            assert cand is not None
+            empty = (s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])
+        if not empty.any() or empty.all():
+            return None
+        spread = float(np.ptp(scores))
         bound = (1.0 + self.host_weight + self.gap_weight) * self.total_weight * WHOLE_GPU_CORE
-        out = per_gpu.copy()
-        out[empty] -= 2.0 * (spread + bound) + 1.0
-        return out
+        return 2.0 * (spread + bound) + 1.0, empty
 
     @staticmethod
     def _spare_whole_nodes(s: ClusterState) -> int:
@@ -895,6 +939,10 @@ class FragPolicy(Policy):
         if self.host_weight == 0 or not self._k_core:
             return np.zeros(len(ids))
         self._refresh(s)
+        if self.cpu_per_core == 0 and self.hostmem_per_core == 0:
+            # the mix asks for no host CPU or memory: the aggregate is the free core, the
+            # drop exactly `core`, and the term below -w x 0.0 = -0.0 for every node
+            return np.full(len(ids), -0.0)
         drop = self._aggregate(s, ids, 0, 0, 0) - self._aggregate(s, ids, core, cpu, hostmem)
         return -self.host_weight * self.total_weight * (drop - core)
 
@@ -917,9 +965,13 @@ class FragPolicy(Policy):
         self._state_keys(state)
 
     def node_scores(self, view: CandidateView) -> np.ndarray:
+        cached = self._cached_node_scores(view)
+        if cached is not None:
+            return cached
         per_gpu = self._keep_empty(view, self._score(view))
         self._last_view = view
         self._last_gpu_scores = per_gpu
+        self._last_shift = None
         s = view.state
         best = _best_per_node(s, per_gpu)
         req = view.request
@@ -933,12 +985,469 @@ class FragPolicy(Policy):
         return best[view.node_ids] + host + _TIE_WEIGHT * _node_fill(view) / 2
 
     def gpu_scores(self, view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
-        if view is self._last_view:
-            per_gpu = self._last_gpu_scores
+        per_gpu: np.ndarray | None = None
+        if view is self._last_view and self._last_shift is not None:
+            per_gpu = self._cached_gpu_scores(view, gpu_ids, self._last_shift[0])
+        elif view is self._last_view:
+            per_gpu = self._last_gpu_scores[gpu_ids]
         else:
-            per_gpu = self._keep_empty(view, self._score(view))
+            per_gpu = self._cached_view_gpu_scores(view, gpu_ids)
+        if per_gpu is None:
+            per_gpu = self._keep_empty(view, self._score(view))[gpu_ids]
         # binpack's GPU preference (least left over) breaks ties between equal GPUs
-        return per_gpu[gpu_ids] - _TIE_WEIGHT * _leftover(view, gpu_ids) / 2
+        return per_gpu - _TIE_WEIGHT * _leftover(view, gpu_ids) / 2
+
+    # -- the score cache ------------------------------------------------------------------
+    #
+    # A candidate GPU's score is 0.0 - (its loss row) . (the types' values) + its gap term,
+    # where the loss row -- per type, the copies the request there takes from its node,
+    # host limits included -- depends only on the node's exact state, the GPU's, the
+    # request's shape, the request types known and the node's host mode (which of the host
+    # rules apply: `_node_modes`), never on the types' weights. Every arrival changes the
+    # weights, so scores cannot be kept from one pod to the next, but loss rows can: they
+    # are kept per (request shape, host mode, node state, GPU state) -- the node state and
+    # GPU state named exactly by `qgpu.node_groups` -- and a call computes rows only for
+    # states it has not met, then one product with the values. Rows are sums of whole
+    # copies and values are whole numbers, so every product and sum is exact in float64
+    # and the scores equal those of `_score` bit for bit. Nodes in the same state get the
+    # same score, so a view of many nodes is scored one node per distinct state.
+
+    def _cache_open(self, s: ClusterState) -> bool:
+        """Whether this call may go through the cache: from a policy's second call on a
+        state on (an engine made for one decision, as the Ray SDK's, groups no nodes), and
+        not for `_CACHE_BACKOFF` calls after one found too many distinct node states."""
+        if not self.cache:
+            return False
+        state, calls, skip = self._gate
+        if state is not s:
+            state, calls, skip = s, 0, 0
+        calls += 1
+        self._gate = (state, calls, max(skip - 1, 0))
+        return calls >= 2 and skip == 0
+
+    def _cache_for(self, s: ClusterState) -> _ScoreCache:
+        """The loss rows kept for `s` and the current request types (afresh when either
+        changes: a new type changes every row's width and the hosts' needs)."""
+        cache = self._score_cache
+        if cache is None or cache.state is not s or cache.types != self._arrays_shape:
+            cache = self._score_cache = _ScoreCache(s, self._arrays_shape)
+        return cache
+
+    def _cached_node_scores(self, view: CandidateView) -> np.ndarray | None:
+        """`node_scores` through the cache: one node per distinct state (every node for a
+        request that names GPUs); None where the cache does not apply (see `_cached_scores`)
+        -- the caller then scores the vectorised way, with the same result."""
+        s = view.state
+        req = view.request
+        nodes = view.node_ids
+        if not len(nodes) or not self._cache_open(s):
+            return None
+        groups = s.node_groups()
+        slots = groups.current()
+        at: np.ndarray | None = None
+        if groupable(req):
+            nodes, at = _one_per_group(slots[nodes], nodes, groups.slots)
+        if len(nodes) > _CACHED_NODES:
+            state, calls, _ = self._gate
+            self._gate = (state, calls, _CACHE_BACKOFF)
+            return None
+        if at is not None and self._started:
+            grouped = self._grouped_node_scores(view, nodes, at, slots)
+            if grouped is not None:
+                return grouped
+        scored = self._cached_scores(view, nodes)
+        if scored is None:
+            return None
+        cand, owner, per_gpu = scored
+        shift = self._empty_shift(view, cand, per_gpu)
+        if shift is not None:
+            per_gpu = per_gpu.copy()
+            per_gpu[shift[1]] -= shift[0]
+        self._last_view = view
+        self._last_shift = (None if shift is None else shift[0],)
+        best = np.full(len(nodes), -np.inf)
+        starts = np.flatnonzero(np.concatenate([[True], owner[1:] != owner[:-1]]))
+        best[owner[starts]] = np.maximum.reduceat(per_gpu, starts)
+        host = self._host_term(
+            s, nodes, req.core_per_gpu * req.gpu_count, req.cpu_milli, req.host_memory_mib
+        )
+        out = best + host + _TIE_WEIGHT * _fill_of(s, nodes) / 2
+        return out if at is None else out[at]
+
+    def _cached_gpu_scores(
+        self, view: CandidateView, gpu_ids: np.ndarray, shift: float | None
+    ) -> np.ndarray | None:
+        """`gpu_scores` for the view `_cached_node_scores` scored last: its scores of
+        `gpu_ids` (one node's), lowered by `shift` where the keep-empty rule lowered the
+        empty GPUs; -inf for a GPU that is not the view's candidate."""
+        s = view.state
+        out = np.full(len(gpu_ids), -np.inf)
+        node = s.gpu_node[gpu_ids[:1]].astype(np.int64)
+        if not len(gpu_ids) or not (view.node_ids == node[0]).any():
+            return out
+        scored = self._cached_scores(view, node)
+        if scored is None:
+            return None
+        cand, _, per_gpu = scored
+        if shift is not None:
+            empty = (s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])
+            per_gpu = per_gpu.copy()
+            per_gpu[empty] -= shift
+        return _scores_of(gpu_ids, cand, per_gpu, out)
+
+    def _cached_view_gpu_scores(
+        self, view: CandidateView, gpu_ids: np.ndarray
+    ) -> np.ndarray | None:
+        """`gpu_scores` through the cache for another view (the extender's hold on the node
+        it ranked first: a view of that node alone): every candidate of the view scored, the
+        keep-empty rule applied over them, then `gpu_ids`' scores."""
+        if not len(view.node_ids) or len(view.node_ids) > _CACHED_NODES:
+            return None
+        if not self._cache_open(view.state):
+            return None
+        scored = self._cached_scores(view, view.node_ids)
+        if scored is None:
+            return None
+        cand, _, per_gpu = scored
+        shift = self._empty_shift(view, cand, per_gpu)
+        if shift is not None:
+            per_gpu = per_gpu.copy()
+            per_gpu[shift[1]] -= shift[0]
+        return _scores_of(gpu_ids, cand, per_gpu, np.full(len(gpu_ids), -np.inf))
+
+    def _cached_scores(
+        self, view: CandidateView, nodes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(the view's candidate GPUs on `nodes`, node after node; for each the position of
+        its node in `nodes`; their scores before the keep-empty rule), as `_score` gives
+        them; None where there is no candidate, no request type, or a node without the host
+        room for the request (whose scoring `_score` decides by the whole cluster).
+
+        The scores of the last call are kept by (node state, GPU state) until the state,
+        the mix or the request shape changes: the extender's hold on the node it has just
+        ranked first (and the engine's GPU choice there) reads them."""
+        s = view.state
+        if len(nodes) == 1:  # one node (the extender's hold): its GPUs' range
+            start = int(s.node_start[nodes[0]])
+            end = start + int(s.node_gpu_count[nodes[0]])
+            cand = np.flatnonzero(view.gpu_mask[start:end]) + start
+            owner = np.zeros(len(cand), dtype=np.int64)
+        else:
+            gpus, _ = s.gpus_of(nodes)
+            keep = view.gpu_mask[gpus]
+            cand = gpus[keep]
+            owner = np.repeat(np.arange(len(nodes), dtype=np.int64), s.node_gpu_count[nodes])
+            owner = owner[keep]
+        if not len(cand):
+            return None
+        groups = s.node_groups()
+        slot = groups.current()[nodes]
+        rank = groups.rank[cand]
+        shape = _shape_of(view)
+        memo = self._base_memo
+        if memo[0] is s and memo[1] == (s.version, self._version, shape):
+            kept = memo[2]
+            got = [kept.get(k) for k in zip(slot[owner].tolist(), rank.tolist(), strict=True)]
+            if None not in got:
+                return cand, owner, np.asarray(got, dtype=np.float64)
+        self._start(s)
+        if not self._k_core:
+            return None
+        self._refresh(s)
+        cache = self._cache_for(s)
+        cache.make_room()
+        gen = groups.gen[slot]
+        mode = self._node_modes(view, nodes, cache, slot, gen)
+        if mode is None:
+            return None
+        per_gpu = self._cached_base(
+            view, cache, shape, cand, slot[owner], gen[owner], rank, mode[owner]
+        )
+        keys = zip(slot[owner].tolist(), rank.tolist(), strict=True)
+        self._base_memo = (
+            s,
+            (s.version, self._version, shape),
+            dict(zip(keys, per_gpu.tolist(), strict=True)),
+        )
+        return cand, owner, per_gpu
+
+    def _node_modes(
+        self,
+        view: CandidateView,
+        nodes: np.ndarray,
+        cache: _ScoreCache,
+        slot: np.ndarray,
+        gen: np.ndarray,
+    ) -> np.ndarray | None:
+        """Per node: 0 where its host keeps room for every copy its GPUs hold after the
+        request (`_roomy_after`) or feeds the mix before and after it (`_feeds_mix`), else
+        1 + (feeds before) + 2 x (feeds after): which host rule `_full_scores` applies.
+        None when a node lacks the host room for the request itself."""
+        if not self.host_types:
+            return np.zeros(len(nodes), dtype=np.int64)
+        s = view.state
+        req = view.request
+        cpu, hostmem = req.cpu_milli, req.host_memory_mib
+        free_cpu = s.node_free_cpu[nodes]
+        free_mem = s.node_free_hostmem[nodes]
+        if (free_cpu < cpu).any() or (free_mem < hostmem).any():
+            return None
+        need = cache.need_of(slot, gen)
+        miss = np.flatnonzero(np.isnan(need[:, 0]))
+        if len(miss):
+            _, per_node = self._usable_per_gpu(s)
+            need[miss] = cache.set_need(slot[miss], gen[miss], self._need_of(per_node[nodes[miss]]))
+        roomy = (np.minimum(free_cpu - cpu, np.int64(_MANY)) >= need[:, 0]) & (
+            np.minimum(free_mem - hostmem, np.int64(_MANY)) >= need[:, 1]
+        )
+        mode = np.zeros(len(nodes), dtype=np.int64)
+        if not roomy.all():
+            hard = np.flatnonzero(~roomy)
+            core = req.core_per_gpu * req.gpu_count
+            before = self._feeds_mix(s, nodes[hard], 0, 0, 0)
+            after = self._feeds_mix(s, nodes[hard], core, cpu, hostmem)
+            mode[hard] = np.where(before & after, 0, 1 + before + 2 * after)
+        return mode
+
+    def _cached_base(
+        self,
+        view: CandidateView,
+        cache: _ScoreCache,
+        shape: tuple,
+        cand: np.ndarray,
+        slot: np.ndarray,
+        gen: np.ndarray,
+        rank: np.ndarray,
+        mode: np.ndarray,
+    ) -> np.ndarray:
+        """Per GPU of `cand` (with its node's group slot and generation, its rank and its
+        node's host mode): its score as `_score` gives it, from the loss rows kept for the
+        request's `shape` (`_shape_of`)."""
+        idx = self._row_numbers(view, cache, shape, cand, slot, gen, rank, mode)
+        s = view.state
+        return self._row_scores(
+            view,
+            cache,
+            idx,
+            lambda new: (s.free_core[cand[new]], s.max_slices[cand[new]] - s.slices[cand[new]]),
+        )
+
+    def _row_numbers(
+        self,
+        view: CandidateView,
+        cache: _ScoreCache,
+        shape: tuple,
+        cand: np.ndarray,
+        slot: np.ndarray,
+        gen: np.ndarray,
+        rank: np.ndarray,
+        mode: np.ndarray,
+    ) -> np.ndarray:
+        """The kept rows of `cand` (see `_cached_base`); rows not kept yet are computed
+        (one GPU per missing key) and kept."""
+        idx = cache.lookup(shape, slot, gen, rank, mode)
+        miss = np.flatnonzero(idx < 0)
+        if len(miss):
+            first: dict[tuple[int, int, int], int] = {}
+            keys = zip(mode[miss].tolist(), slot[miss].tolist(), rank[miss].tolist(), strict=True)
+            for i, key in zip(miss.tolist(), keys, strict=True):
+                first.setdefault(key, i)
+            pick = np.fromiter(first.values(), np.int64, len(first))
+            rows = self._loss_rows(view, cand[pick], mode[pick])
+            cache.store(shape, slot[pick], gen[pick], rank[pick], mode[pick], rows)
+            idx = cache.lookup(shape, slot, gen, rank, mode)
+        return idx
+
+    def _row_scores(
+        self,
+        view: CandidateView,
+        cache: _ScoreCache,
+        idx: np.ndarray,
+        gap_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    ) -> np.ndarray:
+        """Scores of rows `idx`: 0.0 - row . values, plus the gap term as in `_score` (the
+        change of the GPU's gap value, kept per row for the prices it was read from;
+        `gap_of(positions)` gives the free core and free slices of those rows' GPUs)."""
+        lost = cache.rows[idx] @ self.t_values
+        out = 0.0 - lost
+        if self.gap_weight and view.core < WHOLE_GPU_CORE:
+            by_room = self.gap_by_room(view.state)
+            gap = cache.gaps(self.prices)[idx]
+            new = np.flatnonzero(np.isnan(gap))
+            if len(new):
+                free, room = gap_of(new)
+                room = np.minimum(room, by_room.shape[0] - 1)
+                after = by_room[np.maximum(room - 1, 0), free - view.core]
+                gap[new] = after - by_room[room, free]
+                cache.gap[idx[new]] = gap[new]
+            out += self.gap_weight * self.total_weight * gap
+        return out
+
+    def _grouped_node_scores(
+        self,
+        view: CandidateView,
+        nodes: np.ndarray,
+        at: np.ndarray,
+        slots: np.ndarray,
+    ) -> np.ndarray | None:
+        """`_cached_node_scores` for a request whose candidates are the same on every node
+        of a group, where no type asks for host CPU or memory (every node's host mode is 0):
+        per (request shape, model constraint, group) its candidate GPUs' row numbers, their
+        keep-empty flags, free core and slices, and the node's fill are kept
+        (`_ScoreCache.entries`), so a call reads one entry per group of `nodes` (one node of
+        each group) and scores their rows together. None: not applicable here."""
+        s = view.state
+        req = view.request
+        if self._live is not None and not view.gpu_mask[s.gpus_of(nodes)[0]].any():
+            return None  # no candidate: `_score` would not follow the live slices
+        self._start(s)
+        if not self._k_core:
+            return None
+        self._refresh(s)
+        if self.host_types:
+            return None
+        cache = self._cache_for(s)
+        cache.make_room()
+        groups = s.node_groups()
+        shape = _shape_of(view)
+        kept = cache.entries
+        key = (shape, req.model_names)
+        slot_of = slots[nodes]
+        names = list(zip(slot_of.tolist(), groups.gen[slot_of].tolist(), strict=True))
+        found = [kept.get((key, name)) for name in names]
+        if None in found:
+            missing = np.asarray([i for i, e in enumerate(found) if e is None], dtype=np.int64)
+            for i, entry in zip(
+                missing.tolist(),
+                self._group_entries(view, cache, shape, nodes[missing]),
+                strict=True,
+            ):
+                found[i] = kept[(key, names[i])] = entry
+        sizes = [len(e[0]) for e in found]
+        if not sum(sizes):
+            return None
+        idx = np.concatenate([e[0] for e in found])
+        per_gpu = self._row_scores(
+            view,
+            cache,
+            idx,
+            lambda new: (
+                np.concatenate([e[2] for e in found])[new],
+                np.concatenate([e[3] for e in found])[new],
+            ),
+        )
+        # the scores by (slot, rank), for the GPU choice on one of these nodes next
+        by_key = {}
+        values = per_gpu.tolist()
+        at_value = 0
+        for (slot, _), entry in zip(names, found, strict=True):
+            for r in entry[5]:
+                by_key[(slot, r)] = values[at_value]
+                at_value += 1
+        self._base_memo = (s, (s.version, self._version, shape), by_key)
+        shift = self._empty_shift(
+            view, None, per_gpu, lambda: np.concatenate([e[1] for e in found])
+        )
+        if shift is not None:
+            per_gpu = per_gpu.copy()
+            per_gpu[shift[1]] -= shift[0]
+        self._last_view = view
+        self._last_shift = (None if shift is None else shift[0],)
+        # each node's best GPU (numpy's maximum, as `_best_per_node`), then the node terms
+        # as `node_scores` adds them, in Python floats: a few nodes, the same operations
+        starts = list(itertools.accumulate(sizes[:-1], initial=0))
+        has = [i for i, size in enumerate(sizes) if size]
+        if len(has) == len(sizes):
+            best = np.maximum.reduceat(per_gpu, starts).tolist()
+        else:
+            best = [-np.inf] * len(sizes)
+            top = np.maximum.reduceat(per_gpu, [starts[i] for i in has]).tolist()
+            for i, value in zip(has, top, strict=True):
+                best[i] = value
+        host = self._host_term(
+            s, nodes, req.core_per_gpu * req.gpu_count, req.cpu_milli, req.host_memory_mib
+        ).tolist()
+        out = [b + h + _TIE_WEIGHT * e[4] / 2 for b, h, e in zip(best, host, found, strict=True)]
+        return np.asarray(out, dtype=np.float64)[at]
+
+    def _group_entries(
+        self, view: CandidateView, cache: _ScoreCache, shape: tuple, nodes: np.ndarray
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, list[int]]]:
+        """Per node of `nodes` (each of another group): (its candidate GPUs' row numbers,
+        node GPU order; which of them are empty; their free core; their free slices; the
+        node's fill, `_fill_of`; their ranks)."""
+        s = view.state
+        if len(nodes) == 1:  # the node the last pod went to (its new state): its range
+            start = int(s.node_start[nodes[0]])
+            end = start + int(s.node_gpu_count[nodes[0]])
+            cand = np.flatnonzero(view.gpu_mask[start:end]) + start
+            owner = np.zeros(len(cand), dtype=np.int64)
+        else:
+            gpus, _ = s.gpus_of(nodes)
+            keep = view.gpu_mask[gpus]
+            cand = gpus[keep]
+            counts = s.node_gpu_count[nodes]
+            owner = np.repeat(np.arange(len(nodes), dtype=np.int64), counts)[keep]
+        groups = s.node_groups()
+        slot = groups.current()[nodes][owner]
+        idx = self._row_numbers(
+            view,
+            cache,
+            shape,
+            cand,
+            slot,
+            groups.gen[slot],
+            groups.rank[cand],
+            np.zeros(len(cand), dtype=np.int64),
+        )
+        empty = (s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])
+        free = s.free_core[cand]
+        room = s.max_slices[cand] - s.slices[cand]
+        fill = _fill_of(s, nodes).tolist()
+        ranks = groups.rank[cand].tolist()
+        if len(nodes) == 1:
+            return [(idx, empty, free, room, fill[0], ranks)]
+        bounds = np.searchsorted(owner, np.arange(len(nodes) + 1)).tolist()
+        return [
+            (idx[a:b], empty[a:b], free[a:b], room[a:b], fill[i], ranks[a:b])
+            for i, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
+
+    def _loss_rows(self, view: CandidateView, gpus: np.ndarray, mode: np.ndarray) -> np.ndarray:
+        """Per GPU of `gpus` x type: the copies the request there takes from its node (times
+        nothing: the weights come later), host limits as `mode` says (`_node_modes`) --
+        `_lost_on_roomy_hosts` (mode 0) and `_full_scores` (1-3) written per type, so that
+        a score is 0.0 - row . values. Every entry is a whole number."""
+        s = view.state
+        req = view.request
+        per_gpu, per_node = self._usable_per_gpu(s)
+        drop = self._drop(view, gpus, per_gpu)
+        n = s.gpu_node[gpus]
+        cols = self.whole_cols
+        if len(cols):  # whole classes count groups of `count` free GPUs (`_full_scores`)
+            free = per_node[:, cols][n]
+            drop[:, cols] = self._whole(free, cols) - self._whole(free - drop[:, cols], cols)
+        loss = drop[:, self.t_class]
+        hard = np.flatnonzero(mode)
+        if len(hard):
+            nodes = n[hard]
+            cpu = s.node_free_cpu[nodes]
+            hostmem = s.node_free_hostmem[nodes]
+            gpu_before = self._gpu_copies(per_node[nodes])
+            host_after = self._host_copies(cpu - req.cpu_milli, hostmem - req.host_memory_mib)
+            host_before = self._host_copies(cpu, hostmem)
+            rule = mode[hard] - 1
+            host_before[(rule & 1) > 0] = _MANY
+            host_after[(rule & 2) > 0] = _MANY
+            # a type loses d where the host has slack after the request, else only what
+            # goes beyond the shortfall (`_full_scores`); and the host's own change
+            slack = host_after - gpu_before
+            d = loss[hard]
+            lost = np.where(slack >= 0, d, np.maximum(slack + d, 0.0))
+            lost += np.minimum(gpu_before, host_before).astype(np.float64)
+            lost -= np.minimum(gpu_before, host_after).astype(np.float64)
+            loss[hard] = lost
+        return loss
 
     def host_scores(self, view: HostView) -> np.ndarray:
         """A host-only workload only changes how many copies of each type a node can feed."""
@@ -983,6 +1492,175 @@ def _best_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
     if len(has):
         best[has] = np.maximum.reduceat(per_gpu, state.node_start[has])
     return best
+
+
+def _shape_of(view: CandidateView) -> tuple:
+    """What of a view's request a GPU's loss row depends on (with its node's and its own
+    state): core per GPU, GPU count, the memory it takes per GPU, host CPU and memory."""
+    req = view.request
+    return (
+        view.core,
+        req.core_per_gpu,
+        req.gpu_count,
+        None if req.is_whole_gpu else (req.memory_gib_per_gpu, req.memory_percent),
+        req.cpu_milli,
+        req.host_memory_mib,
+    )
+
+
+def _scores_of(
+    gpu_ids: np.ndarray, cand: np.ndarray, scores: np.ndarray, out: np.ndarray
+) -> np.ndarray:
+    """`out` with, for each of `gpu_ids` that is in `cand`, its score there."""
+    if len(gpu_ids) == len(cand) and gpu_ids.tolist() == cand.tolist():
+        return scores  # the usual question: the candidates themselves
+    order = np.argsort(cand, kind="stable")
+    pos = np.minimum(np.searchsorted(cand[order], gpu_ids), len(cand) - 1)
+    found = cand[order][pos] == gpu_ids
+    out[found] = scores[order][pos[found]]
+    return out
+
+
+def _one_per_group(
+    slots: np.ndarray, nodes: np.ndarray, capacity: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(one node of `nodes` per distinct group slot, in slot order; for each of `nodes` the
+    position of its group's node in that list). `slots`: each node's slot, below
+    `capacity`."""
+    present = np.zeros(capacity, dtype=bool)
+    present[slots] = True
+    used = np.flatnonzero(present)
+    member = np.empty(capacity, dtype=np.int64)
+    member[slots] = nodes  # some node of each group (which one does not matter)
+    position = np.empty(capacity, dtype=np.int64)
+    position[used] = np.arange(len(used), dtype=np.int64)
+    return member[used], position[slots]
+
+
+class _ScoreCache:
+    """frag's loss rows for one `ClusterState` and one set of request types (see
+    `FragPolicy._cached_base`): per request shape and host mode, a table over the node
+    groups' slots (`qgpu.node_groups`) and their GPUs' ranks of row numbers, valid for the
+    slot's generation it records; and per slot the host CPU and memory its GPUs' copies
+    need (`FragPolicy._need_of`). Starts over when it holds `_CACHE_ROWS` rows or group
+    entries, or its tables `_CACHE_TABLES` entries."""
+
+    def __init__(self, state: ClusterState, types: tuple[int, int]) -> None:
+        self.state = state
+        self.types = types
+        self.groups = state.node_groups()
+        self.width = max(1, int(state.node_gpu_count.max())) if len(state.nodes) else 1
+        self.rows = np.zeros((64, types[1]))
+        self.count = 0
+        # per row its gap term's change of gap value (NaN: not read yet) for `_gap_prices`
+        self.gap = np.full(64, np.nan)
+        self._gap_prices: object = None
+        # (shape, mode) -> (per slot its generation, per slot x rank the row or -1)
+        self.tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        # ((shape, models), (slot, generation)) -> a group's candidates' rows and more
+        # (`FragPolicy._grouped_node_scores`)
+        self.entries: dict[tuple, tuple] = {}
+        self._need_gen = np.zeros(0, dtype=np.int64)
+        self._need = np.zeros((0, 2))
+
+    def gaps(self, prices: object) -> np.ndarray:
+        """The rows' gap changes, kept while the prices they were read from are the
+        current ones (`FragPolicy.prices`)."""
+        if prices is not self._gap_prices:
+            self.gap[:] = np.nan
+            self._gap_prices = prices
+        return self.gap
+
+    def make_room(self) -> None:
+        """Start over when full (before a call looks anything up)."""
+        table = len(self.groups.gen) * (self.width + 1)  # one table's entries
+        if (
+            self.count >= _CACHE_ROWS
+            or (len(self.tables) + 1) * table > _CACHE_TABLES
+            or len(self.entries) >= _CACHE_ROWS
+        ):
+            self.tables = {}
+            self.entries = {}
+            self.count = 0
+
+    def _table(self, shape: tuple, mode: int) -> tuple[np.ndarray, np.ndarray]:
+        slots = len(self.groups.gen)
+        table = self.tables.get((shape, mode))
+        if table is None or len(table[0]) < slots:
+            gens = np.zeros(slots, dtype=np.int64)  # generations start at 1
+            rows = np.full((slots, self.width), -1, dtype=np.int32)
+            if table is not None:
+                gens[: len(table[0])] = table[0]
+                rows[: len(table[0])] = table[1]
+            table = self.tables[(shape, mode)] = (gens, rows)
+        return table
+
+    def lookup(
+        self, shape: tuple, slot: np.ndarray, gen: np.ndarray, rank: np.ndarray, mode: np.ndarray
+    ) -> np.ndarray:
+        """Per entry the row kept for (shape, mode, slot, gen, rank), -1 where none is."""
+        if not mode.any():
+            gens, rows = self._table(shape, 0)
+            return np.where(gens[slot] == gen, rows[slot, rank], -1)
+        out = np.full(len(slot), -1, dtype=np.int64)
+        for m in np.unique(mode).tolist():
+            at = np.flatnonzero(mode == m)
+            gens, rows = self._table(shape, m)
+            out[at] = np.where(gens[slot[at]] == gen[at], rows[slot[at], rank[at]], -1)
+        return out
+
+    def store(
+        self,
+        shape: tuple,
+        slot: np.ndarray,
+        gen: np.ndarray,
+        rank: np.ndarray,
+        mode: np.ndarray,
+        rows: np.ndarray,
+    ) -> None:
+        """Keep `rows` for these distinct keys (a slot met with a newer generation forgets
+        the rows of the old one)."""
+        end = self.count + len(rows)
+        if end > len(self.rows):
+            grown = np.zeros((max(end, 2 * len(self.rows)), self.rows.shape[1]))
+            grown[: self.count] = self.rows[: self.count]
+            self.rows = grown
+            gap = np.full(len(grown), np.nan)
+            gap[: self.count] = self.gap[: self.count]
+            self.gap = gap
+        self.rows[self.count : end] = rows
+        self.gap[self.count : end] = np.nan
+        numbers = np.arange(self.count, end, dtype=np.int64)
+        self.count = end
+        for m in np.unique(mode).tolist():
+            at = np.flatnonzero(mode == m)
+            gens, table = self._table(shape, m)
+            stale = at[gens[slot[at]] != gen[at]]
+            table[slot[stale]] = -1
+            gens[slot[stale]] = gen[stale]
+            table[slot[at], rank[at]] = numbers[at]
+
+    def need_of(self, slot: np.ndarray, gen: np.ndarray) -> np.ndarray:
+        """Per slot the (CPU, memory) need kept for its generation; NaN where none is."""
+        self._fit_need()
+        need = self._need[slot]
+        need[self._need_gen[slot] != gen] = np.nan
+        return need
+
+    def set_need(self, slot: np.ndarray, gen: np.ndarray, need: np.ndarray) -> np.ndarray:
+        self._fit_need()
+        self._need[slot] = need
+        self._need_gen[slot] = gen
+        return need
+
+    def _fit_need(self) -> None:
+        slots = len(self.groups.gen)
+        if len(self._need_gen) < slots:
+            gens = np.zeros(slots, dtype=np.int64)
+            need = np.zeros((slots, 2))
+            gens[: len(self._need_gen)] = self._need_gen
+            need[: len(self._need)] = self._need
+            self._need_gen, self._need = gens, need
 
 
 def _sum_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:

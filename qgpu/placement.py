@@ -32,6 +32,7 @@ from qgpu.model import (
     SliceRequest,
 )
 from qgpu.node_fit import NodeFit, NodeFitCache
+from qgpu.node_groups import NodeGroups
 
 UNLIMITED = np.int64(2**62)
 
@@ -87,6 +88,9 @@ class ClusterState:
         self.gpu_node = np.asarray(gpu_node, dtype=np.int32)
         self.node_start = np.asarray(starts, dtype=np.int64)
         self.node_gpu_count = np.asarray([len(n.gpus) for n in self.nodes], dtype=np.int64)
+        counts = set(self.node_gpu_count.tolist())
+        # the GPU count of every node where all have the same (and some), else 0
+        self._gpus_per_node = counts.pop() if len(counts) == 1 else 0
         self.cap_core = np.full(n_gpu, WHOLE_GPU_CORE, dtype=np.int32)
         self.free_core = self.cap_core.copy()
         self.cap_mem = np.asarray([g.memory_gib for g in gpus], dtype=np.int32)
@@ -126,6 +130,15 @@ class ClusterState:
         self.node_version = np.zeros(len(self.nodes), dtype=np.int64)
         # (version, slice id) of the latest placements and releases (`held_changed_since`)
         self._held_log: deque[tuple[int, str]] = deque(maxlen=HELD_LOG)
+        self._node_groups: NodeGroups | None = None
+
+    def node_groups(self) -> NodeGroups:
+        """The nodes grouped by exact state (`qgpu.node_groups`), made on first use and
+        shared by everyone who scores over this state; call its `current()` for the groups
+        as the state is now."""
+        if self._node_groups is None:
+            self._node_groups = NodeGroups(self)
+        return self._node_groups
 
     def held_changed_since(self, version: int) -> set[str] | None:
         """The ids placed or released since `version` (what a policy that follows `held`
@@ -154,6 +167,10 @@ class ClusterState:
     def gpus_of(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the GPU indices of these nodes, node after node; where each node's GPUs start
         in that array)."""
+        if self._gpus_per_node:  # every node has as many GPUs: no counting
+            each = self._gpus_per_node
+            gpus = self.node_start[nodes][:, None] + np.arange(each, dtype=np.int64)
+            return gpus.reshape(-1), np.arange(0, each * len(nodes), each, dtype=np.int64)
         counts = self.node_gpu_count[nodes]
         offsets = np.zeros(len(counts), dtype=np.int64)
         np.cumsum(counts[:-1], out=offsets[1:])
@@ -367,8 +384,11 @@ def _leftover(view: CandidateView, gpu_ids: np.ndarray) -> np.ndarray:
 
 
 def _node_fill(view: CandidateView) -> np.ndarray:
-    s = view.state
-    ids = view.node_ids
+    return _fill_of(view.state, view.node_ids)
+
+
+def _fill_of(s: ClusterState, ids: np.ndarray) -> np.ndarray:
+    """Per node `ids`: the share of its GPU core and GPU memory in use (binpack's score)."""
     used_core = 1.0 - s.node_free_core[ids] / np.maximum(s.node_cap_core[ids], 1)
     used_mem = 1.0 - s.node_free_mem[ids] / np.maximum(s.node_cap_mem[ids], 1)
     return used_core + used_mem

@@ -29,7 +29,6 @@ import numpy as np
 
 from k8s_bridge.assignment_mac import AssignmentKeys
 from k8s_bridge.extender.models import MAX_SCORE, HostPriorityTable
-from k8s_bridge.extender.node_groups import NodeGroups, groupable
 from k8s_bridge.protocol import (
     Assignment,
     ContainerAssignment,
@@ -136,11 +135,6 @@ def _rv(text: str | None) -> int:
         return 0
 
 
-# node policies whose scores `score_nodes` takes for one node per group of identical nodes
-# (`node_groups`): frag's cost grows with the GPUs it scores; binpack's and spread's are a
-# few vector operations over all nodes, cheaper than finding the groups
-GROUPED_POLICIES = frozenset({PlacementPolicy.FRAG.value})
-
 POSITIONS_MEMO = 8  # node-name lists whose positions are remembered (see `_positions`)
 
 
@@ -171,9 +165,6 @@ class ExtenderState:
         self._positions_of: ClusterState | None = None
         self._positions_memo: dict[str, np.ndarray] = {}
         self._priority_table: tuple[ClusterState, HostPriorityTable] | None = None
-        # score one node per group of identical nodes (`node_groups`); False: every node
-        self.group_nodes = True
-        self._groups: NodeGroups | None = None
 
     # -- construction ----------------------------------------------------------------
 
@@ -499,11 +490,6 @@ class ExtenderState:
             memo[key] = hit
         return hit
 
-    def _groups_of(self, state: ClusterState) -> NodeGroups:
-        if self._groups is None or self._groups.state is not state:
-            self._groups = NodeGroups(state)
-        return self._groups
-
     def priority_list_json(self, node_names: list[str], scores: np.ndarray) -> bytes:
         """The ``HostPriorityList`` reply for these names and their 0..10 scores."""
         with self.lock:
@@ -544,15 +530,9 @@ class ExtenderState:
                 return out
             req = reqs[0].request
             mask, memory, _ = self.engine.candidates(req, explain=False)
-            nodes = pos[known]
-            policy = self._node_policy(req)
-            spread: np.ndarray | None = None
-            if self.group_nodes and policy.name in GROUPED_POLICIES and groupable(req):
-                nodes, spread = self._groups_of(s).representatives(nodes)
-            view = CandidateView(s, req, mask, req.core_per_gpu, memory, nodes)
-            raw = np.asarray(policy.node_scores(view), dtype=float)
-            if spread is not None:
-                raw = raw[spread]
+            # frag scores one node per group of identical nodes itself (`qgpu.frag`)
+            view = CandidateView(s, req, mask, req.core_per_gpu, memory, pos[known])
+            raw = np.asarray(self._node_policy(req).node_scores(view), dtype=float)
         # Policies may score a node that cannot take the request -inf (frag does): 0 here.
         finite = np.isfinite(raw)
         norm = np.where(raw == np.inf, MAX_SCORE, 0).astype(np.int64)

@@ -589,13 +589,14 @@ def test_one_policy_object_across_cluster_states():
 def test_a_view_of_gpus_already_scored_reuses_the_scores_until_something_changes(monkeypatch):
     """Scoring all nodes and then the chosen node alone (the extender's prioritize and
     assume) gives the same scores as a policy that computes them afresh; a placement or a
-    new arrival makes it compute again. (Both price the mix on every change here.)"""
+    new arrival makes it compute again. (Both price the mix on every change here.) The
+    memo of the vectorised scoring, so without the score cache (tested below)."""
     monkeypatch.setattr(frag_module, "reprice_threshold", lambda arrived: 0.0)
     nodes = [node("x", 4), node("y", 2), node("z", 3)]
     state = ClusterState(nodes)
     state.apply("pre", [gpu_of(state, "x-g0")], 70, [11])
     arrivals = [share(30), share(60), WHOLE]
-    policy = FragPolicy()
+    policy = FragPolicy(cache=False)
     for a in arrivals:
         policy.observe(a)
     engine = Engine(state, policy)

@@ -32,7 +32,11 @@ MODELS = [("H100-80GB", 80), ("A100-40GB", 40), ("T4", 16)]
 
 
 class _FullMeasure(FragPolicy):
-    """The reference: the full measure on every candidate GPU, nothing prepared."""
+    """The reference: the full measure on every candidate GPU, nothing prepared, nothing
+    kept between calls (no score cache)."""
+
+    def __init__(self) -> None:
+        super().__init__(cache=False)
 
     def _roomy_after(self, s, per_node, cand, cpu, hostmem):  # type: ignore[no-untyped-def]
         return np.zeros(len(cand), dtype=bool)
