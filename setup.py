@@ -40,6 +40,7 @@ LIBRARIES = {
                 "config.c",
                 "ledger.c",
                 "region.c",
+                "busy.c",
                 "init.c",
                 "mem.c",
                 "vmm.c",

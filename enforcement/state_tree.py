@@ -7,6 +7,8 @@ use them. The layout under a slices root (``<state-dir>/slices``, the workloads'
     slices/                                 root 0711   traversable, not listable
     slices/gpu-<uuid>.region                root:<workload gid> 0660   what the processes
                                                         on one GPU tell each other
+    slices/gpu-<uuid>.busy                  root:<workload gid> 0640   which slices NVML
+                                                        shows busy (the agent's watchdog)
     slices/<id>/                            root:<gid> 0750   the slice's directory
     slices/<id>/limits.conf                 root:<gid> 0440   its caps (trusted by the hook)
     slices/<id>/ledger/                     <uid>:<gid> 0700  the only place it writes
@@ -17,8 +19,8 @@ as. The ledger is created here, before the workload starts, owned by that user: 
 interposer then opens a file nobody else can open, and no other user can create it first.
 A workload cannot replace its limits file (its directory is not writable by it). Nothing
 in the tree is writable by "other". In Kubernetes a container receives its slice's
-``ledger/`` directory, its ``limits.conf`` (read-only) and its GPU's region file — nothing
-of another slice.
+``ledger/`` directory, its ``limits.conf`` (read-only), its GPU's region file and (read-only)
+its GPU's busy file — nothing of another slice.
 
 Without root (tests, laptops, ``--test-mode``) nothing is chowned: every file belongs to
 the process that runs the agent, with the same modes.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from enforcement.busy_view import BUSY_MODE, SIZE, busy_file
 from enforcement.limits import SliceLimits, write_limits_file
 from qgpu.model import check_slice_id, is_slice_id
 
@@ -77,6 +80,7 @@ def process_identity(pid: int) -> Identity | None:
     if "Uid" not in ids or "Gid" not in ids:
         return None
     return Identity(ids["Uid"], ids["Gid"])
+
 
 FILES_KEPT = 4096  # slices whose paths StateTree.files keeps built
 
@@ -231,6 +235,19 @@ class StateTree:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, REGION_MODE)
         try:
             self._own_fd(fd, 0, self.workload_gid, REGION_MODE)
+        finally:
+            os.close(fd)
+        return path
+
+    def ensure_busy(self, uuid: str) -> Path:
+        """A GPU's busy file (`enforcement.busy_view`), root:<workload gid> 0640: only the
+        agent writes it; the GPU's workloads read it."""
+        path = busy_file(self.root, uuid)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, BUSY_MODE)
+        try:
+            self._own_fd(fd, 0, self.workload_gid, BUSY_MODE)
+            if os.fstat(fd).st_size != SIZE:
+                os.ftruncate(fd, SIZE)
         finally:
             os.close(fd)
         return path

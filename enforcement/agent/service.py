@@ -200,6 +200,7 @@ class Agent:
         self.ledger.put_node(self.inventory)
         for gpu in self.inventory.gpus:
             self.tree.ensure_region(gpu.uuid)
+            self.tree.ensure_busy(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
         self.restore()
@@ -230,6 +231,7 @@ class Agent:
             self.ledger.put_node(fresh)
             for gpu in fresh.gpus:
                 self.tree.ensure_region(gpu.uuid)
+                self.tree.ensure_busy(gpu.uuid)
             self.inventory = fresh
             log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
             return True

@@ -6,13 +6,16 @@ work rides out CPU starvation when other tests load the machine)."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from enforcement.agent.slice_stats import read_slice_ledger
+from enforcement.busy_view import BusySlice, BusyView, busy_file
 from enforcement.sim import write_sim_config
+from qgpu.model import IsolationPolicy
 
 from .conftest import Sim, finish, measure_shares, start_burn, wait_ready
 
@@ -82,6 +85,32 @@ def test_burst_share_keeps_its_guarantee_against_a_fixed_share_neighbour(sim: Si
     finish(procs)
     assert abs(bs - 40) <= TOLERANCE, (bs, fs)
     assert abs(fs - 60) <= TOLERANCE, (bs, fs)
+
+
+def test_burst_share_yields_to_a_slice_the_agent_saw_busy(sim: Sim) -> None:
+    """The node agent's busy file (enforcement.busy_view) lists a 60 % fixed-share slice
+    that NVML shows busy but that launches nothing through the hook (the raw driver, one
+    long kernel): a 30 % burst-share slice counts it as active and stays at its share. A
+    list another user could have written (group-writable), or one the agent stopped
+    renewing, is ignored: the slice bursts."""
+    sim.state_dir.mkdir(parents=True, exist_ok=True)
+    listed = [BusySlice("hidden", IsolationPolicy.FIXED_SHARE, 60, 50)]
+    for gpu, mode, valid_for in ((0, 0o640, 60.0), (1, 0o660, 60.0), (2, 0o640, -1.0)):
+        path = busy_file(sim.state_dir, sim.uuid(gpu))
+        path.touch(mode=mode)
+        os.chmod(path, mode)
+        view = BusyView(path)
+        view.write(listed, valid_for)
+        view.close()
+    procs = [
+        start_burn(sim.slice_env(f"bs-busy-{g}", gpu=g, core=30, policy="bs"), depth=20)
+        for g in range(3)
+    ]
+    wait_ready(procs)
+    trusted, writable, stale = measure_shares(sim, list(enumerate(procs)), warmup=0.3)
+    finish(procs)
+    assert abs(trusted - 30) <= TOLERANCE, (trusted, writable, stale)
+    assert writable > 90 and stale > 90, (trusted, writable, stale)
 
 
 def test_best_effort_two_slices_share_evenly(sim: Sim) -> None:

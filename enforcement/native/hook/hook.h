@@ -150,6 +150,15 @@ QGPU_HIDDEN void region_publish_pending(int gated, int64_t until_ns);
 QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on the device */
 QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
 
+/* busy.c: the slices the node agent saw busy on this GPU (NVML), counted as active */
+typedef struct {
+    char slice_id[72];
+    int policy;
+    int core;
+} busy_slice_t;
+QGPU_HIDDEN void busy_open(const char *state_dir, const char *uuid);
+QGPU_HIDDEN int busy_read(busy_slice_t *out, int max, int64_t now_ns);
+
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
 QGPU_HIDDEN CUcontext mem_current_ctx(void);

@@ -1,9 +1,10 @@
 /* gpu-<uuid>.region: what the processes on one physical GPU tell each other (one entry per
  * process, shared by every slice on the GPU):
  *  - when it last launched work, its slice, policy and share: a slice is *active* if one of
- *    its processes launched in the last 100 ms. Burst-share looks at the guaranteed slices
- *    (fixed- and burst-share) active besides its own; best-effort slices look at them to take
- *    only what they leave (launch.c);
+ *    its processes launched in the last 100 ms, or if the node agent saw it busy in NVML's
+ *    samples (busy.c: work that bypasses the hook, or one long kernel). Burst-share looks at
+ *    the slices active besides its own; best-effort slices look at the guaranteed ones
+ *    (fixed- and burst-share) to take only what they leave (launch.c);
  *  - until when it expects to have work queued on the device (`pending_until`): how many
  *    other processes contend for the device right now, which is how the compute gate turns a
  *    measured event interval into the device time the process really had on a time-sliced
@@ -96,6 +97,7 @@ int region_open(const char *state_dir, const char *uuid, const hook_limits_t *li
     r->max_entries = MAX_REGION;
     lim = limits;
     R = r;
+    busy_open(state_dir, uuid);
     pthread_atfork(NULL, NULL, region_forget_entry);
     return entry() ? 0 : -1;
 }
@@ -152,6 +154,25 @@ static region_summary_t unpack(uint64_t v) {
     return s;
 }
 
+#define BUSY_LISTED 64
+
+static int seen(const char *const *ids, int n, const char *id) {
+    for (int k = 0; k < n; k++)
+        if (strncmp(ids[k], id, 72) == 0) return 1;
+    return 0;
+}
+
+static void count_active(region_summary_t *s, const char *slice_id, int policy, int core) {
+    int own = strncmp(slice_id, lim->slice_id, 72) == 0;
+    if (!own) s->other_slices++;
+    if (policy != POLICY_BEST_EFFORT && core < 100) {
+        if (!own) s->guaranteed_slices++;
+        s->guaranteed_share += core;
+    } else {
+        s->best_effort_slices++;
+    }
+}
+
 region_summary_t region_summary(void) {
     int64_t now = qgpu_now_coarse_ns();
     if (now - __atomic_load_n(&cached_at, __ATOMIC_ACQUIRE) < SUMMARY_EVERY_NS)
@@ -161,24 +182,25 @@ region_summary_t region_summary(void) {
         s.other_slices = s.guaranteed_slices = 1;
         return s;
     }
-    int active[MAX_REGION], n = 0;
+    const char *active[MAX_REGION + BUSY_LISTED];
+    int n = 0;
     for (int i = 0; i < MAX_REGION; i++) {
         region_entry_t *e = &R->entries[i];
         if (!e->pid || now - __atomic_load_n(&e->last_launch_ns, __ATOMIC_RELAXED) >= ACTIVE_WINDOW_NS)
             continue;
-        int dup = 0;
-        for (int k = 0; k < n && !dup; k++)
-            dup = strncmp(R->entries[active[k]].slice_id, e->slice_id, sizeof e->slice_id) == 0;
-        if (dup) continue;
-        active[n++] = i;
-        int own = strncmp(e->slice_id, lim->slice_id, sizeof e->slice_id) == 0;
-        if (!own) s.other_slices++;
-        if (e->policy != POLICY_BEST_EFFORT && e->core < 100) {
-            if (!own) s.guaranteed_slices++;
-            s.guaranteed_share += e->core;
-        } else {
-            s.best_effort_slices++;
+        if (!seen(active, n, e->slice_id)) {
+            active[n++] = e->slice_id;
+            count_active(&s, e->slice_id, e->policy, e->core);
         }
+    }
+    /* slices the agent saw busy in NVML's samples that published nothing (the raw driver, a
+     * long kernel) are active too */
+    busy_slice_t busy[BUSY_LISTED];
+    int nb = busy_read(busy, BUSY_LISTED, now);
+    for (int i = 0; i < nb; i++) {
+        if (seen(active, n, busy[i].slice_id)) continue;
+        active[n++] = busy[i].slice_id;
+        count_active(&s, busy[i].slice_id, busy[i].policy, busy[i].core);
     }
     __atomic_store_n(&cached, pack(s), __ATOMIC_RELAXED);
     __atomic_store_n(&cached_at, now, __ATOMIC_RELEASE);
