@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
+from enforcement.busy_view import busy_file
 from enforcement.limits import allocation_env, limits_for_allocation
 from enforcement.state_tree import Identity, StateTree, region_file
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
@@ -289,6 +290,7 @@ def _recorded_by_agent(
     state = StateTree(Path(env["QGPU_STATE_DIR"]), privileged=False)
     files = state.files(alloc.slice_id)
     region = region_file(state.root, ca.gpus[0])
+    busy = busy_file(state.root, ca.gpus[0])
     limits = res.limits_file
     mounts = [
         pb.Mount(container_path=str(CONTAINER_LIMITS_FILE), host_path=limits, read_only=True),
@@ -296,4 +298,6 @@ def _recorded_by_agent(
         *_preload_mounts(paths, preload),
         *_state_mounts(files.ledger_dir, files.ledger_dir, region, region),
     ]
+    if busy.is_file():  # the agent's list of busy slices on the GPU, only it writes it
+        mounts.append(pb.Mount(container_path=str(busy), host_path=str(busy), read_only=True))
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=devices)

@@ -151,7 +151,8 @@ class Workload:
         env["QGPU_LIMITS_FILE"] = mounts[envs["QGPU_LIMITS_FILE"]]
         # Of the node's state tree the container gets what the plugin mounted under its
         # QGPU_STATE_DIR (its own slice's ledger directory, its GPU's region file, with an
-        # agent its limits file): the same binds here, over an empty tmpfs, nothing else.
+        # agent its limits file and its GPU's busy file): the same binds here, over an empty
+        # tmpfs, nothing else.
         # The host paths may lie under the hidden directory, so they go through a stage.
         state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
         binds = [(h, c) for c, h in mounts.items() if c.startswith(state)]
@@ -244,9 +245,10 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
     finally:
         w.close()
     # the slice's shared ledger lives in the host directory that was mounted, and that
-    # (with the GPU's region file) is all of the state tree the container was given
+    # (with the GPU's region file, and with an agent its limits file and the GPU's busy
+    # file, read-only) is all of the state tree the container was given
     state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
     under = sorted(c for c in mounts if c.startswith(state))
-    assert len(under) == (3 if stack["agent"] is not None else 2), under
+    assert len(under) == (4 if stack["agent"] is not None else 2), under
     (ledger,) = [mounts[c] for c in under if Path(mounts[c]).is_dir()]
     assert any(Path(ledger).iterdir())
