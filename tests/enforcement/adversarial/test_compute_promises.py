@@ -54,6 +54,7 @@ class Pair:
     big_env: dict[str, str]
     small_slice: str
     big_slice: str
+    log: Path
     started: list[subprocess.Popen[str]] = field(default_factory=list)
     workers: list[Worker] = field(default_factory=list)
 
@@ -95,13 +96,19 @@ class Pair:
             code = None
         assert code == -9, f"not killed within {bound + SLACK} s: {hostile.finish()}"
 
-    def nobody_killed_for(self, seconds: float) -> None:
+    def events(self) -> list[str]:
+        """The watchdog's compute events in the agent's log."""
+        return [line for line in self.log.read_text().splitlines() if "over_core" in line]
+
+    def nobody_killed_for(self, seconds: float, never_over: list[str]) -> None:
+        """Nothing is killed for `seconds`; the slices `never_over` are not even reported."""
         time.sleep(seconds)
         alive = [p.poll() is None for p in self.started]
-        assert all(alive), f"a process was killed: {[p.returncode for p in self.started]}"
+        assert all(alive), f"killed: {[p.returncode for p in self.started]} {self.events()}"
         for sid in (self.small_slice, self.big_slice):
-            assert self.counted("qgpu_watchdog_kills_total", sid) == 0
-            assert self.counted("qgpu_watchdog_over_core_total", sid) == 0
+            assert self.counted("qgpu_watchdog_kills_total", sid) == 0, self.events()
+        for sid in never_over:
+            assert self.counted("qgpu_watchdog_over_core_total", sid) == 0, self.events()
 
 
 PairFactory = Callable[[str, str], Pair]
@@ -131,6 +138,7 @@ def pair(short_tmp: Path) -> Iterator[PairFactory]:
             {**os.environ, **big.env},
             small.slice_id,
             big.slice_id,
+            state / "agent.log",
         )
         made.append((agent, client, p))
         return p
@@ -148,8 +156,10 @@ def pair(short_tmp: Path) -> Iterator[PairFactory]:
 
 
 def hostile_argv(programs: Programs, how: str) -> list[str | Path]:
-    if how == "raw":  # the raw cuLaunchKernel from libcuda's symbol table, 2 ms kernels
-        return [programs.c("raw_launch"), "2000000"]
+    if how == "raw":  # the raw cuLaunchKernel from libcuda's symbol table, 20 ms kernels
+        # (4-8 in flight: a process the loaded machine does not schedule for a while still
+        # keeps the device busy)
+        return [programs.c("raw_launch"), "20000000"]
     return [programs.c("long_kernel"), str(NEVER_ENDS)]  # one kernel, hooked, never ends
 
 
@@ -196,15 +206,16 @@ def test_a_slice_running_flat_out_beside_idle_neighbours_is_never_killed(
     pair: PairFactory, programs: Programs, iso: str
 ) -> None:
     """Bursting while every other slice idles is the promise of burst-share and best-effort:
-    even ungated (raw) launches that take the whole GPU for several graces are left alone
-    while the other slice on the GPU (reserved, with a process holding a context) is idle."""
+    even ungated (raw) launches that take (nearly) the whole GPU for several graces are left
+    alone while the other slice on the GPU (reserved, with a process holding a context) is
+    idle."""
     p = pair(iso, "fs")
     p.idle(p.big_env)
     h = p.start(hostile_argv(programs, "raw"))
     got = p.share(h.pid, 0.6)
-    assert got >= 90, f"a slice alone got only {got:.1f} % of an idle GPU"
-    p.nobody_killed_for(QUIET)
-    assert p.share(h.pid, 0.6) >= 90
+    assert got >= 80, f"a slice alone got only {got:.1f} % of an idle GPU"
+    p.nobody_killed_for(QUIET, never_over=[p.small_slice, p.big_slice])
+    assert p.share(h.pid, 0.6) >= 80
 
 
 @pytest.mark.parametrize("iso", ["bs", "be"])
@@ -214,13 +225,14 @@ def test_a_tenant_hiding_its_work_cannot_get_a_well_behaved_neighbour_killed(
     """A 75 % burst-share tenant launches through the raw driver, so the hook's shared view
     (launches published in the GPU region) never shows it busy. A well-behaved (hooked)
     25 % neighbour must still fall back to its share (burst-share) or to what the
-    guaranteed slice leaves (best-effort), so that neither is killed; the hidden tenant,
-    within its own share, keeps it."""
+    guaranteed slice leaves (best-effort), so that neither is killed and the well-behaved
+    one is never even reported; the hidden tenant, within its own share, keeps it (it may
+    be reported while the neighbour starts: it bursts alone until then)."""
     p = pair(iso, "bs")
     hidden = spawn(hostile_argv(programs, "raw"), p.big_env)
     p.started.append(hidden)
     Hostile(hidden).read_until_ready()
     well_behaved = p.burn(p.small_env)
-    p.nobody_killed_for(QUIET)
+    p.nobody_killed_for(QUIET, never_over=[p.small_slice])
     got = p.share(well_behaved.pid, 1.5)
     assert got <= 25 + 10, f"the well-behaved 25 % slice took {got:.1f} % from a busy neighbour"
