@@ -23,7 +23,7 @@ NATIVE = Path("enforcement") / "native"
 COMMON = [
     str(NATIVE / "common" / n) for n in ("clock.c", "proc.c", "shm.c", "table.c", "procaddr.c")
 ]
-SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c")]
+SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c", "shared.c")]
 
 # (extension name, output file relative to the package root, soname, sources, extra links,
 #  extra compiler flags)
@@ -39,12 +39,15 @@ LIBRARIES = {
                 "dlsym.c",
                 "config.c",
                 "ledger.c",
+                "roster.c",
                 "region.c",
                 "busy.c",
                 "init.c",
                 "mem.c",
                 "vmm.c",
+                "ipc.c",
                 "pool.c",
+                "graph.c",
                 "ctx.c",
                 "launch.c",
                 "nvml.c",
@@ -58,7 +61,10 @@ LIBRARIES = {
     "enforcement.native.sim.libcuda": (
         NATIVE / "sim" / "libcuda.so.1",
         "libcuda.so.1",
-        [str(NATIVE / "sim" / n) for n in ("driver.c", "ctx.c", "mem.c", "exec.c", "procaddr.c")]
+        [
+            str(NATIVE / "sim" / n)
+            for n in ("driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "procaddr.c")
+        ]
         + SIM_CORE
         + COMMON,
         ("libcuda.so",),

@@ -10,7 +10,7 @@ Keys (docs/enforcement.md has the full contract)::
     QGPU_CORE_LIMIT    1..100 (100 = no compute cap)
     QGPU_ISOLATION     best-effort | fixed-share | burst-share
     QGPU_STATE_DIR     the slices root: <dir>/<slice>/ledger/ holds the slice's shared ledger,
-                       <dir>/gpu-<uuid>.region what the GPU's processes tell each other
+                       <dir>/.gpu-<uuid>/ what the GPU's slices tell each other
                        (default /tmp/qgpu-state; layout in `enforcement.state_tree`)
     QGPU_LIMITS_FILE   the limits file (default /etc/qgpu/limits.conf)
     QGPU_REAL_LIBCUDA  driver to forward to (default libcuda.so.1)

@@ -352,13 +352,14 @@ def load_sim_nvml(config_path: str | os.PathLike[str]) -> ctypes.CDLL:
 _HEADER = struct.Struct("<QIIQQqQQq")  # magic .. created_ns, offsets 0..64
 _SCHED = struct.Struct("<Iq")  # scheduler, slice_ns: offsets 388, 392
 _DONE_TOTAL = struct.Struct("<Q")  # done_total_ns, offset 424
+_UNOWNED = struct.Struct("<Q")  # unowned, offset 432
 _PROC = struct.Struct("<iIQQQqQQQ")  # pid .. contexts, the first 64 bytes of sim_proc_t
 _USNAPS = 8  # per-process utilisation samples (SIM_USNAPS)
 _USNAP = struct.Struct(f"<{_USNAPS}q{_USNAPS}QI")  # usnap_t, usnap_done, usnap_head: 592
 _PROC_SIZE = 728 + 16 * 512
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
-_MAGIC = 0x334D495355504751  # "QGPUSIM3"
+_MAGIC = 0x344D495355504751  # "QGPUSIM4"
 
 
 @dataclass(frozen=True)
@@ -370,6 +371,7 @@ class SimProcess:
     launches: int
     contexts: int = 0
     sm_util: int = 0  # percent of the last sampling period (~100 ms) spent on its work (NVML)
+    sm_util_at_ns: int = 0  # when that period ended (CLOCK_MONOTONIC; 0: no sample yet)
 
 
 @dataclass(frozen=True)
@@ -385,6 +387,9 @@ class SimGpuState:
     scheduler: str = "timesliced"
     processes: tuple[SimProcess, ...] = field(default=())
     timeslice_ns: int = 0  # the time-sliced model's slice length
+    # shared memory (exported to file descriptors) that only open descriptors keep: in
+    # mem_used, charged to no process
+    unowned: int = 0
 
     @property
     def busy_completed_ns(self) -> int:
@@ -394,17 +399,18 @@ class SimGpuState:
         return next((p for p in self.processes if p.pid == pid), None)
 
 
-def _sm_util(data: bytes, offset: int) -> int:
-    """A process's latest utilisation sample, computed as the simulated NVML does
-    (nvmlDeviceGetProcessUtilization): busy time between its two newest samples."""
+def _sm_util(data: bytes, offset: int) -> tuple[int, int]:
+    """A process's latest utilisation sample and when its period ended, computed as the
+    simulated NVML does (nvmlDeviceGetProcessUtilization): busy time between its two newest
+    samples; (0, 0) before it has two."""
     *vals, head = _USNAP.unpack_from(data, offset + 592)
     times, done = vals[:_USNAPS], vals[_USNAPS:]
     h = head % _USNAPS
     prev = (h + _USNAPS - 1) % _USNAPS
     span = times[h] - times[prev]
     if not times[h] or not times[prev] or span <= 0:
-        return 0
-    return min(100, (100 * (done[h] - done[prev]) + span // 2) // span)
+        return 0, 0
+    return min(100, (100 * (done[h] - done[prev]) + span // 2) // span), times[h]
 
 
 _advance_lib: ctypes.CDLL | None = None
@@ -436,12 +442,14 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         raise ValueError(f"{path} is not a simulated GPU state file")
     sched, slice_ns = _SCHED.unpack_from(data, 388)
     (done_total,) = _DONE_TOTAL.unpack_from(data, 424)
+    (unowned,) = _UNOWNED.unpack_from(data, 432)
     procs = []
     for i in range(_MAX_PROCS):
         offset = _PROCS_OFFSET + i * _PROC_SIZE
         pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(data, offset)
         if pid:
-            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, _sm_util(data, offset)))
+            util, util_at = _sm_util(data, offset)
+            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, util, util_at))
     return SimGpuState(
         now,
         total,
@@ -452,6 +460,7 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         SCHEDULERS[0] if sched == 1 else SCHEDULERS[1],
         tuple(procs),
         slice_ns,
+        unowned,
     )
 
 

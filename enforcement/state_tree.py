@@ -1,26 +1,37 @@
-"""The node's slice files on disk: one directory per slice, one region file per GPU, and who
+"""The node's slice files on disk: one directory per slice, one directory per GPU, and who
 owns what. The node agent and the device plugin (without an agent) create them; the
-interposer (enforcement/native/hook/ledger.c, region.c) and `enforcement.agent.slice_stats`
-use them. The layout under a slices root (``<state-dir>/slices``, the workloads'
-``QGPU_STATE_DIR``)::
+interposer (enforcement/native/hook/ledger.c, roster.c, region.c) and
+`enforcement.agent.slice_stats` use them. The layout under a slices root
+(``<state-dir>/slices``, the workloads' ``QGPU_STATE_DIR``)::
 
     slices/                                 root 0711   traversable, not listable
-    slices/gpu-<uuid>.region                root:<workload gid> 0660   what the processes
-                                                        on one GPU tell each other
-    slices/gpu-<uuid>.busy                  root:<workload gid> 0640   which slices NVML
-                                                        shows busy (the agent's watchdog)
     slices/<id>/                            root:<gid> 0750   the slice's directory
     slices/<id>/limits.conf                 root:<gid> 0440   its caps (trusted by the hook)
-    slices/<id>/ledger/                     <uid>:<gid> 0700  the only place it writes
-    slices/<id>/ledger/slice-<id>.ledger    <uid>:<gid> 0600  its processes' shared ledger
+    slices/<id>/ledger/                     <uid>:<gid> 0700  its processes' shared ledger
+    slices/<id>/ledger/slice-<id>.ledger    <uid>:<gid> 0600  (memory, compute bucket)
+    slices/.gpu-<uuid>/                     root:<wgid> 0750  what the slices of one GPU
+                                                              tell each other
+    slices/.gpu-<uuid>/roster               root:<wgid> 0640  every slice on the GPU with
+                                                              its policy and share
+    slices/.gpu-<uuid>/<id>.activity        <uid>:<wgid> 0640 when the slice last launched,
+                                                              until when it has work queued
+    slices/.gpu-<uuid>/busy                 root:<wgid> 0640  the slices the agent's
+                                                              watchdog saw run (NVML)
 
 ``<uid>:<gid>`` is the slice's workload identity (`Identity`): the user its processes run
-as. The ledger is created here, before the workload starts, owned by that user: the
-interposer then opens a file nobody else can open, and no other user can create it first.
-A workload cannot replace its limits file (its directory is not writable by it). Nothing
-in the tree is writable by "other". In Kubernetes a container receives its slice's
-``ledger/`` directory, its ``limits.conf`` (read-only), its GPU's region file and (read-only)
-its GPU's busy file — nothing of another slice.
+as; ``<wgid>`` the workload group (``--workload-gid``) every tenant of the GPUs is in. The
+ledger is created here, before the workload starts, owned by that user: the interposer then
+opens a file nobody else can open, and no other user can create it first. A workload cannot
+replace its limits file (its directory is not writable by it). A GPU's roster is written
+only here (`enforcement.gpu_roster`), so no tenant can say what another slice's policy or
+share is; each slice writes only its own activity file, so a tenant can lie only about
+itself; the busy list is written only by the node agent (`ensure_busy` makes it, its
+watchdog fills it: `enforcement.busy_view`), so what the driver saw run counts whatever an
+activity file says. ``.gpu-<uuid>`` starts with a dot so that no slice id can name it.
+Nothing in the tree is writable by "other". In Kubernetes a container receives its slice's
+``ledger/`` directory, its ``limits.conf`` (read-only), its GPU's directory read-only (the
+busy list with it) and its own activity file in it writable — nothing else of another
+slice.
 
 Without root (tests, laptops, ``--test-mode``) nothing is chowned: every file belongs to
 the process that runs the agent, with the same modes.
@@ -33,23 +44,30 @@ import errno
 import os
 import shutil
 import stat
-from collections.abc import Mapping
+import struct
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from enforcement.busy_view import BUSY_MODE, SIZE, busy_file
+from enforcement.busy_view import BUSY_MODE, BUSY_NAME, BusyView
+from enforcement.gpu_roster import RosterEdit, RosterEntry, edit_roster, init_roster, read_roster
 from enforcement.limits import SliceLimits, write_limits_file
-from qgpu.model import check_slice_id, is_slice_id
+from qgpu.model import IsolationPolicy, check_slice_id, is_slice_id
 
 ROOT_MODE = 0o711
 SLICE_DIR_MODE = 0o750
 LEDGER_DIR_MODE = 0o700
 LEDGER_MODE = 0o600
 LIMITS_MODE = 0o440
-REGION_MODE = 0o660
+GPU_DIR_MODE = 0o750
+ROSTER_MODE = 0o640
+ACTIVITY_MODE = 0o640
 LIMITS_NAME = "limits.conf"
 LEDGER_DIR_NAME = "ledger"
+ROSTER_NAME = "roster"
+ACTIVITY_SUFFIX = ".activity"
 
 
 @dataclass(frozen=True)
@@ -119,8 +137,19 @@ def slice_files(root: Path, slice_id: str) -> SliceFiles:
     return SliceFiles(Path(root), check_slice_id(slice_id))
 
 
-def region_file(root: Path, uuid: str) -> Path:
-    return Path(root) / f"gpu-{uuid}.region"
+def gpu_dir(root: Path, uuid: str) -> Path:
+    """What the slices of one GPU share (a name no slice id can take: ids never start with
+    a dot)."""
+    return Path(root) / f".gpu-{uuid}"
+
+
+def busy_file(root: Path, uuid: str) -> Path:
+    """The GPU's busy list (`enforcement.busy_view`), written only by the node agent."""
+    return gpu_dir(root, uuid) / BUSY_NAME
+
+
+def activity_file(root: Path, uuid: str, slice_id: str) -> Path:
+    return gpu_dir(root, uuid) / f"{check_slice_id(slice_id)}{ACTIVITY_SUFFIX}"
 
 
 class StateTree:
@@ -128,7 +157,7 @@ class StateTree:
 
     `privileged`: chown to root and to the slices' identities (the agent or plugin runs as
     root in production); otherwise files keep the caller's ownership. `workload_gid`: the
-    group that may use the GPUs' region files (0: root only).
+    group of the GPUs' shared state, which their tenants read (0: root only).
     """
 
     def __init__(self, root: Path, *, privileged: bool, workload_gid: int = 0) -> None:
@@ -228,29 +257,121 @@ class StateTree:
             return None
         return Identity(st.st_uid, st.st_gid) if stat.S_ISDIR(st.st_mode) else None
 
-    def ensure_region(self, uuid: str) -> Path:
-        """A GPU's region file, pre-created root:<workload gid> 0660 (the interposer sizes
-        and initialises it); a legacy world-writable one is tightened."""
-        path = region_file(self.root, uuid)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, REGION_MODE)
+    def ensure_gpu(self, uuid: str) -> Path:
+        """A GPU's directory (root:<workload gid> 0750) and its roster (0640, initialised):
+        workloads read both and write neither."""
+        d = gpu_dir(self.root, uuid)
+        _mkdir(d)
+        self._own(d, 0, self.workload_gid, GPU_DIR_MODE)
+        fd = os.open(d / ROSTER_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            self._own_fd(fd, 0, self.workload_gid, REGION_MODE)
+            self._own_fd(fd, 0, self.workload_gid, ROSTER_MODE)
+            init_roster(fd)
         finally:
             os.close(fd)
+        return d
+
+    def join_gpu(
+        self,
+        uuid: str,
+        slice_id: str,
+        who: Identity,
+        isolation: IsolationPolicy,
+        core: int,
+        writer: int,
+    ) -> Path:
+        """List a slice on its GPU (its policy and share) and make its activity file,
+        owned by its user and readable by the GPU's other workloads. Idempotent. (The GPU's
+        directory and roster are made here when missing; the agent makes and repairs them
+        for every GPU when it starts.)"""
+        d = gpu_dir(self.root, uuid)
+        if not (d / ROSTER_NAME).is_file():
+            self.ensure_gpu(uuid)
+        path = activity_file(self.root, uuid, slice_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            self._own_fd(fd, who.uid, self.workload_gid, ACTIVITY_MODE)
+        finally:
+            os.close(fd)
+        self._edit(d, lambda r: r.put(RosterEntry.of(slice_id, isolation, core, writer)))
         return path
 
     def ensure_busy(self, uuid: str) -> Path:
-        """A GPU's busy file (`enforcement.busy_view`), root:<workload gid> 0640: only the
-        agent writes it; the GPU's workloads read it."""
+        """The GPU's busy list (`enforcement.busy_view`) in its directory, root:<workload
+        gid> 0640, emptied: only the node agent makes it (its watchdog writes it each scan);
+        the GPU's workloads read it."""
+        d = gpu_dir(self.root, uuid)
+        if not (d / ROSTER_NAME).is_file():
+            self.ensure_gpu(uuid)
         path = busy_file(self.root, uuid)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, BUSY_MODE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             self._own_fd(fd, 0, self.workload_gid, BUSY_MODE)
-            if os.fstat(fd).st_size != SIZE:
-                os.ftruncate(fd, SIZE)
         finally:
             os.close(fd)
+        view = BusyView(path)
+        try:
+            view.clear()
+        finally:
+            view.close()
         return path
+
+    def leave_gpu(self, uuid: str, slice_id: str) -> None:
+        """Take a slice off its GPU (its processes, if any still run, count for nobody)."""
+        d = gpu_dir(self.root, uuid)
+        if not (d / ROSTER_NAME).exists():
+            return
+        self._edit(d, lambda r: r.remove(slice_id))
+        activity_file(self.root, uuid, slice_id).unlink(missing_ok=True)
+
+    def sync_gpu(self, uuid: str, writer: int, listed: Mapping[str, RosterEntry]) -> None:
+        """Make `writer`'s entries of the GPU's roster exactly `listed` (other writers' are
+        kept) and delete activity files of slices the roster does not list."""
+        d = self.ensure_gpu(uuid)
+
+        def sync(r: RosterEdit) -> None:
+            for e in r.entries():
+                if e.writer == writer and e.slice_id not in listed:
+                    r.remove(e.slice_id)
+            for e in listed.values():
+                r.put(e)
+
+        self._edit(d, sync)
+        keep = {e.slice_id for e in read_roster(d / ROSTER_NAME)}
+        for path in d.glob(f"*{ACTIVITY_SUFFIX}"):
+            if path.name[: -len(ACTIVITY_SUFFIX)] not in keep:
+                path.unlink(missing_ok=True)
+
+    def evict_idle(self, uuid: str, writer: int, idle_s: float) -> list[str]:
+        """Take `writer`'s slices off the GPU whose activity file has not changed and whose
+        last launch is older than `idle_s` seconds (or that have no activity file); returns
+        their ids."""
+        gone = []
+        for e in self.gpu_entries(uuid):
+            if e.writer == writer and _idle_for(activity_file(self.root, uuid, e.slice_id), idle_s):
+                gone.append(e.slice_id)
+                self.leave_gpu(uuid, e.slice_id)
+        return gone
+
+    def gpu_entries(self, uuid: str) -> list[RosterEntry]:
+        return read_roster(gpu_dir(self.root, uuid) / ROSTER_NAME)
+
+    def _edit(self, d: Path, change: Callable[[RosterEdit], object]) -> None:
+        fd = os.open(d / ROSTER_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with edit_roster(fd) as r:
+                change(r)
+        finally:
+            os.close(fd)
+
+    def legacy_gpu_files(self) -> list[Path]:
+        """The per-GPU files of older versions, replaced by ``.gpu-<uuid>/``: region files
+        (``gpu-<uuid>.region``, one writable file shared by every tenant of a GPU) and the
+        agent's busy lists (``gpu-<uuid>.busy``)."""
+        try:
+            return sorted([*self.root.glob("gpu-*.region"), *self.root.glob("gpu-*.busy")])
+        except OSError:
+            return []
 
     def legacy_files(self) -> list[Path]:
         """Files of the flat layout before per-slice directories (``slice-<id>.ledger``)."""
@@ -284,6 +405,29 @@ def _mkdir(path: Path) -> None:
             raise OSError(errno.EEXIST, "exists and is not a directory", str(path)) from None
 
 
+_ACTIVITY_MAGIC = 0x3154434155504751  # "QGPUACT1" (enforcement/native/hook/region.c)
+
+
+def _idle_for(path: Path, idle_s: float) -> bool:
+    """An activity file untouched for `idle_s` seconds whose slice last launched longer ago
+    than that (on the monotonic clock the interposer writes), or no file at all."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, 24, 0)
+    finally:
+        os.close(fd)
+    if time.time() - max(st.st_mtime, st.st_ctime) < idle_s:
+        return False
+    if len(head) == 24 and struct.unpack_from("<Q", head)[0] == _ACTIVITY_MAGIC:
+        last = struct.unpack_from("<q", head, 16)[0]
+        return last < time.monotonic_ns() - int(idle_s * 1e9)
+    return True
+
+
 def world_writable(root: Path) -> list[Path]:
     """Every file or directory under `root` that "other" can write (an audit for tests and
     health); symlinks are not followed."""
@@ -305,8 +449,10 @@ __all__ = [
     "Identity",
     "SliceFiles",
     "StateTree",
+    "activity_file",
+    "busy_file",
+    "gpu_dir",
     "process_identity",
-    "region_file",
     "slice_files",
     "world_writable",
 ]

@@ -449,7 +449,8 @@ def register_device_plugin(sub: Any) -> None:
         "--workload-gid",
         type=int,
         default=0,
-        help="group that may use the GPUs' region files (default 0: containers in group 0)",
+        help="group that may read the GPUs' shared state, slices/.gpu-<uuid>/ (default 0: "
+        "containers in group 0)",
     )
     _assignment_key_flags(p, "device plugin ignores assignments whose MAC is missing or wrong")
     p.add_argument(

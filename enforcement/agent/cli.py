@@ -87,6 +87,8 @@ CONFIG_FLAGS = {
     "reconcile_interval_s": "--reconcile-interval",
     "watchdog_interval_s": "--watchdog-interval",
     "watchdog_core_margin": "--watchdog-core-margin",
+    "watchdog_unowned": "--watchdog-unowned",
+    "slice_cgroups": "--slice-cgroups",
     "enforcement": "--enforcement",
     "mps_control": "--mps-control",
     "hook_path": "--hook-path",
@@ -112,6 +114,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         "watchdog_kill": args.watchdog_kill,
         "watchdog_grace_s": args.watchdog_grace,
         "watchdog_core_margin": args.watchdog_core_margin,
+        "watchdog_unowned": args.watchdog_unowned,
+        "slice_cgroups": args.slice_cgroups,
         "enforcement": args.enforcement,
         "mps_control": args.mps_control,
         "test_mode": args.test_mode,
@@ -288,6 +292,25 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "kernel); 1..100",
     )
     p.add_argument(
+        "--watchdog-unowned",
+        type=choice(["kill", "report"], "--watchdog-unowned"),
+        default="kill",
+        metavar="kill|report",
+        help="GPU processes that belong to no slice, on a GPU holding a slice --watchdog-kill "
+        "covers: kill them after the grace (the default) or only report them "
+        "(NVIDIA's MPS server is never either)",
+    )
+    p.add_argument(
+        "--slice-cgroups",
+        type=choice(["auto", "on", "off"], "--slice-cgroups"),
+        default="auto",
+        metavar="auto|on|off",
+        help="make a cgroup per slice owned by a process (Ray, Dask, local) and move the "
+        "owner into it, so that its processes are attributed by what they cannot change: "
+        "auto (when the agent is root, not --test-mode, and cgroup v2 is writable), on "
+        "(refuse to start without), off (attribute by descent from the owner)",
+    )
+    p.add_argument(
         "--enforcement",
         type=choice(["interposer", "mps"], "--enforcement"),
         default="interposer",
@@ -310,7 +333,8 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "--workload-gid",
         type=int,
         default=0,
-        help="group that may use the GPUs' region files (default 0: root only)",
+        help="group that may read the GPUs' shared state, slices/.gpu-<uuid>/ (default 0: "
+        "root only)",
     )
     p.add_argument("--max-body-bytes", type=int, default=64 * 1024, help="request body limit")
     p.add_argument(

@@ -1,7 +1,8 @@
 """The agent's settings (one pydantic model, validated like every other input).
 
 Paths derive from `state_dir` unless given: the ledger ``ledger.sqlite``, one directory
-per slice (limits file and interposer ledger) and the GPUs' region files under ``slices/``
+per slice (limits file and interposer ledger) and one per GPU (its roster and its slices'
+activity files) under ``slices/``
 (`enforcement.state_tree`), MPS pipe/log directories under ``mps/`` and the simulator's
 files under ``sim/``.
 """
@@ -33,6 +34,12 @@ Enforcement = Literal["interposer", "mps"]
 # fixed- and burst-share slices over their memory cap or core, and any slice over its compute
 # allowance beside busy neighbours); or also best-effort slices over their memory cap.
 WatchdogKill = Literal["off", "share", "all"]
+# What the watchdog does with a GPU process of no slice on a GPU that holds a slice it kills
+# for: kill it (after the grace), or only report it.
+WatchdogUnowned = Literal["kill", "report"]
+# Per-slice cgroups for slices owned by a process: auto (when root, not --test-mode, and
+# cgroup v2 is writable), on (required: the agent refuses to start without them), off.
+SliceCgroupMode = Literal["auto", "on", "off"]
 
 
 class AgentConfig(BaseModel):
@@ -78,6 +85,16 @@ class AgentConfig(BaseModel):
         description="percentage points a slice's measured SM use may exceed its compute "
         "allowance before the watchdog counts it over (100: never)",
     )
+    watchdog_unowned: WatchdogUnowned = Field(
+        default="kill",
+        description="GPU processes of no slice on a GPU holding a slice that --watchdog-kill "
+        "covers: kill (after the grace) or report",
+    )
+    slice_cgroups: SliceCgroupMode = Field(
+        default="auto",
+        description="make a cgroup per slice owned by a process, for attribution that its "
+        "environment cannot forge",
+    )
     enforcement: Enforcement = "interposer"
     mps_control: str = "nvidia-cuda-mps-control"
     hook_path: Path | None = None
@@ -90,8 +107,9 @@ class AgentConfig(BaseModel):
         default=0,
         ge=0,
         le=2**32 - 2,
-        description="group allowed to use the GPUs' region files (the interposer's "
-        "cross-slice compute coordination); 0: root only",
+        description="group of the GPUs' shared state (.gpu-<uuid>/: the roster and the "
+        "slices' activity files the interposer coordinates compute with), which every "
+        "tenant of the GPUs must be in to read it; 0: root only",
     )
     max_body_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * 1024 * 1024)
     head_timeout_s: float = Field(default=10.0, gt=0, le=3600)

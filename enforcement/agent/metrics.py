@@ -180,7 +180,14 @@ class AgentCollector(Collector):
             "Processes the watchdog killed for exceeding their cap (memory or core)",
             labels=["node", "device_uuid", "slice"],
         )
+        unowned_kills = CounterMetricFamily(
+            "qgpu_watchdog_unowned_kills",
+            "GPU processes of no slice the watchdog killed (on a GPU holding a slice the kill "
+            "policy covers, with --watchdog-unowned kill)",
+            labels=["node", "device_uuid"],
+        )
         with agent.counters._lock:
+            unowned_kill_counts = dict(agent.counters.watchdog_unowned_kills)
             over_counts = dict(agent.counters.watchdog_over_cap)
             core_counts = dict(agent.counters.watchdog_over_core)
             kill_counts = dict(agent.counters.watchdog_kills)
@@ -190,6 +197,8 @@ class AgentCollector(Collector):
             over_core.add_metric([agent.node, uuid, sid], n)
         for (uuid, sid), n in sorted(kill_counts.items()):
             kills.add_metric([agent.node, uuid, sid], n)
+        for uuid, n in sorted(unowned_kill_counts.items()):
+            unowned_kills.add_metric([agent.node, uuid], n)
         unowned = GaugeMetricFamily(
             "qgpu_watchdog_unowned_processes",
             "GPU processes that belong to no slice, at the last scan",
@@ -215,7 +224,7 @@ class AgentCollector(Collector):
                     )
             for (uuid, sid), n in sorted(per_slice.items()):
                 current.add_metric([agent.node, uuid, sid], n)
-        yield from (over, over_core, kills, unowned, current)
+        yield from (over, over_core, kills, unowned_kills, unowned, current)
 
 
 KNOWN_ROUTES = ("/v1/node", "/v1/devices", "/v1/slices", "/v1/health", "/metrics")

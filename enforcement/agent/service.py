@@ -4,11 +4,13 @@ State lives in two places, both under the state directory and both rebuilt from 
 ledger on start: the core SQLite ledger (``ledger.sqlite``, WAL, synchronous=FULL: a
 reservation is acknowledged only after it is committed) and one directory per slice
 (``slices/<slice>/``: its limits file and the interposer's ledger, owned by the slice's
-user, see `enforcement.state_tree`), made inside the transaction that records a new slice,
+user, see `enforcement.state_tree`) with its entry in its GPU's roster and its activity
+file (``slices/.gpu-<uuid>/``), made inside the transaction that records a new slice,
 before its commit (`Ledger.reserve(prepare=...)`): a slice whose files cannot be made is
 never recorded, even when the disk turned read-only and nothing can be undone. A
 restart — even after ``kill -9`` — re-reads the ledger, rewrites any missing limits file,
-deletes the directories of slices that are gone, and reconciles owners. Running processes
+deletes the directories of slices that are gone, makes each GPU's roster list exactly its
+slices, and reconciles owners. Running processes
 keep their caps: the interposer read its limits at ``cuInit`` and shares per-slice state
 through its ledger, which the agent never rewrites.
 
@@ -31,13 +33,20 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from enforcement.agent import slice_env
+from enforcement.agent.attribution import (
+    Attributor,
+    SliceCgroups,
+    environ_slice_id,
+    is_mps_server,
+    owner_anchor,
+)
 from enforcement.agent.config import AgentConfig
 from enforcement.agent.models import (
     MAX_LEASE_S,
@@ -69,6 +78,7 @@ from enforcement.discovery import (
     UtilSample,
     discover,
 )
+from enforcement.gpu_roster import WRITER_AGENT, RosterEntry
 from enforcement.native import HOOK_LIBRARY
 from enforcement.state_tree import Identity, StateTree, process_identity
 from qgpu.errors import QgpuError, RuleViolation
@@ -142,6 +152,7 @@ class Counters:
     watchdog_over_cap: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_kills: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_over_core: Counter[tuple[str, str]] = field(default_factory=Counter)
+    watchdog_unowned_kills: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, key: object, n: int = 1) -> None:
@@ -185,6 +196,12 @@ class Agent:
         self._last_limits: tuple[Allocation, dict[str, str]] | None = None
         self._gpu_index: tuple[NodeInventory | None, dict[str, int]] = (None, {})
         self.privileged = not config.test_mode and os.geteuid() == 0
+        self.cgroups = SliceCgroups(
+            config.state_dir / "cgroups", config.slice_cgroups, privileged=self.privileged
+        )
+        log.info("per-slice cgroups: %s", "on, " + self.cgroups.reason if self.cgroups.enabled
+                 else "not made (" + self.cgroups.reason + "): slices owned by a process are "
+                 "attributed by descent from it")  # fmt: skip
         config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.state_dir, 0o755)
         self.tree = StateTree(
@@ -199,7 +216,7 @@ class Agent:
         self.inventory = self._discover()
         self.ledger.put_node(self.inventory)
         for gpu in self.inventory.gpus:
-            self.tree.ensure_region(gpu.uuid)
+            self.tree.ensure_gpu(gpu.uuid)
             self.tree.ensure_busy(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
@@ -229,9 +246,11 @@ class Agent:
             if fresh == self.inventory:
                 return False
             self.ledger.put_node(fresh)
+            known = {g.uuid for g in self.inventory.gpus}
             for gpu in fresh.gpus:
-                self.tree.ensure_region(gpu.uuid)
-                self.tree.ensure_busy(gpu.uuid)
+                self.tree.ensure_gpu(gpu.uuid)
+                if gpu.uuid not in known:  # a known GPU's list is the watchdog's to renew
+                    self.tree.ensure_busy(gpu.uuid)
             self.inventory = fresh
             log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
             return True
@@ -257,13 +276,32 @@ class Agent:
         for sid in self.tree.slice_ids():
             if sid not in held:
                 self._drop_slice_dir(sid)
+        self._sync_gpus(held.values())
         self._drop_legacy()
+        self.cgroups.sweep(held)
+        for alloc in held.values():
+            if self.cgroups.path_of(alloc.slice_id) is None:  # made before slice cgroups
+                self._enroll(alloc)
+
+    def _sync_gpus(self, held: Iterable[Allocation]) -> None:
+        """Each GPU's roster lists exactly the agent's interposer slices on it (entries of
+        the device plugin, or of hooks, are theirs to keep)."""
+        listed: dict[str, dict[str, RosterEntry]] = {g.uuid: {} for g in self.inventory.gpus}
+        for alloc in held:
+            if self.enforcement_of(alloc) == "interposer":
+                entry = RosterEntry.of(alloc.slice_id, alloc.isolation, alloc.core, WRITER_AGENT)
+                listed.setdefault(alloc.gpu_uuids[0], {})[alloc.slice_id] = entry
+        for uuid, entries in listed.items():
+            self.tree.sync_gpu(uuid, WRITER_AGENT, entries)
 
     def _drop_legacy(self) -> None:
         """Files of the flat layout of older versions: limits/<id>.limits (their slices now
-        have limits.conf in their own directory) and slices/slice-<id>.ledger once no
-        process maps it."""
+        have limits.conf in their own directory), slices/gpu-<uuid>.region (every tenant of
+        a GPU could write it) and slices/gpu-<uuid>.busy (both now in .gpu-<uuid>/), and
+        slices/slice-<id>.ledger once no process maps it."""
         shutil.rmtree(self.config.legacy_limits_dir, ignore_errors=True)
+        for path in self.tree.legacy_gpu_files():  # running processes keep their mapping
+            path.unlink(missing_ok=True)
         for path in self.tree.legacy_files():
             led = read_ledger_file(path)
             if led is None or not led.pids:
@@ -327,6 +365,7 @@ class Agent:
             if not created:
                 alloc = self._adopted(alloc, owner)
                 self._recheck_files(alloc)
+            self._enroll(alloc)
         self.counters.add("reservations", "ok")
         log.info(
             "reserved %s on %s core=%d memory=%dGiB owner=%s:%s",
@@ -347,18 +386,20 @@ class Agent:
         rollback needs no disk write, so a disk that turned read-only leaves no orphan row),
         and files whose commit then failed are removed (or, on a read-only disk, dropped by
         `restore` at the next start). Returns the allocation and whether it is new."""
-        made: list[str] = []
+        made: list[Allocation] = []
 
         def prepare(alloc: Allocation) -> None:
-            made.append(alloc.slice_id)
+            made.append(alloc)
             self._prepare_slice(alloc, who)
 
         try:
             alloc = commit(prepare)
         except BaseException:
-            for sid in made:
+            for new in made:
                 with contextlib.suppress(OSError):
-                    self.tree.remove(sid)
+                    self.tree.remove(new.slice_id)
+                with contextlib.suppress(OSError):
+                    self.tree.leave_gpu(new.gpu_uuids[0], new.slice_id)
             raise
         return alloc, bool(made)
 
@@ -383,6 +424,16 @@ class Agent:
             raise NotFound("slice_id", alloc.slice_id, "was released meanwhile; reserve again")
         log.info("%s taken over by %s:%s", alloc.slice_id, owner.kind.value, owner.id)
         return adopted
+
+    def _enroll(self, alloc: Allocation) -> None:
+        """Put a slice's owner process (and its descendants) into the slice's cgroup, where
+        the node allows one (see `enforcement.agent.attribution`)."""
+        anchor = owner_anchor(alloc)
+        if anchor is None or not is_slice_id(alloc.slice_id):
+            return
+        path = self.cgroups.enroll(alloc.slice_id, *anchor)
+        if path is not None:
+            log.info("slice %s: owner %d in cgroup %s", alloc.slice_id, anchor[0], path)
 
     def _recheck_files(self, alloc: Allocation) -> None:
         """A repeated reservation re-checks its older slice's files (never undoes it)."""
@@ -440,9 +491,10 @@ class Agent:
                 raise
             alloc, created = commit()
         self._storage_error = None
-        if not created:
-            with self._stripe(alloc.slice_id):
+        with self._stripe(alloc.slice_id):
+            if not created:
                 self._recheck_files(alloc)
+            self._enroll(alloc)
         self.counters.add("reservations", "ok")
         log.info("recorded %s on %s (placed elsewhere)", alloc.slice_id, ",".join(alloc.gpu_uuids))
         return self.reservation(alloc)
@@ -490,6 +542,7 @@ class Agent:
         where the slice files cannot be written (a read-only disk) the release is refused
         with nothing changed, and where the commit fails (a full disk) it is put back."""
         retired = is_slice_id(slice_id) and self.tree.retire_limits(slice_id)
+        held = self.ledger.get(slice_id)
         try:
             with self._write_lock:
                 released = self.ledger.release(slice_id)
@@ -501,6 +554,11 @@ class Agent:
         if is_slice_id(slice_id):
             self.tree.remove_limits(slice_id)
             self._drop_slice_dir(slice_id)
+            self.cgroups.release(slice_id)  # a busy one is removed by a later reconcile
+            if held is not None and self.enforcement_of(held) == "interposer":
+                # a roster that cannot be written now is put right by the next start
+                with contextlib.suppress(OSError):
+                    self.tree.leave_gpu(held.gpu_uuids[0], slice_id)
         self.counters.add("releases", reason if released else "already-gone")
         if released:
             log.info("released %s (%s)", slice_id, reason)
@@ -563,13 +621,17 @@ class Agent:
         return values
 
     def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
-        """An interposer slice's directory, ledger and limits file (idempotent)."""
+        """An interposer slice's directory, ledger and limits file, and its entry and
+        activity file on its GPU (idempotent)."""
         if self.enforcement_of(alloc) != "interposer":
             return
         self.tree.create(alloc.slice_id, who)
         # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
         # rewrites every limits file from it when it starts
         self.tree.write_limits(alloc.slice_id, self._limits(alloc), who)
+        self.tree.join_gpu(
+            alloc.gpu_uuids[0], alloc.slice_id, who, alloc.isolation, alloc.core, WRITER_AGENT
+        )
 
     def reservation(self, alloc: Allocation, attrs: SliceAttrs | None = None) -> Reservation:
         attrs = self.ledger.attrs(alloc.slice_id) if attrs is None else attrs
@@ -617,31 +679,32 @@ class Agent:
 
     # -- live usage ----------------------------------------------------------------------
 
-    def slice_of_pid(self, pid: int, owners: dict[int, str]) -> str | None:
-        """The slice a GPU process belongs to: its QGPU_SLICE_ID, else its owner pid."""
+    def _claim(self, pid: int) -> str | None:
+        """The slice id a process's environment names (it cannot change for a process: the
+        environment is read once per pid and start time)."""
         started = proc_start_time(pid)
         if started is None:
-            return owners.get(pid)
+            return None
         key = (pid, started)
         if key not in self._environ_cache:
             if len(self._environ_cache) > 4096:
                 self._environ_cache.clear()
-            self._environ_cache[key] = _environ_slice_id(pid)
-        return self._environ_cache[key] or owners.get(pid)
+            self._environ_cache[key] = environ_slice_id(pid)
+        return self._environ_cache[key]
 
     def attribute(
         self, allocs: list[Allocation], procs: list[GpuProcess]
     ) -> tuple[dict[str, list[GpuProcess]], list[GpuProcess]]:
-        """GPU processes per slice, and the processes that belong to no slice."""
-        known = {a.slice_id for a in allocs}
-        owners = {int(a.owner.id): a.slice_id for a in allocs if a.owner.kind is OwnerKind.PID}
+        """GPU processes per slice, and the processes that belong to no slice (NVIDIA's
+        MPS server is neither). The rules: `enforcement.agent.attribution`."""
+        rule = Attributor(allocs, self.cgroups.paths(), self.cgroups.v2, self._claim)
         by_slice: dict[str, list[GpuProcess]] = {}
         unowned = []
         for proc in procs:
-            sid = self.slice_of_pid(proc.pid, owners)
-            if sid in known:
-                by_slice.setdefault(sid, []).append(proc)
-            else:
+            found = rule.of(proc)
+            if found.slice_id is not None:
+                by_slice.setdefault(found.slice_id, []).append(proc)
+            elif not is_mps_server(proc.pid):
                 unowned.append(proc)
         return by_slice, unowned
 
@@ -822,6 +885,7 @@ class Agent:
                 alloc.owner.kind.value,
                 alloc.owner.id,
             )
+        self.cgroups.sweep(a.slice_id for a in self.ledger.allocations(self.node))
         with self.counters._lock:
             self.counters.reconcile_released += len(released)
         self.last_reconcile_at = time.time()
@@ -841,17 +905,6 @@ def _owner_process(owner: Owner) -> tuple[str | None, str | None]:
     """The process an owner names (pid and start time), if any."""
     pid = owner.id if owner.kind is OwnerKind.PID else owner.meta.get("pid")
     return pid, owner.meta.get("start_time")
-
-
-def _environ_slice_id(pid: int) -> str | None:
-    try:
-        data = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    for entry in data.split(b"\0"):
-        if entry.startswith(b"QGPU_SLICE_ID="):
-            return entry[len(b"QGPU_SLICE_ID=") :].decode(errors="replace")
-    return None
 
 
 def _safe(call, default):

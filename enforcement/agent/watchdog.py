@@ -1,16 +1,24 @@
 """The watchdog: GPU processes over their slice's memory cap, and GPU processes of no slice.
 
 Each scan reads per-process GPU memory from NVML (or the simulated driver, through the same
-pynvml calls) and attributes every process to a slice (its ``QGPU_SLICE_ID`` environment
-variable, else the slice's pid owner). A share slice whose processes together hold more
-than its cap on its GPU has escaped the interposer (a bypass: static linking, a raw ioctl,
-an unpreloaded process). Each such process is reported once while it stays over, as one
-structured JSON log line, and counted in ``qgpu_watchdog_over_cap_total``;
+pynvml calls) and attributes every process to a slice by evidence the process cannot forge
+(the slice's cgroup, descent from its owner process, its pod's cgroup; its environment only
+where none of those exists: `enforcement.agent.attribution`). A share slice whose processes
+together hold more than its cap on its GPU has escaped the interposer (a bypass: static
+linking, a raw ioctl, an unpreloaded process). Each such process is reported once while it
+stays over, as one structured JSON log line, and counted in ``qgpu_watchdog_over_cap_total``;
 ``qgpu_watchdog_over_cap_processes`` is the number over the cap at the last scan.
 With ``kill`` enabled, the slice's largest processes are SIGKILLed, largest first, until
-the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Processes that belong to
-no slice are logged once each and exposed as ``qgpu_watchdog_unowned_processes``.
-Whole-GPU slices own their card: no cap.
+the rest fit the cap (counted in ``qgpu_watchdog_kills_total``). Whole-GPU slices own their
+card: no cap.
+
+Processes that belong to no slice are logged once each and exposed as
+``qgpu_watchdog_unowned_processes``. On a GPU that holds a slice the kill policy covers,
+every byte is promised to a slice, so such a process (``env -i`` and a static binary, a
+process that left its slice, a slice's process on another GPU) takes what a slice was
+promised: with ``unowned="kill"`` (the node's default) it is SIGKILLed once it has been
+seen for the grace (``qgpu_watchdog_unowned_kills_total``). Processes the agent cannot
+see in its own pid namespace are only reported; NVIDIA's MPS server is never unowned.
 
 Compute has the same backstop. The interposer's compute gate runs inside the tenant's own
 process and debits a kernel only once it has ended, so a process that launches through the
@@ -34,12 +42,12 @@ processes are killed until the rest fit. Under MPS the cap is a share of SMs, no
 not checked.
 
 The interposer decides for itself when a burst-share slice may burst and what a best-effort
-slice may take, from what the processes of the GPU publish in its region file; a neighbour
-whose work bypasses the hook, or sits in one long kernel, is missing there. So each scan
-also publishes the busy slices it saw to the GPU's busy file (`enforcement.busy_view`),
-which the interposer counts as active neighbours: a well-behaved slice falls back before
-the watchdog could judge it, and a tenant that hides its work cannot get its neighbour
-killed.
+slice may take, from the activity files the slices of the GPU write about themselves; a
+neighbour whose work bypasses the hook, sits in one long kernel, or that hides its file, is
+missing there. So each scan also writes the slices it saw busy to the GPU's busy list
+(``.gpu-<uuid>/busy``, `enforcement.busy_view`), which the interposer counts as active
+neighbours: a well-behaved slice falls back before the watchdog could judge it, and a
+tenant that hides its work cannot get its neighbour killed nor take its neighbour's share.
 """
 
 from __future__ import annotations
@@ -53,9 +61,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from enforcement.agent.config import WatchdogKill
-from enforcement.busy_view import BusySlice, BusyView, busy_file
+from enforcement.agent.config import WatchdogKill, WatchdogUnowned
+from enforcement.agent.reconcile import proc_start_time
+from enforcement.busy_view import BusySlice, BusyView
 from enforcement.discovery import GpuProcess, UtilSample
+from enforcement.state_tree import busy_file
 from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
 
@@ -168,12 +178,21 @@ class _CoreWatch:
     reported: set[int] = field(default_factory=set)  # pids logged in this episode
 
 
+@dataclass(frozen=True)
+class Unowned:
+    device_uuid: str
+    pid: int
+    used_bytes: int | None
+    action: str  # reported | killed | kill-failed
+
+
 @dataclass
 class WatchdogReport:
     at: float
     over_cap: list[OverCap] = field(default_factory=list)
     over_core: list[OverCore] = field(default_factory=list)
     unowned: list[GpuProcess] = field(default_factory=list)
+    unowned_actions: list[Unowned] = field(default_factory=list)
 
 
 class Watchdog:
@@ -185,6 +204,7 @@ class Watchdog:
         grace_s: float = 0.0,
         core_margin: int = 15,
         interval_s: float = 5.0,
+        unowned: WatchdogUnowned = "report",
         killer: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -192,14 +212,17 @@ class Watchdog:
         self.kill = kill
         self.grace_s = grace_s
         self.core_margin = core_margin
+        self.unowned = unowned
         self._core: dict[str, _CoreWatch] = {}  # slice -> its compute check
         self._busy_before: dict[str, set[str]] = {}  # GPU -> slices busy at the last scan
-        self._views: dict[str, BusyView] = {}  # GPU -> its busy file
+        self._views: dict[str, BusyView] = {}  # GPU -> its busy list
         # how long a published busy list holds if no scan replaces it (the agent stalled)
         self.publish_for_s = 3 * interval_s + 1.0
         self._killer = killer
         self._clock = clock
         self._seen_unowned: set[tuple[str, int]] = set()
+        # (device, pid, start time) -> when a scan first saw it belong to no slice
+        self._unowned_since: dict[tuple[str, int, int | None], float] = {}
         self._seen_over: set[tuple[str, int]] = set()
         self._over_since: dict[str, float] = {}  # slice -> when a scan first saw it over
         self.last: WatchdogReport | None = None
@@ -277,22 +300,7 @@ class Watchdog:
         self._seen_over = {(e.slice_id, e.pid) for e in report.over_cap if e.action == "reported"}
         self._check_compute(allocs, by_slice, report, now)
         self._over_since = {k: v for k, v in self._over_since.items() if k in over_now}
-        current = {(p.device_uuid, p.pid) for p in unowned}
-        for proc in unowned:
-            if (proc.device_uuid, proc.pid) not in self._seen_unowned:
-                log.warning(
-                    json.dumps(
-                        {
-                            "event": "qgpu.watchdog.unowned_process",
-                            "node": agent.node,
-                            "device_uuid": proc.device_uuid,
-                            "pid": proc.pid,
-                            "used_bytes": proc.used_memory_bytes,
-                        },
-                        sort_keys=True,
-                    )
-                )
-        self._seen_unowned = current
+        self._check_unowned(allocs, unowned, report, now)
         self.last = report
         return report
 
@@ -302,6 +310,57 @@ class Watchdog:
         own core, or a best-effort slice taking what busy guaranteed slices were promised.
         So `share` (the default) and `all` kill for all three policies; `off` reports."""
         return self.kill != "off"
+
+    def _check_unowned(
+        self,
+        allocs: list[Allocation],
+        unowned: list[GpuProcess],
+        report: WatchdogReport,
+        now: float,
+    ) -> None:
+        """Report each process of no slice once; where its GPU holds a slice the kill
+        policy covers and ``unowned`` is ``kill``, kill it once seen for the grace."""
+        agent = self.agent
+        guarded = {
+            a.gpu_uuids[0] for a in allocs if not a.is_whole_gpu and self.kills_for(a)
+        }
+        seen: dict[tuple[str, int, int | None], float] = {}
+        current: set[tuple[str, int]] = set()
+        for proc in unowned:
+            started = proc_start_time(proc.pid)
+            key = (proc.device_uuid, proc.pid, started)
+            since = seen[key] = self._unowned_since.get(key, now)
+            current.add((proc.device_uuid, proc.pid))
+            action = "reported"
+            if (
+                self.unowned == "kill"
+                and proc.device_uuid in guarded
+                and started is not None  # not in our pid namespace: the pid is not its own
+                and now - since >= self.grace_s
+            ):
+                action = self._kill(proc.pid, started)
+                if action == "killed":
+                    agent.counters.add("watchdog_unowned_kills", proc.device_uuid)
+            report.unowned_actions.append(
+                Unowned(proc.device_uuid, proc.pid, proc.used_memory_bytes, action)
+            )
+            if action == "reported" and (proc.device_uuid, proc.pid) in self._seen_unowned:
+                continue  # logged at an earlier scan and still there: no new event
+            log.warning(
+                json.dumps(
+                    {
+                        "event": "qgpu.watchdog.unowned_process",
+                        "node": agent.node,
+                        "device_uuid": proc.device_uuid,
+                        "pid": proc.pid,
+                        "used_bytes": proc.used_memory_bytes,
+                        "action": action,
+                    },
+                    sort_keys=True,
+                )
+            )
+        self._seen_unowned = current
+        self._unowned_since = seen
 
     def _check_compute(
         self,
@@ -448,17 +507,16 @@ class Watchdog:
                     if not path.exists():
                         continue  # not made by this agent (ensure_busy): nobody reads it
                     view = self._views[gpu.uuid] = BusyView(path)
-                listed = [
-                    BusySlice(a.slice_id, a.isolation, a.core, used)
-                    for a, used in busy.get(gpu.uuid, [])
-                ]
+                listed = [BusySlice(a.slice_id, used) for a, used in busy.get(gpu.uuid, [])]
                 view.write(listed, self.publish_for_s)
             except (OSError, ValueError) as exc:
                 log.warning("watchdog could not publish the busy slices of %s: %s", gpu.uuid, exc)
 
-    def _kill(self, pid: int) -> str:
+    def _kill(self, pid: int, started: int | None = None) -> str:
         if pid <= 1 or pid == os.getpid():
             return "kill-failed"
+        if started is not None and proc_start_time(pid) != started:
+            return "kill-failed"  # gone, or the pid now names another process
         try:
             self._killer(pid, signal.SIGKILL)
         except OSError as exc:
@@ -472,6 +530,7 @@ __all__ = [
     "Allowance",
     "OverCap",
     "OverCore",
+    "Unowned",
     "Watchdog",
     "WatchdogReport",
     "allowance",

@@ -15,7 +15,11 @@ needs:
   ``env -u LD_PRELOAD`` cannot escape the caps;
 - of the state tree only the container's own slice's ``ledger/`` directory (read-write,
   owned by the container's user: ``runAsUser``/``runAsGroup`` of the container, else of the
-  pod, else root) and its GPU's region file (read-write): nothing of another slice;
+  pod, else root), its GPU's directory ``.gpu-<uuid>/`` read-only (the roster: every
+  slice's policy and share; the other slices' activity files; with an agent, its busy list
+  of the slices its watchdog saw run) and, inside it, its own activity file read-write
+  (mounted after the directory): it can say what it does itself, nothing about another
+  slice;
 - device selection: ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` = GPU UUID(s) and
   the ``/dev/nvidia*`` device nodes that exist on the host.
 
@@ -25,7 +29,7 @@ With a node agent (``qgpu device-plugin --agent-socket``), the slice is recorded
 agent instead (`enforcement.agent` ``POST /v1/slices/record``, owner = the pod, uid/gid =
 the container's): the agent checks it against everything else on the node (Ray, Dask,
 other pods), makes the slice's files in its own state tree, and its reconcile and watchdog
-cover the pod. The same three pieces of that tree are then mounted at their host paths (so
+cover the pod. The same pieces of that tree are then mounted at their host paths (so
 the paths inside the limits file hold in the container too), and the limits file at
 ``/etc/qgpu/limits.conf`` as well.
 """
@@ -39,14 +43,22 @@ from pathlib import Path
 from typing import Any
 
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
-from enforcement.busy_view import busy_file
+from enforcement.gpu_roster import WRITER_PLUGIN, RosterFull
 from enforcement.limits import allocation_env, limits_for_allocation
-from enforcement.state_tree import Identity, StateTree, region_file
+from enforcement.state_tree import Identity, StateTree, activity_file, gpu_dir
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.protocol import ContainerAssignment, Kind
 from k8s_bridge.resources import PodModel
 from qgpu.errors import RuleViolation
-from qgpu.model import WHOLE_GPU_CORE, Allocation, GpuDevice, Owner, OwnerKind, SliceRequest
+from qgpu.model import (
+    WHOLE_GPU_CORE,
+    Allocation,
+    GpuDevice,
+    IsolationPolicy,
+    Owner,
+    OwnerKind,
+    SliceRequest,
+)
 
 CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits.conf")
 CONTAINER_PRELOAD = Path("/etc/ld.so.preload")
@@ -64,7 +76,7 @@ class AllocationPaths:
     dev_dir: Path = Path("/dev")
     workload_env: dict[str, str] = field(default_factory=dict)
     agent: AgentClient | None = None
-    workload_gid: int = 0  # group that may use the GPUs' region files
+    workload_gid: int = 0  # group of the GPUs' shared state (.gpu-<uuid>/)
 
     @property
     def slices_dir(self) -> Path:
@@ -72,8 +84,8 @@ class AllocationPaths:
         return self.state_dir / "k8s" / "slices"
 
     @property
-    def regions_dir(self) -> Path:
-        """The GPUs' region files, shared with the node agent's workloads."""
+    def gpus_dir(self) -> Path:
+        """The GPUs' shared state (.gpu-<uuid>/), shared with the node agent's workloads."""
         return self.state_dir / "slices"
 
     @property
@@ -83,9 +95,9 @@ class AllocationPaths:
     def tree(self) -> StateTree:
         return StateTree(self.slices_dir, privileged=os.geteuid() == 0)
 
-    def regions(self) -> StateTree:
+    def gpu_state(self) -> StateTree:
         return StateTree(
-            self.regions_dir, privileged=os.geteuid() == 0, workload_gid=self.workload_gid
+            self.gpus_dir, privileged=os.geteuid() == 0, workload_gid=self.workload_gid
         )
 
 
@@ -187,10 +199,12 @@ def container_response(
         tree.prepare()
         files = tree.create(sid, who)
         tree.write_limits(sid, values, who)
-        regions = paths.regions()
-        regions.prepare()
-        region = regions.ensure_region(ca.gpus[0])
+        shared = paths.gpu_state()
+        shared.prepare()
+        _join_gpu(shared, ca.gpus[0], sid, who, ca.isolation, ca.core)
         preload = _preload_file(paths)
+    except RosterFull as exc:
+        raise AllocationError(f"cannot list the slice on its GPU: {exc}") from exc
     except OSError as exc:
         raise AllocationError(f"cannot write the slice's files on the host: {exc}") from exc
     mounts = [
@@ -203,22 +217,57 @@ def container_response(
         *_state_mounts(
             CONTAINER_STATE_DIR / sid / files.ledger_dir.name,
             files.ledger_dir,
-            region_file(CONTAINER_STATE_DIR, ca.gpus[0]),
-            region,
+            (CONTAINER_STATE_DIR, shared.root),
+            ca.gpus[0],
+            sid,
         ),
     ]
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=_device_specs(paths, gpus))
 
 
 def _state_mounts(
-    ledger_in: Path, ledger_host: Path, region_in: Path, region_host: Path
+    ledger_in: Path, ledger_host: Path, roots: tuple[Path, Path], uuid: str, slice_id: str
 ) -> list[pb.Mount]:
-    """The container's own slice ledger directory and its GPU's region file, read-write:
-    of the node's state tree, nothing else."""
+    """Of the node's state tree: the container's own slice ledger directory (read-write),
+    its GPU's directory read-only (the roster, the other slices' activity, the agent's busy
+    list) and its own activity file in it read-write, listed after the directory it lies in
+    (runtimes mount in order). `roots`: the slices root inside the container and on the
+    host."""
+    inside, host = roots
     return [
         pb.Mount(container_path=str(ledger_in), host_path=str(ledger_host), read_only=False),
-        pb.Mount(container_path=str(region_in), host_path=str(region_host), read_only=False),
+        pb.Mount(
+            container_path=str(gpu_dir(inside, uuid)),
+            host_path=str(gpu_dir(host, uuid)),
+            read_only=True,
+        ),
+        pb.Mount(
+            container_path=str(activity_file(inside, uuid, slice_id)),
+            host_path=str(activity_file(host, uuid, slice_id)),
+            read_only=False,
+        ),
     ]
+
+
+IDLE_EVICTION_S = 600.0  # a full roster gives up plugin entries idle for this long
+
+
+def _join_gpu(
+    shared: StateTree,
+    uuid: str,
+    slice_id: str,
+    who: Identity,
+    isolation: IsolationPolicy,
+    core: int,
+) -> Path:
+    """List the slice on its GPU. Without an agent nobody tells the plugin that a pod is
+    gone, so when the GPU's roster is full the plugin's entries idle for IDLE_EVICTION_S
+    (long-gone pods, in practice: a GPU holds at most 16 live slices) make room."""
+    try:
+        return shared.join_gpu(uuid, slice_id, who, isolation, core, WRITER_PLUGIN)
+    except RosterFull:
+        shared.evict_idle(uuid, WRITER_PLUGIN, IDLE_EVICTION_S)
+        return shared.join_gpu(uuid, slice_id, who, isolation, core, WRITER_PLUGIN)
 
 
 def _preload_file(paths: AllocationPaths) -> Path:
@@ -289,15 +338,13 @@ def _recorded_by_agent(
         raise AllocationError(f"cannot write {paths.preload_file}: {exc}") from exc
     state = StateTree(Path(env["QGPU_STATE_DIR"]), privileged=False)
     files = state.files(alloc.slice_id)
-    region = region_file(state.root, ca.gpus[0])
-    busy = busy_file(state.root, ca.gpus[0])
     limits = res.limits_file
     mounts = [
         pb.Mount(container_path=str(CONTAINER_LIMITS_FILE), host_path=limits, read_only=True),
         pb.Mount(container_path=limits, host_path=limits, read_only=True),
         *_preload_mounts(paths, preload),
-        *_state_mounts(files.ledger_dir, files.ledger_dir, region, region),
+        *_state_mounts(
+            files.ledger_dir, files.ledger_dir, (state.root, state.root), ca.gpus[0], alloc.slice_id
+        ),
     ]
-    if busy.is_file():  # the agent's list of busy slices on the GPU, only it writes it
-        mounts.append(pb.Mount(container_path=str(busy), host_path=str(busy), read_only=True))
     return pb.ContainerAllocateResponse(envs=env, mounts=mounts, devices=devices)

@@ -162,8 +162,23 @@ def rows_and_dirs(state_dir: Path, node: str = "node-a") -> tuple[set[str], set[
         rows = {a.slice_id for a in ledger.allocations(node)}
     finally:
         ledger.close()
-    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
-    return rows, dirs
+    return rows, slice_dirs(state_dir)
+
+
+def slice_dirs(state_dir: Path) -> set[str]:
+    """The slices that have a directory under ``slices/`` (not the GPUs' ``.gpu-<uuid>/``),
+    checking on the way that the GPUs' rosters list exactly those slices (no orphan entry
+    or activity file is left where no orphan directory is)."""
+    from enforcement.gpu_roster import read_roster
+    from enforcement.state_tree import StateTree
+
+    root = state_dir / "slices"
+    dirs = set(StateTree(root, privileged=False).slice_ids())
+    gpus = [d for d in root.iterdir() if d.name.startswith(".gpu-")]
+    listed = {e.slice_id for d in gpus for e in read_roster(d / "roster")}
+    activity = {f.name.removesuffix(".activity") for d in gpus for f in d.glob("*.activity")}
+    assert listed == activity == dirs, (listed, activity, dirs)
+    return dirs
 
 
 def stop_agent(proc: subprocess.Popen) -> None:

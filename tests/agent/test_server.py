@@ -22,7 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable, AsyncAgentClient
 from enforcement.limits import read_limits_file
 from qgpu.ledger import Ledger
-from tests.agent.conftest import REPO, agent_command, free_port, start_agent, stop_agent
+from tests.agent.conftest import (
+    REPO,
+    agent_command,
+    free_port,
+    slice_dirs,
+    start_agent,
+    stop_agent,
+)
 
 pytestmark = pytest.mark.slow
 GIB = 1 << 30
@@ -291,7 +298,7 @@ def test_crash_during_a_burst_keeps_every_acknowledged_reservation(state_dir: Pa
             for d in client.devices().devices:
                 assert d.core_committed <= 100 and d.slices <= d.max_slices
                 assert d.memory_committed_gib <= d.memory_mib // 1024
-        files = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
+        files = slice_dirs(state_dir)
         assert files == held
         ledger = Ledger(state_dir / "ledger.sqlite")
         ledger.state().check_invariants()

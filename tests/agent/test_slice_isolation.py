@@ -87,7 +87,9 @@ def test_every_slice_has_its_own_directory_owned_as_documented(
         d / "limits.conf": (0, VICTIM, 0o440),
         d / "ledger": (VICTIM, VICTIM, 0o700),
         d / "ledger" / f"slice-{res.slice_id}.ledger": (VICTIM, VICTIM, 0o600),
-        root / f"gpu-{h100(0).uuid}.region": (0, 0, 0o660),
+        root / f".gpu-{h100(0).uuid}": (0, 0, 0o750),
+        root / f".gpu-{h100(0).uuid}" / "roster": (0, 0, 0o640),
+        root / f".gpu-{h100(0).uuid}" / f"{res.slice_id}.activity": (VICTIM, 0, 0o640),
     }
     for path, (uid, gid, mode) in expected.items():
         st = path.lstat()
@@ -104,6 +106,7 @@ def test_another_user_cannot_open_a_foreign_slice(root_agent: Agent, state_dir: 
     root = state_dir / "slices"
     v = root / victim.slice_id
     ledger = v / "ledger" / f"slice-{victim.slice_id}.ledger"
+    gpu = root / f".gpu-{victim.device_uuid}"
     own = root / mine.slice_id / "ledger" / f"slice-{mine.slice_id}.ledger"
 
     def probe() -> dict[str, str]:
@@ -116,6 +119,11 @@ def test_another_user_cannot_open_a_foreign_slice(root_agent: Agent, state_dir: 
             "replace victim ledger dir": attempt(lambda: os.rename(v / "ledger", v / "old")),
             "list the slices": attempt(lambda: os.listdir(root)),
             "squat a new slice": attempt(lambda: (root / "s-squat").mkdir()),
+            # the GPU's shared state is the workload group's (--workload-gid, 0 here)
+            "read the GPU roster": attempt(lambda: (gpu / "roster").read_bytes()),
+            "write victim activity": attempt(
+                lambda: os.close(os.open(gpu / f"{victim.slice_id}.activity", os.O_RDWR))
+            ),
             "open own ledger": attempt(lambda: os.close(os.open(own, os.O_RDWR))),
             "read own limits": attempt(
                 lambda: Path(root / mine.slice_id / "limits.conf").read_bytes()
@@ -132,6 +140,8 @@ def test_another_user_cannot_open_a_foreign_slice(root_agent: Agent, state_dir: 
         "replace victim ledger dir": "EACCES",
         "list the slices": "EACCES",
         "squat a new slice": "EACCES",
+        "read the GPU roster": "EACCES",
+        "write victim activity": "EACCES",
         "open own ledger": "ok",
         "read own limits": "ok",
     }

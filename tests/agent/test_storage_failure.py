@@ -21,7 +21,7 @@ import pytest
 from enforcement.agent.client import AgentClient, AgentError
 from enforcement.agent.service import Agent
 from enforcement.limits import read_limits_file
-from tests.agent.conftest import REPO, agent_command, start_agent, stop_agent
+from tests.agent.conftest import REPO, agent_command, slice_dirs, start_agent, stop_agent
 from tests.agent.conftest import rows_and_dirs as _state
 
 pytestmark = pytest.mark.slow
@@ -155,7 +155,7 @@ def test_slice_files_failing_after_the_commit_leave_no_partial_slice(
     assert r.status_code == 503, r.text
     assert r.json()["field"] == "state_dir" and "full" in r.json()["rule"]
     rows = {a.slice_id for a in agent.ledger.allocations("node-a")}
-    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
+    dirs = slice_dirs(state_dir)
     assert rows == dirs == {kept.json()["slice_id"]}
 
 

@@ -20,12 +20,12 @@ from fastapi.testclient import TestClient
 
 from enforcement.agent.app import create_app
 from enforcement.agent.service import Agent
-from tests.agent.conftest import FakeBackend, make_agent
+from tests.agent.conftest import FakeBackend, make_agent, slice_dirs
 
 
 def _rows_and_dirs(agent: Agent, state_dir: Path) -> tuple[set[str], set[str]]:
     rows = {a.slice_id for a in agent.ledger.allocations("node-a")}
-    dirs = {p.name for p in (state_dir / "slices").iterdir() if p.is_dir()}
+    dirs = slice_dirs(state_dir)
     return rows, dirs
 
 

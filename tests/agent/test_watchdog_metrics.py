@@ -19,9 +19,10 @@ from enforcement.agent.app import create_app
 from enforcement.agent.models import ReserveRequest
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
-from enforcement.busy_view import BusySlice, BusyView, busy_file
+from enforcement.busy_view import BusySlice, BusyView
 from enforcement.discovery import GpuProcess, UtilSample
-from qgpu.model import IsolationPolicy, Owner, OwnerKind, SliceRequest
+from enforcement.state_tree import busy_file
+from qgpu.model import Owner, OwnerKind, SliceRequest
 from tests.agent.conftest import FakeBackend
 
 GIB = 1 << 30
@@ -401,11 +402,7 @@ def test_the_watchdog_publishes_the_busy_slices_for_the_interposer(
     try:
         listed, until = views[uuid].read()
         assert sorted(listed, key=lambda b: b.slice_id) == sorted(
-            [
-                BusySlice(burst, IsolationPolicy.BURST_SHARE, 20, 40),
-                BusySlice(fixed, IsolationPolicy.FIXED_SHARE, 30, 25),
-            ],
-            key=lambda b: b.slice_id,
+            [BusySlice(burst, 40), BusySlice(fixed, 25)], key=lambda b: b.slice_id
         )
         assert 0 < until - time.monotonic_ns() <= int(7e9)  # 3 intervals + 1 s
         other = next(u for u in views if u != uuid)

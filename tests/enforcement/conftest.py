@@ -208,11 +208,14 @@ def start_burn(
     depth: int = 8,
     api: str = "kernel",
     resolve: str = "dlsym",
+    wrap: list[str] | None = None,
 ) -> subprocess.Popen[str]:
     """A saturating workload (worker.py burn): prints 'ready' once its context exists and
-    runs until finish() closes its stdin."""
+    runs until finish() closes its stdin. `wrap`: a command that ends by exec'ing the rest
+    (the process keeps its pid)."""
     proc = subprocess.Popen(
         [
+            *(wrap or []),
             sys.executable,
             str(WORKER),
             "--resolve",

@@ -113,6 +113,7 @@ def test_default_objects_are_named_as_tke_names_them(default: Rendered) -> None:
         {"unknownKey": 1},
         {"assignmentSigning": {"existingSecret": "Not_A_Name"}},
         {"assignmentSigning": {"enabled": "yes"}},
+        {"manager": {"agent": {"watchdogUnowned": "ignore"}}},
     ],
 )
 def test_values_schema_refuses_bad_values(values: dict[str, Any]) -> None:
@@ -155,6 +156,7 @@ def test_manager_commands_parse_with_the_real_cli(default: Rendered) -> None:
     assert str(cfg.state_dir) == "/var/lib/qgpu"
     assert str(cfg.socket) == "/var/lib/qgpu/agent.sock"
     assert cfg.node_name == "<NODE_NAME>"  # $(NODE_NAME) from the downward API
+    assert (cfg.watchdog_kill, cfg.watchdog_unowned) == ("share", "kill")  # the agent's own
     plugin = _parse_qgpu(command(cs["device-plugin"]))
     assert plugin.command == "device-plugin"
     assert plugin.prefix == PREFIX
@@ -167,6 +169,14 @@ def test_manager_commands_parse_with_the_real_cli(default: Rendered) -> None:
         assert "NODE_NAME" in names
         node_env = next(e for e in c["env"] if e["name"] == "NODE_NAME")
         assert node_env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_processes_of_no_slice_can_be_left_to_report(default: Rendered) -> None:
+    from enforcement.agent.cli import config_from_args
+
+    values = {"manager": {"agent": {"watchdogUnowned": "report"}}}
+    agent = containers(render(values).manager)["agent"]
+    assert config_from_args(_parse_qgpu(command(agent))).watchdog_unowned == "report"
 
 
 def _mounts(workload: Obj, container: Obj) -> dict[str, tuple[str, str | None]]:

@@ -4,10 +4,10 @@
 and ``qgpu webhook`` run as separate processes against the fake apiserver and the fake
 kubelet, once with the plugin writing the limits itself and once recording the slice with
 a running ``qgpu agent``; a pod goes webhook -> filter -> prioritize -> bind -> Allocate;
-then a workload runs with exactly what kubelet would give the container: the Allocate env, and the
-mounts reproduced in a private mount namespace (the slice ledger directory at its
-container path). The compiled interposer (named by the mounted ``ld.so.preload`` file,
-loaded here with LD_PRELOAD) reads the mounted limits file and caps the simulated GPU.
+then a workload runs with exactly what kubelet would give the container: the Allocate env,
+and the mounts reproduced in a private mount namespace (`tests.k8s.container`). The
+compiled interposer (named by the mounted ``ld.so.preload`` file, loaded here with
+LD_PRELOAD) reads the mounted limits file and caps the simulated GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from enforcement.sim import CONTEXT_MEMORY
 from tests.fakes.apiserver import FakeApiserver, node_object
 from tests.fakes.kubelet import FakeKubelet
 from tests.helpers import stop_processes
+from tests.k8s.container import Container
 from tests.k8s.helpers import NAMES, MiniScheduler, free_port, pod_object, submit_through_webhook
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,80 +135,6 @@ def stack(apiserver: FakeApiserver, request: pytest.FixtureRequest) -> Iterator[
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Workload:
-    """tests/enforcement/worker.py in a private mount namespace laid out like the container."""
-
-    def __init__(self, envs: dict[str, str], mounts: dict[str, str]) -> None:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("QGPU_") and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
-        }
-        env.update(envs)
-        env["PYTHONPATH"] = str(ROOT)
-        # Stand-ins for what the runtime does with the mounts: the hook named by the mounted
-        # /etc/ld.so.preload, the limits file at a path we can reach without a new /etc.
-        env["LD_PRELOAD"] = mounts["/usr/local/qgpu/lib/libqgpu_hook.so"]
-        env["QGPU_LIMITS_FILE"] = mounts[envs["QGPU_LIMITS_FILE"]]
-        # Of the node's state tree the container gets what the plugin mounted under its
-        # QGPU_STATE_DIR (its own slice's ledger directory, its GPU's region file, with an
-        # agent its limits file and its GPU's busy file): the same binds here, over an empty
-        # tmpfs, nothing else.
-        # The host paths may lie under the hidden directory, so they go through a stage.
-        state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
-        binds = [(h, c) for c, h in mounts.items() if c.startswith(state)]
-        assert binds, mounts
-        self.stage = Path(tempfile.mkdtemp(prefix="qs", dir="/tmp"))
-        script = ""
-        args: list[str] = [sys.executable, str(WORKER)]
-        for i, (host, _) in enumerate(binds):
-            staged = self.stage / str(i)
-            staged.mkdir() if Path(host).is_dir() else staged.touch()
-            args += [host, str(staged)]
-            script += f'mount --bind "${{{len(args) - 1}}}" "${{{len(args)}}}" && '
-        if state.startswith("/run/"):
-            script += "mount -t tmpfs none /run && "
-        args.append(state)
-        script += f'mkdir -p "${{{len(args)}}}" && mount -t tmpfs none "${{{len(args)}}}" && '
-        for i, (host, inside) in enumerate(binds):
-            staged = str(self.stage / str(i))
-            args += [staged, inside]
-            s, c = f'"${{{len(args) - 1}}}"', f'"${{{len(args)}}}"'
-            make = (
-                f"mkdir -p {c}"
-                if Path(host).is_dir()
-                else f'mkdir -p "$(dirname {c})" && touch {c}'
-            )
-            script += f"{make} && mount --bind {s} {c} && "
-        script += 'exec "$1" "$2" serve'
-        self.proc = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *args],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def ask(self, line: str) -> list[str]:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            self.proc.kill()
-            raise AssertionError(f"workload died on {line!r}: {self.proc.stderr.read()}")
-        return reply.split()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.ask("quit")
-            assert self.proc.stdin
-            self.proc.stdin.close()
-            self.proc.wait(30)
-        shutil.rmtree(self.stage, ignore_errors=True)
-
-
 def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, stack) -> None:
     with httpx.Client(base_url=stack["hook"], timeout=10) as webhook:
         pod = submit_through_webhook(webhook, apiserver, pod_object("job", [(30, 4)]))
@@ -232,7 +159,7 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
         assert held.owner.kind.value == "pod" and held.core == 30 and held.memory_gib == 4
         assert held.limits_file == envs["QGPU_LIMITS_FILE"]
 
-    w = Workload(envs, mounts)
+    w = Container(envs, res.mounts)
     try:
         assert w.ask("init") == ["ok", "0"]
         assert w.ask("ctx") == ["ok"]
@@ -245,10 +172,10 @@ def test_commands_place_and_the_interposer_enforces(apiserver: FakeApiserver, st
     finally:
         w.close()
     # the slice's shared ledger lives in the host directory that was mounted, and that
-    # (with the GPU's region file, and with an agent its limits file and the GPU's busy
-    # file, read-only) is all of the state tree the container was given
+    # (with its GPU's directory, read-only, and its own activity file in it) is all of the
+    # state tree the container was given
     state = envs["QGPU_STATE_DIR"].rstrip("/") + "/"
     under = sorted(c for c in mounts if c.startswith(state))
-    assert len(under) == (4 if stack["agent"] is not None else 2), under
-    (ledger,) = [mounts[c] for c in under if Path(mounts[c]).is_dir()]
+    assert len(under) == (4 if stack["agent"] is not None else 3), under
+    (ledger,) = [mounts[c] for c in under if c.endswith("/ledger")]
     assert any(Path(ledger).iterdir())

@@ -178,7 +178,13 @@ def test_limits_file_is_read_only_and_matches(node: Node) -> None:
     assert mounts["/usr/local/qgpu/lib/libqgpu_hook.so"].host_path == str(node.hook)
     sid = res.envs["QGPU_SLICE_ID"]
     assert not mounts[f"/run/qgpu/slices/{sid}/ledger"].read_only
-    assert not mounts[f"/run/qgpu/slices/gpu-{U('n0', 0)}.region"].read_only
+    # of its GPU's shared state: the directory read-only, its own activity file writable,
+    # mounted after the directory it lies in
+    gpu = f"/run/qgpu/slices/.gpu-{U('n0', 0)}"
+    assert mounts[gpu].read_only and not mounts[f"{gpu}/{sid}.activity"].read_only
+    order = [m.container_path for m in res.mounts]
+    assert order.index(gpu) < order.index(f"{gpu}/{sid}.activity")
+    assert not any(p.endswith(".region") for p in mounts)
 
 
 def test_share_without_interposer_is_refused(apiserver: FakeApiserver) -> None:

@@ -36,8 +36,9 @@ typedef void (*qgpu_init_cb)(void *base, void *arg);
 QGPU_HIDDEN void *qgpu_map_state(const char *path, size_t size, uint64_t magic,
                                  size_t mutex_offset, qgpu_init_cb init_cb, void *arg);
 /* The same, but a file this call creates gets exactly `mode` (umask-proof), and an existing
- * file's mode is never changed: the slice ledger (0600) and the GPU region (0600 when the
- * hook creates it; the node agent pre-creates it group-shared) are never world-writable. */
+ * file's mode is never changed: the slice ledger and a slice's activity file (0600 when the
+ * hook creates them; the node agent pre-creates them for the slice's user) are never
+ * world-writable. */
 QGPU_HIDDEN void *qgpu_map_state_mode(const char *path, size_t size, uint64_t magic,
                                       size_t mutex_offset, qgpu_init_cb init_cb, void *arg,
                                       mode_t mode);
@@ -80,6 +81,10 @@ QGPU_HIDDEN int qgpu_table_put(qgpu_table_t *t, uint64_t key, uint64_t size, int
 /* Removes key; returns 0 and fills size/tag when found, -1 otherwise. */
 QGPU_HIDDEN int qgpu_table_take(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
 QGPU_HIDDEN int qgpu_table_get(qgpu_table_t *t, uint64_t key, uint64_t *size, int64_t *tag);
+/* The entry whose [key, key + size) holds addr (a linear scan: address look-ups that are
+ * not a hot path); 0 and fills key/size when found, -1 otherwise. */
+QGPU_HIDDEN int qgpu_table_find_range(qgpu_table_t *t, uint64_t addr, uint64_t *key,
+                                      uint64_t *size);
 /* Removes up to `max` entries for which pred() holds, copying them to out; returns how many. */
 QGPU_HIDDEN size_t qgpu_table_take_if(qgpu_table_t *t,
                                       int (*pred)(uint64_t key, uint64_t size, int64_t tag),

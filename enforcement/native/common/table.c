@@ -121,3 +121,17 @@ size_t qgpu_table_take_if(qgpu_table_t *t, int (*pred)(uint64_t key, uint64_t si
     pthread_mutex_unlock(&t->lock);
     return n;
 }
+
+int qgpu_table_find_range(qgpu_table_t *t, uint64_t addr, uint64_t *key, uint64_t *size) {
+    int found = -1;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->cap && found; i++) {
+        qgpu_entry_t *e = &t->slots[i];
+        if (e->key <= DELETED || addr < e->key || addr - e->key >= e->size) continue;
+        if (key) *key = e->key;
+        if (size) *size = e->size;
+        found = 0;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return found;
+}

@@ -38,6 +38,7 @@ static void context_gone(CUcontext ctx) {
     uint64_t bytes;
     if (qgpu_table_take(&ctx_charge, (uintptr_t)ctx, &bytes, NULL) == 0) ledger_release(bytes);
     mem_forget_ctx(ctx);
+    ipc_forget_ctx(ctx);
 }
 
 #define CTX_CREATE(name, params, args)                                                       \

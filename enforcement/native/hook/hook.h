@@ -1,10 +1,12 @@
 /* libqgpu_hook.so: internal declarations.
  *
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
- * through the hook. Then the limits are read (config.c), the slice ledger and per-GPU
- * region are mapped (ledger.c), and the wrappers apply them: plain allocations (mem.c),
- * VMM handles (vmm.c), pools, stream-ordered and graph memory (pool.c), contexts (ctx.c),
- * launches (launch.c), NVML views (nvml.c). dlsym.c makes the wrappers reachable through
+ * through the hook. Then the limits are read (config.c), the slice ledger is mapped
+ * (ledger.c), the GPU's shared state is opened (roster.c, busy.c, region.c), and the wrappers
+ * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
+ * legacy IPC mappings (ipc.c), pools, stream-ordered and graph memory (pool.c), what
+ * executable graphs allocate (graph.c), contexts (ctx.c), launches (launch.c), NVML views
+ * (nvml.c). dlsym.c makes the wrappers reachable through
  * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
@@ -26,6 +28,8 @@
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2)            \
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
@@ -36,7 +40,8 @@
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                           \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
-    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim)                                            \
+    X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
+    X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -56,10 +61,13 @@
 #define HOOK_INTERNAL(X)                                                                     \
     X(cuDriverGetVersion) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)                  \
     X(cuEventElapsedTime) X(cuEventDestroy_v2) X(cuCtxGetCurrent) X(cuCtxGetDevice)          \
-    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuStreamGetCaptureInfo_v2)                    \
-    X(cuStreamGetCaptureInfo_v3) X(cuDeviceGetCount)                                         \
+    X(cuCtxGetLimit) X(cuStreamIsCapturing) X(cuDeviceGetCount)                              \
+    X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                 \
+    X(cuGraphChildGraphNodeGetGraph)                                                         \
     X(cuDeviceGet) X(cuDeviceGetUuid) X(cuDeviceGetAttribute)                                \
     X(cuMemPoolGetAttribute) X(cuDeviceGetGraphMemAttribute) X(cuCtxFromGreenCtx)             \
+    X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
+    X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2)
 
@@ -136,7 +144,30 @@ QGPU_HIDDEN void ledger_add_throttled(int64_t held_ns);
 /* 1 if `pid` holds a live slot of this slice (NVML views show only the slice's processes) */
 QGPU_HIDDEN int ledger_has_pid(int pid);
 
-/* region.c: the processes of one GPU */
+/* roster.c: the slices placed on one GPU (written by the agent / device plugin / own hooks) */
+#define ROSTER_MAX 128
+enum { ROSTER_WRITER_AGENT = 1, ROSTER_WRITER_PLUGIN = 2, ROSTER_WRITER_HOOK = 3 };
+typedef struct {
+    char slice_id[72];
+    int32_t policy; /* POLICY_* */
+    int32_t core;
+    uint32_t writer; /* ROSTER_WRITER_* */
+    uint32_t reserved[3];
+} roster_entry_t;
+typedef struct roster roster_t;
+struct stat;
+/* A state file or directory the hook may believe: root's or this user's, and nobody else
+ * may write it. */
+QGPU_HIDDEN int state_trusted(const struct stat *st);
+/* Maps <dir>/roster read-only (NULL when missing or not trusted); in a roster this user
+ * owns (no agent), this slice is listed first. */
+QGPU_HIDDEN roster_t *roster_open(const char *dir, const hook_limits_t *lim);
+QGPU_HIDDEN uint64_t roster_seq(const roster_t *r);
+/* A consistent copy of the listed slices (out: ROSTER_MAX entries); -1 while a writer is
+ * at work. */
+QGPU_HIDDEN int roster_read(const roster_t *r, roster_entry_t *out, uint64_t *seq_out);
+
+/* region.c: the slices of one GPU, what each is doing */
 typedef struct {
     int other_slices;       /* other slices of any policy active on the GPU */
     int guaranteed_slices;  /* other fixed-/burst-share slices active on the GPU */
@@ -149,15 +180,26 @@ QGPU_HIDDEN void region_publish_launch(void); /* every launch: one coarse clock 
 QGPU_HIDDEN void region_publish_pending(int gated, int64_t until_ns);
 QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on the device */
 QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
+/* 0 and *alive (a process named in the slice's activity file lives), -1 when unreadable */
+QGPU_HIDDEN int activity_any_alive(const char *path, int *alive);
 
-/* busy.c: the slices the node agent saw busy on this GPU (NVML), counted as active */
+/* busy.c: the slices the node agent's watchdog saw run on this GPU (NVML), <dir>/busy */
+#define BUSY_MAX 64
+typedef struct busy busy_t;
 typedef struct {
-    char slice_id[72];
-    int policy;
-    int core;
-} busy_slice_t;
-QGPU_HIDDEN void busy_open(const char *state_dir, const char *uuid);
-QGPU_HIDDEN int busy_read(busy_slice_t *out, int max, int64_t now_ns);
+    uint64_t seq;           /* the file's seq when copied */
+    int64_t valid_until_ns; /* CLOCK_MONOTONIC; the list says nothing after it */
+    int count;
+    char slice_id[BUSY_MAX][72];
+} busy_list_t;
+/* Maps <dir>/busy read-only (NULL when missing or not trusted, as the roster). */
+QGPU_HIDDEN busy_t *busy_open(const char *dir);
+QGPU_HIDDEN uint64_t busy_seq(const busy_t *b);
+/* A consistent copy of the list into `out` (0), or -1 while the agent is writing it (`out`
+ * is then scratch). */
+QGPU_HIDDEN int busy_read(const busy_t *b, busy_list_t *out);
+/* 1 if the list names `slice_id` (whether it is still valid: valid_until_ns). */
+QGPU_HIDDEN int busy_lists(const busy_list_t *l, const char *slice_id);
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);
@@ -165,11 +207,18 @@ QGPU_HIDDEN CUcontext mem_current_ctx(void);
 QGPU_HIDDEN void mem_forget_ctx(CUcontext ctx); /* the driver freed what the context held */
 QGPU_HIDDEN void mem_untrack_if_tracked(uint64_t key);
 
+/* ipc.c: legacy IPC mappings the driver closed with their context */
+QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
+
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
-/* around a graph upload or launch: -1 = its allocations do not fit (refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* after a graph upload or launch that was charged `need` first: the device's graph memory
+ * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
+
+/* graph.c: before a graph upload or launch, its allocations charged in full (-1: they do
+ * not fit, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
 
 /* launch.c */
 typedef struct {

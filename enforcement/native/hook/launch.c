@@ -15,10 +15,11 @@
  * Time-sliced devices. Real GPUs run the work of different processes in turns (time
  * slices), so a pair of events around a kernel that another process's slices interrupt
  * spans those slices too. The debit is what the process itself had of the interval
- * (own_time: the slices of the n other processes with work queued taken out, n averaged
- * over the pair's life, which a sampler thread reads from the GPU region every millisecond
- * while the process has timed work queued; every gated process publishes until when it
- * expects work queued, region.c). QGPU_TIMESLICE_US is the slice length (2000 by default);
+ * (own_time: the slices of the n others with work queued taken out, n averaged over the
+ * pair's life: each other process of its slice, and each other slice of the GPU once, which
+ * a sampler thread reads from the slices' activity files every millisecond while the
+ * process has timed work queued; every gated process publishes in its slice's activity
+ * file until when it expects work queued, region.c). QGPU_TIMESLICE_US is the slice length (2000 by default);
  * QGPU_DEVICE_SHARING=serial (one queue for all processes, the simulator's fifo model) turns
  * the correction off. The estimate assumes every other process with work queued uses its
  * whole slice; one that ends its turn early (its queue drained) makes the pair span less of

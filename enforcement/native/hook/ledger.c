@@ -4,7 +4,7 @@
  * per process slot (slots of dead processes are reclaimed: pid + start time, so kill -9 and pid reuse
  * are handled) and the compute token bucket (device-ns of credit, refilled at the share).
  *
- * (The per-GPU region the slices of one GPU share is region.c.)
+ * (What the slices of one GPU share is roster.c and region.c.)
  *
  * The slice ledger's layout is read by enforcement/agent/slice_stats.py (memory per live
  * pid, busy_ns, oom_refusals, throttled_ns): keep the offsets below stable, or change both.

@@ -6,11 +6,11 @@
  *    for a pool is its reserved memory (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT): an allocation
  *    is charged in full before the call (refused over the cap), then the pool's charge is set
  *    to what the driver says it holds; frees give nothing back until the pool does.
- *  - graph memory (allocation nodes, and cuMemAllocAsync while a stream is captured): the
- *    nodes' sizes are summed per graph and per executable graph; an upload or launch charges
- *    that sum first (refused over the cap), then the device's graph memory charge is set to
- *    what the driver reserves for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
- *    cuDeviceGraphMemTrim gives back what the driver gives back.
+ *  - graph memory (allocation nodes; cuMemAllocAsync while a stream is captured is one): an
+ *    upload or launch charges what the executable graph allocates (graph.c) first, refused
+ *    over the cap, then the device's graph memory charge is set to what the driver reserves
+ *    for graphs (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT); cuDeviceGraphMemTrim gives back
+ *    what the driver gives back.
  * The charges are settled again at every synchronisation, cuMemGetInfo, trim and destroy. */
 #include <stdlib.h>
 
@@ -29,8 +29,6 @@ static size_t npools, cap_pools;
 static uint64_t graph_charged[MAX_DEVICES];
 static int outstanding; /* some pool or graph memory is charged: settle at syncs */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static qgpu_table_t graph_bytes = QGPU_TABLE_INIT; /* CUgraph -> bytes of its alloc nodes */
-static qgpu_table_t exec_bytes = QGPU_TABLE_INIT;  /* CUgraphExec -> bytes */
 
 /* CU_STREAM_PER_THREAD: what a NULL stream means to the _ptsz entry points */
 #define PTSZ_STREAM(s) ((s) ? (s) : (CUstream)(uintptr_t)0x2)
@@ -109,25 +107,6 @@ static int capturing(CUstream s) {
            status != 0;
 }
 
-/* While a stream is captured, an allocation is a node of the graph being built: it takes
- * memory when the graph is uploaded or launched, so it is added to that graph's sum. -1 when
- * the driver cannot say which graph is being captured. */
-static int count_captured(CUstream s, uint64_t size) {
-    CUgraph g = NULL;
-    int status = 0;
-    cuuint64_t id = 0;
-    CUresult r = CUDA_ERROR_NOT_FOUND;
-    if (HAVE_REAL(cuStreamGetCaptureInfo_v3))
-        r = REAL(cuStreamGetCaptureInfo_v3)(s, &status, &id, &g, NULL, NULL, NULL);
-    else if (HAVE_REAL(cuStreamGetCaptureInfo_v2))
-        r = REAL(cuStreamGetCaptureInfo_v2)(s, &status, &id, &g, NULL, NULL);
-    if (r != CUDA_SUCCESS || !g) return -1;
-    uint64_t have = 0;
-    qgpu_table_get(&graph_bytes, (uintptr_t)g, &have, NULL);
-    qgpu_table_put(&graph_bytes, (uintptr_t)g, have > UINT64_MAX - size ? UINT64_MAX : have + size, 0);
-    return 0;
-}
-
 typedef CUresult (*alloc_call_t)(void *real, CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
                                  CUstream s);
 
@@ -144,16 +123,9 @@ static CUresult call_from_pool(void *real, CUdeviceptr *dptr, size_t size, CUmem
 
 static CUresult alloc_stream_ordered(void *real, alloc_call_t call, CUdeviceptr *dptr,
                                      size_t size, CUmemoryPool pool, CUstream s, CUstream eff) {
-    if (capturing(eff)) {
-        /* Charged now, for good, if the graph cannot be known: the driver gives no way to
-         * see when a graph's memory is freed without it. */
-        int known = count_captured(eff, 0) == 0;
-        if (!known && size && ledger_reserve(size) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-        CUresult r = call(real, dptr, size, pool, s);
-        if (r == CUDA_SUCCESS && known) count_captured(eff, size);
-        if (r != CUDA_SUCCESS && !known) ledger_release(size);
-        return r;
-    }
+    /* While a stream is captured, an allocation is an allocation node of the graph being
+     * built: it takes memory when that graph runs, and is charged then (graph.c). */
+    if (capturing(eff)) return call(real, dptr, size, pool, s);
     if (!pool) {
         int dev = current_device();
         if (dev < 0 || !HAVE_REAL(cuDeviceGetMemPool) ||
@@ -308,67 +280,8 @@ QGPU_EXPORT CUresult cuCtxSynchronize(void) {
 
 /* ---- graph memory ---- */
 
-static void note_alloc_node(CUgraph g, uint64_t add) {
-    uint64_t have = 0;
-    qgpu_table_get(&graph_bytes, (uintptr_t)g, &have, NULL);
-    qgpu_table_put(&graph_bytes, (uintptr_t)g, have > UINT64_MAX - add ? UINT64_MAX : have + add, 0);
-}
-
-QGPU_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                            size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
-    HOOK_ENTER(cuGraphAddMemAllocNode, node, g, deps, ndeps, p);
-    if (p && hook_foreign_location(&p->poolProps.location)) return CUDA_ERROR_INVALID_DEVICE;
-    CUresult r = REAL(cuGraphAddMemAllocNode)(node, g, deps, ndeps, p);
-    if (r == CUDA_SUCCESS && p) note_alloc_node(g, p->bytesize);
-    return r;
-}
-
-/* CUDA 12.2+'s generic node: an allocation node added this way is the same as one added by
- * cuGraphAddMemAllocNode (counted for the graph, fenced to the slice's GPU). */
-static int generic_alloc_refused(const CUgraphNodeParams *p) {
-    return p && p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC &&
-           hook_foreign_location(&p->alloc.poolProps.location);
-}
-
-static void note_generic(CUresult r, CUgraph g, const CUgraphNodeParams *p) {
-    if (r == CUDA_SUCCESS && p && p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC)
-        note_alloc_node(g, p->alloc.bytesize);
-}
-
-QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                    size_t ndeps, CUgraphNodeParams *p) {
-    HOOK_ENTER(cuGraphAddNode, node, g, deps, ndeps, p);
-    if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
-    CUresult r = REAL(cuGraphAddNode)(node, g, deps, ndeps, p);
-    note_generic(r, g, p);
-    return r;
-}
-
-QGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                       const CUgraphEdgeData *edges, size_t ndeps,
-                                       CUgraphNodeParams *p) {
-    HOOK_ENTER(cuGraphAddNode_v2, node, g, deps, edges, ndeps, p);
-    if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
-    CUresult r = REAL(cuGraphAddNode_v2)(node, g, deps, edges, ndeps, p);
-    note_generic(r, g, p);
-    return r;
-}
-
-static void note_exec(CUresult r, CUgraphExec *exec, CUgraph g) {
-    if (r != CUDA_SUCCESS || !exec) return;
-    uint64_t bytes = 0;
-    qgpu_table_get(&graph_bytes, (uintptr_t)g, &bytes, NULL);
-    if (bytes) qgpu_table_put(&exec_bytes, (uintptr_t)*exec, bytes, 0);
-}
-
-/* Before an upload or launch: the executable graph's allocations, charged in full. */
-int graph_mem_before(CUgraphExec e, uint64_t *need) {
-    *need = 0;
-    qgpu_table_get(&exec_bytes, (uintptr_t)e, need, NULL);
-    return *need && ledger_reserve(*need) != 0 ? -1 : 0;
-}
-
-/* After it: the device's graph memory charge is what the driver reserves for graphs. */
+/* After an upload or launch charged `need`: the device's graph memory charge is what the
+ * driver reserves for graphs. */
 void graph_mem_after(CUresult r, uint64_t need) {
     if (r != CUDA_SUCCESS) {
         ledger_release(need);
@@ -384,76 +297,6 @@ void graph_mem_after(CUresult r, uint64_t need) {
     }
     pthread_mutex_unlock(&pool_lock);
 }
-
-QGPU_EXPORT CUresult cuGraphInstantiate(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log,
-                                        size_t n) {
-    HOOK_ENTER(cuGraphInstantiate, e, g, err, log, n);
-    CUresult r = REAL(cuGraphInstantiate)(e, g, err, log, n);
-    note_exec(r, e, g);
-    return r;
-}
-
-QGPU_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *e, CUgraph g, CUgraphNode *err, char *log,
-                                           size_t n) {
-    HOOK_ENTER(cuGraphInstantiate_v2, e, g, err, log, n);
-    CUresult r = REAL(cuGraphInstantiate_v2)(e, g, err, log, n);
-    note_exec(r, e, g);
-    return r;
-}
-
-QGPU_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *e, CUgraph g, unsigned long long f) {
-    HOOK_ENTER(cuGraphInstantiateWithFlags, e, g, f);
-    CUresult r = REAL(cuGraphInstantiateWithFlags)(e, g, f);
-    note_exec(r, e, g);
-    return r;
-}
-
-/* CUDA_GRAPH_INSTANTIATE_PARAMS: flags (u64) first; CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD = 2
- * uploads the graph, and so allocates its memory, inside the call. */
-#define INSTANTIATE_FLAG_UPLOAD 2ULL
-
-static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CUgraphExec *e,
-                            CUgraph g, void *params) {
-    unsigned long long flags = params ? *(unsigned long long *)params : 0;
-    uint64_t need = 0;
-    if (flags & INSTANTIATE_FLAG_UPLOAD) {
-        qgpu_table_get(&graph_bytes, (uintptr_t)g, &need, NULL);
-        if (need && ledger_reserve(need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    CUresult r = real(e, g, params);
-    note_exec(r, e, g);
-    if (flags & INSTANTIATE_FLAG_UPLOAD) graph_mem_after(r, need);
-    return r;
-}
-
-QGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params) {
-    HOOK_ENTER(cuGraphInstantiateWithParams, e, g, params);
-    return with_params(REAL(cuGraphInstantiateWithParams), e, g, params);
-}
-
-QGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, void *params) {
-    HOOK_ENTER(cuGraphInstantiateWithParams_ptsz, e, g, params);
-    return with_params(REAL(cuGraphInstantiateWithParams_ptsz), e, g, params);
-}
-
-QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
-    HOOK_ENTER(cuGraphExecDestroy, e);
-    CUresult r = REAL(cuGraphExecDestroy)(e);
-    if (r == CUDA_SUCCESS) qgpu_table_take(&exec_bytes, (uintptr_t)e, NULL, NULL);
-    return r;
-}
-
-#define UPLOAD(name)                                                                         \
-    QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
-        HOOK_ENTER(name, e, s);                                                              \
-        uint64_t need;                                                                       \
-        if (graph_mem_before(e, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                \
-        CUresult r = REAL(name)(e, s);                                                       \
-        graph_mem_after(r, need);                                                            \
-        return r;                                                                            \
-    }
-UPLOAD(cuGraphUpload)
-UPLOAD(cuGraphUpload_ptsz)
 
 QGPU_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
     HOOK_ENTER(cuDeviceGraphMemTrim, dev);

@@ -5,7 +5,16 @@
  * NVIDIA's own samples) keeps the charge until the last unmap. A handle mapped into a sparse
  * array (cuMemMapArrayAsync) keeps its charge until the process exits: the unmap there does
  * not name the handle. Host-located allocations are not device memory and are not charged;
- * one placed on a device other than the slice's GPU is refused. */
+ * one placed on a device other than the slice's GPU is refused.
+ *
+ * Sharing with other processes. A descriptor from cuMemExportToShareableHandle keeps the
+ * memory alive by itself ("once all shareable handles are closed and the allocation is
+ * released", cuda.h), in any process it is passed to, including one that never calls CUDA,
+ * and after the exporter exits: no charge can follow it, so a slice may not export
+ * (CUDA_ERROR_NOT_PERMITTED). A handle imported from a descriptor made outside the slice is
+ * charged to the importer like one it created (its size found by probing cuMemMap, which
+ * refuses a mapping larger than the allocation), and given back the same way. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,6 +59,15 @@ static void drop_if_freed(vhandle_t *h) {
     *h = handles[--nhandles];
 }
 
+/* track a handle the slice is charged `size` for, holding one reference */
+static void track_handle(CUmemGenericAllocationHandle handle, uint64_t size) {
+    pthread_mutex_lock(&vmm_lock);
+    /* without room to track it the charge is simply never given back */
+    if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) == 0)
+        handles[nhandles++] = (vhandle_t){handle, size, 1, 0, 0};
+    pthread_mutex_unlock(&vmm_lock);
+}
+
 QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                  const CUmemAllocationProp *prop, unsigned long long flags) {
     HOOK_ENTER(cuMemCreate, handle, size, prop, flags);
@@ -62,11 +80,7 @@ QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
         ledger_release(size);
         return r;
     }
-    pthread_mutex_lock(&vmm_lock);
-    /* without room to track it the charge is simply never given back */
-    if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) == 0)
-        handles[nhandles++] = (vhandle_t){*handle, size, 1, 0, 0};
-    pthread_mutex_unlock(&vmm_lock);
+    track_handle(*handle, size);
     return r;
 }
 
@@ -172,4 +186,83 @@ QGPU_EXPORT CUresult cuMemMapArrayAsync_ptsz(void *list, unsigned int count, CUs
     CUresult r = REAL(cuMemMapArrayAsync_ptsz)(list, count, s);
     if (r == CUDA_SUCCESS) pin_mapped(list, count);
     return r;
+}
+
+/* ---- sharing with other processes ---- */
+
+QGPU_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle handle,
+                                                  int type, unsigned long long flags) {
+    HOOK_ENTER(cuMemExportToShareableHandle, out, handle, type, flags);
+    static int told;
+    if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+        fprintf(stderr, "qgpu: cuMemExportToShareableHandle refused in slice %s "
+                "(CUDA_ERROR_NOT_PERMITTED): an exported descriptor keeps the memory alive in "
+                "any process it reaches, beyond what the slice's cap can follow. NCCL: set "
+                "NCCL_CUMEM_ENABLE=0 (legacy CUDA IPC is supported)\n", g_lim.slice_id);
+    return CUDA_ERROR_NOT_PERMITTED;
+}
+
+/* The size of an imported allocation: cuda.h has no size query for a generic handle, but
+ * cuMemMap refuses (CUDA_ERROR_INVALID_VALUE) a mapping larger than the allocation. A binary
+ * search over granules in a scratch reservation, up to one granule past `limit` (mapping
+ * that much means "larger than the limit"). 0 and *size, or -1 when the driver answered
+ * anything else (the import is then refused rather than guessed). */
+static int imported_size(CUmemGenericAllocationHandle h, const CUmemAllocationProp *prop,
+                         uint64_t limit, uint64_t *size) {
+    size_t gran = 0;
+    if (!HAVE_REAL(cuMemGetAllocationGranularity) || !HAVE_REAL(cuMemAddressReserve) ||
+        !HAVE_REAL(cuMemAddressFree) || !HAVE_REAL(cuMemMap) || !HAVE_REAL(cuMemUnmap))
+        return -1;
+    if (REAL(cuMemGetAllocationGranularity)(&gran, prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ||
+        !gran)
+        return -1;
+    uint64_t top = limit / gran + 1, span; /* granules */
+    if (hook_mul(top, gran, &span) != 0) return -1;
+    CUdeviceptr va;
+    if (REAL(cuMemAddressReserve)(&va, span, 0, 0, 0) != CUDA_SUCCESS) return -1;
+    uint64_t fits = 0, too_big = top + 1; /* largest known to map, smallest known not to */
+    int failed = 0;
+    while (fits + 1 < too_big && !failed) {
+        uint64_t mid = fits + (too_big - fits) / 2;
+        CUresult r = REAL(cuMemMap)(va, mid * gran, 0, h, 0);
+        if (r == CUDA_SUCCESS) {
+            failed = REAL(cuMemUnmap)(va, mid * gran) != CUDA_SUCCESS;
+            fits = mid;
+        } else if (r == CUDA_ERROR_INVALID_VALUE) {
+            too_big = mid;
+        } else {
+            failed = 1;
+        }
+    }
+    REAL(cuMemAddressFree)(va, span);
+    if (failed || !fits) return -1;
+    *size = fits * gran; /* fits == top: more than the limit, which is all that matters */
+    return 0;
+}
+
+QGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                                    void *os_handle, int type) {
+    HOOK_ENTER(cuMemImportFromShareableHandle, handle, os_handle, type);
+    CUresult r = REAL(cuMemImportFromShareableHandle)(handle, os_handle, type);
+    if (r != CUDA_SUCCESS || !handle) return r;
+    CUmemAllocationProp prop;
+    uint64_t size = 0;
+    if (!HAVE_REAL(cuMemGetAllocationPropertiesFromHandle) || !HAVE_REAL(cuMemRelease) ||
+        REAL(cuMemGetAllocationPropertiesFromHandle)(&prop, *handle) != CUDA_SUCCESS) {
+        r = CUDA_ERROR_NOT_SUPPORTED;
+    } else if (hook_foreign_location(&prop.location)) {
+        r = CUDA_ERROR_INVALID_DEVICE; /* memory on another tenant's GPU */
+    } else if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        return CUDA_SUCCESS; /* host memory is not capped */
+    } else if (imported_size(*handle, &prop, g_lim.mem_limit, &size) != 0) {
+        r = CUDA_ERROR_NOT_SUPPORTED;
+    } else if (ledger_reserve(size) != 0) {
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (r != CUDA_SUCCESS) {
+        if (HAVE_REAL(cuMemRelease)) REAL(cuMemRelease)(*handle); /* nothing is kept */
+        return r;
+    }
+    track_handle(*handle, size);
+    return CUDA_SUCCESS;
 }

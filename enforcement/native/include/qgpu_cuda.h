@@ -44,6 +44,7 @@ typedef unsigned int CUdeviceptr_v1;
 #define CUDA_ERROR_NOT_SUPPORTED 801
 #define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 #define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
+#define CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE 910
 #define CUDA_ERROR_ILLEGAL_STATE 401
 #define CUDA_ERROR_UNKNOWN 999
 
@@ -115,6 +116,22 @@ typedef struct {
     int type; /* CUmemLocationType */
     int id;
 } CUmemLocation;
+
+/* CUmemAllocationHandleType: what cuMemCreate may be asked to export to */
+#define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
+#define CU_MEM_HANDLE_TYPE_WIN32 0x2
+#define CU_MEM_HANDLE_TYPE_WIN32_KMT 0x4
+#define CU_MEM_HANDLE_TYPE_FABRIC 0x8
+#define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+
+/* legacy IPC (cuIpcGetMemHandle): an opaque 64-byte handle passed by value */
+#define CU_IPC_HANDLE_SIZE 64
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+typedef struct CUipcMemHandle_st {
+    char reserved[CU_IPC_HANDLE_SIZE];
+} CUipcMemHandle;
 
 typedef struct {
     int type;                 /* CUmemAllocationType */
@@ -236,8 +253,34 @@ typedef struct {
 /* cuGraphAddNode(_v2)'s generic node parameters (CUDA 12.2+): the node types below read
  * their member of the union; the union is 29 long longs wide. */
 #define CU_GRAPH_NODE_TYPE_KERNEL 0
+#define CU_GRAPH_NODE_TYPE_GRAPH 4
+#define CU_GRAPH_NODE_TYPE_EMPTY 5
 #define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
 #define CU_GRAPH_NODE_TYPE_MEM_FREE 11
+#define CU_GRAPH_NODE_TYPE_CONDITIONAL 13
+
+/* CUgraphChildGraphNodeOwnership (CUDA 12.9+) */
+#define CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE 0
+#define CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE 1
+
+typedef struct {
+    CUgraph graph;
+    int ownership; /* CUgraphChildGraphNodeOwnership */
+} CUDA_CHILD_GRAPH_NODE_PARAMS;
+
+typedef cuuint64_t CUgraphConditionalHandle;
+#define CU_GRAPH_COND_TYPE_IF 0
+#define CU_GRAPH_COND_TYPE_WHILE 1
+#define CU_GRAPH_COND_TYPE_SWITCH 2
+#define CU_GRAPH_COND_ASSIGN_DEFAULT 1
+
+typedef struct {
+    CUgraphConditionalHandle handle;
+    int type; /* CUgraphConditionalNodeType */
+    unsigned int size;
+    CUgraph *phGraph_out; /* out: the node's body graphs, owned by the driver */
+    CUcontext ctx;
+} CUDA_CONDITIONAL_NODE_PARAMS;
 
 typedef struct {
     int type; /* CUgraphNodeType */
@@ -245,11 +288,32 @@ typedef struct {
     union {
         long long reserved1[29];
         CUDA_KERNEL_NODE_PARAMS_v2 kernel; /* the v3 layout is the same */
+        CUDA_CHILD_GRAPH_NODE_PARAMS graph;
         CUDA_MEM_ALLOC_NODE_PARAMS alloc;   /* the v2 layout is the same */
         CUdeviceptr free_dptr;              /* CUDA_MEM_FREE_NODE_PARAMS */
+        CUDA_CONDITIONAL_NODE_PARAMS conditional;
     };
     long long reserved2;
 } CUgraphNodeParams;
+
+/* cuGraphExecUpdate (v1: result and error node as out parameters; _v2: this struct) */
+#define CU_GRAPH_EXEC_UPDATE_SUCCESS 0
+#define CU_GRAPH_EXEC_UPDATE_ERROR 1
+#define CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED 2
+#define CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED 3
+#define CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED 5
+#define CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED 6
+typedef struct {
+    int result; /* CUgraphExecUpdateResult */
+    CUgraphNode errorNode;
+    CUgraphNode errorFromNode;
+} CUgraphExecUpdateResultInfo;
+
+/* CUgraphInstantiate_flags */
+#define CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH 1ULL
+#define CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD 2ULL
+#define CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH 4ULL
+#define CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY 8ULL
 
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;
 

@@ -45,6 +45,23 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
 CUresult cuMemMapArrayAsync(void *mapInfoList, unsigned int count, CUstream hStream);
 CUresult cuMemMapArrayAsync_ptsz(void *mapInfoList, unsigned int count, CUstream hStream);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size);
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop,
+                                       int option);
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                CUmemGenericAllocationHandle handle);
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr);
+
+/* sharing memory with other processes: VMM shareable handles, legacy IPC */
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                      int handleType, unsigned long long flags);
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                        int shHandleType);
+CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags);
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags);
+CUresult cuIpcCloseMemHandle(CUdeviceptr dptr);
 
 /* stream-ordered allocator and pools */
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
@@ -88,11 +105,16 @@ CUresult cuGraphUpload(CUgraphExec exec, CUstream hStream);
 CUresult cuGraphUpload_ptsz(CUgraphExec exec, CUstream hStream);
 CUresult cuDeviceGraphMemTrim(CUdevice dev);
 CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value);
-CUresult cuStreamGetCaptureInfo(CUstream hStream, int *status, cuuint64_t *id);
-CUresult cuStreamGetCaptureInfo_v2(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
-                                   const CUgraphNode **deps, size_t *ndeps);
-CUresult cuStreamGetCaptureInfo_v3(CUstream hStream, int *status, cuuint64_t *id, CUgraph *graph,
-                                   const CUgraphNode **deps, const void **edges, size_t *ndeps);
+/* updating an executable graph */
+CUresult cuGraphExecUpdate(CUgraphExec exec, CUgraph graph, CUgraphNode *errNode, int *result);
+CUresult cuGraphExecUpdate_v2(CUgraphExec exec, CUgraph graph, CUgraphExecUpdateResultInfo *info);
+CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec exec, CUgraphNode node, CUgraph child);
+CUresult cuGraphExecNodeSetParams(CUgraphExec exec, CUgraphNode node, CUgraphNodeParams *params);
+/* walking a graph (type: CUgraphNodeType) */
+CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *numNodes);
+CUresult cuGraphNodeGetType(CUgraphNode node, int *type);
+CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS *params);
+CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode node, CUgraph *graph);
 
 /* contexts */
 CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev);

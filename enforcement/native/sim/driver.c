@@ -84,12 +84,7 @@ static void release_own_slots(void) {
         if (!st) continue;
         sim_state_lock(st);
         sim_proc_t *p = sim_state_proc_slot(st, 0);
-        if (p && p->pid == pid) {
-            st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
-            for (int k = 0; k < SIM_MAX_PROCS; k++)
-                if (&st->procs[k] == p && st->ts_cur == k) st->ts_cur = -1;
-            memset(p, 0, sizeof *p);
-        }
+        if (p && p->pid == pid) sim_state_drop_slot(st, (int)(p - st->procs));
         sim_state_unlock(st);
     }
 }
@@ -243,6 +238,7 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
     case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    case 103: /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: cuMemExportToShareableHandle */
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *value = 1; break;
     case 106: *value = blocks_per_sm(c); break; /* MAX_BLOCKS_PER_MULTIPROCESSOR */
     default:
@@ -299,6 +295,9 @@ static const struct {
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
     {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
      "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE, "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE",
+     "the graph update was not performed because it included changes which violated "
+     "constraints specific to instantiated graph update"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 

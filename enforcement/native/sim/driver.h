@@ -15,6 +15,7 @@
 #define POOL_MAGIC 0x504f4f4cu
 #define GREEN_MAGIC 0x4752454eu
 #define DESC_MAGIC 0x44455343u
+#define NODE_MAGIC 0x474e4f44u
 
 /* A point in a process's queue: an event, or a stream-ordered free. fifo: its time is known
  * when recorded; timesliced: it completes when the process's queue reaches it while the
@@ -68,25 +69,46 @@ struct CUfunc_st {
     unsigned char params[256];
 };
 
-#define SIM_GRAPH_ALLOCS 64
+/* Graphs (graph.c). A graph is a list of nodes in insertion order; a child graph node owns
+ * its embedded graph, a conditional node its body graphs. An executable graph runs its own
+ * copy of the graph it was instantiated from (updates change the copy, never the graph). */
+struct CUgraphNode_st {
+    uint32_t magic;
+    int type;                       /* CU_GRAPH_NODE_TYPE_* */
+    struct CUgraph_st *owner;       /* the graph it is in */
+    int64_t ns;                     /* kernel: its duration */
+    CUDA_MEM_ALLOC_NODE_PARAMS alloc; /* allocation: as added (no access descriptors kept) */
+    int gidx;                       /* allocation: the device its memory is on */
+    CUdeviceptr dptr;               /* free: the address it frees */
+    struct CUgraph_st *child;       /* child graph node: the graph it owns */
+    struct CUgraph_st **bodies;     /* conditional: its body graphs */
+    unsigned nbodies;
+    int cond_type;
+    struct CUgraphNode_st *origin;  /* in an executable graph's copy: the node it stands for */
+};
+
 struct CUgraph_st {
     uint32_t magic;
-    int nodes;
-    int64_t total_ns;
-    int nallocs;
-    uint64_t alloc_size[SIM_GRAPH_ALLOCS]; /* memory alloc nodes */
-    uint64_t alloc_ptr[SIM_GRAPH_ALLOCS];
-    int gidx;     /* the device its kernels run on (its context's) */
-    int mem_gidx; /* the device its allocation nodes' location names (-1: none yet) */
+    struct CUgraphNode_st **node;
+    int nnodes, cap;
+    int gidx;                       /* the device its kernels run on (its context's) */
+    struct CUgraphNode_st *parent;  /* the child graph / conditional node owning it, or NULL */
+    int moved;                      /* moved into its parent (CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE) */
+    int capturing;                  /* streams capturing into it */
+    int execs;                      /* live executable graphs instantiated from it */
+    int destroyed;                  /* cuGraphDestroy'ed; kept while executable graphs name it */
 };
 
 struct CUgraphExec_st {
     uint32_t magic;
-    int nodes;
+    struct CUgraph_st *src;  /* the graph it was instantiated from */
+    struct CUgraph_st *snap; /* its own copy of that graph: what it runs */
+    unsigned long long flags;
+    /* what the copy needs, refreshed after every update */
     int64_t total_ns;
-    uint64_t alloc_bytes; /* what its memory nodes need from the graph pool */
-    int gidx;
-    int mem_gidx; /* where that memory is (-1: the kernels' device) */
+    int kernels;
+    uint64_t alloc_bytes; /* what its allocation nodes take from the graph pool */
+    int mem_gidx;         /* where (-1: no allocation nodes) */
 };
 
 struct CUmemPoolHandle_st {
@@ -130,8 +152,15 @@ QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
 QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
-QGPU_HIDDEN CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr);
 QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
+
+/* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
+QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
+
+/* ipc.c: legacy IPC */
+QGPU_HIDDEN int sim_ipc_freed(uint64_t ptr); /* 1: exported, its shared entry let go of it */
+QGPU_HIDDEN void sim_ipc_forget_ctx(struct CUctx_st *ctx); /* closes what ctx opened */
+QGPU_HIDDEN int sim_ipc_range(uint64_t addr, uint64_t *base, uint64_t *size);
 
 /* exec.c */
 QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);
@@ -142,5 +171,17 @@ QGPU_HIDDEN void sim_marker_record(struct CUctx_st *ctx, struct CUstream_st *s, 
 QGPU_HIDDEN int sim_marker_poll(sim_marker_t *m); /* 1 once completed (m->ts set) */
 QGPU_HIDDEN void sim_marker_wait(sim_marker_t *m);
 QGPU_HIDDEN void sim_wait_idle(struct CUctx_st *ctx, struct CUstream_st *s);
+/* the kernel-duration rule (see exec.c) */
+QGPU_HIDDEN int64_t sim_kernel_duration(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                        void **params, void **extra);
+
+/* graph.c: what stream capture records */
+QGPU_HIDDEN struct CUgraph_st *sim_graph_new(int gidx);
+QGPU_HIDDEN CUresult sim_graph_capture_begin(struct CUgraph_st *g); /* capture into a graph */
+QGPU_HIDDEN void sim_graph_capture_end(struct CUgraph_st *g);
+QGPU_HIDDEN CUresult sim_graph_capture_kernel(struct CUgraph_st *g, int64_t ns);
+QGPU_HIDDEN CUresult sim_graph_capture_alloc(struct CUgraph_st *g, int gidx, uint64_t size,
+                                             CUdeviceptr *dptr);
+QGPU_HIDDEN CUresult sim_graph_capture_free(struct CUgraph_st *g, CUdeviceptr dptr);
 
 #endif

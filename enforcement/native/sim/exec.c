@@ -200,8 +200,8 @@ void sim_wait_idle(struct CUctx_st *ctx, struct CUstream_st *s) {
 
 /* The kernel-duration rule: a function named "qgpu_sim_busy" runs for as many nanoseconds as
  * its first parameter (a uint64); any other kernel runs 1 us per block of its grid. */
-static int64_t kernel_duration(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
-                               void **params, void **extra) {
+int64_t sim_kernel_duration(CUfunction f, unsigned gx, unsigned gy, unsigned gz, void **params,
+                            void **extra) {
     if (f->busy_kernel) {
         uint64_t ns = 0;
         if (params && params[0]) {
@@ -226,12 +226,8 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     struct CUctx_st *c = sim_stream_ctx(hs);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(hs);
-    int64_t dur = kernel_duration(f, gx, gy, gz, params, extra);
-    if (s && s->capture) { /* recorded into the graph being captured */
-        s->capture->total_ns += dur;
-        s->capture->nodes++;
-        return CUDA_SUCCESS;
-    }
+    int64_t dur = sim_kernel_duration(f, gx, gy, gz, params, extra);
+    if (s && s->capture) return sim_graph_capture_kernel(s->capture, dur); /* a kernel node */
     sim_submit(c, s, dur, 1);
     return CUDA_SUCCESS;
 }
@@ -451,29 +447,59 @@ SIM_EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream hs, int *status) {
     return is_capturing(PTSZ(hs), status);
 }
 
-/* Stream capture (only on a created stream; the legacy stream cannot capture). */
-static CUresult begin_capture(CUstream hs, int mode) {
-    (void)mode;
+/* Stream capture (only on a created stream; the legacy stream cannot capture): into a new
+ * graph, or (cuStreamBeginCaptureToGraph, CUDA 12.3) into an existing one, which cannot be
+ * instantiated until the capture ends. */
+static CUresult begin_capture(CUstream hs, struct CUgraph_st *into) {
     CUresult r = sim_check_init();
     if (r) return r;
     struct CUstream_st *s = sim_real_stream(hs);
     if (!s) return hs ? CUDA_ERROR_INVALID_HANDLE : CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     if (s->capture) return CUDA_ERROR_ILLEGAL_STATE;
-    struct CUgraph_st *g = calloc(1, sizeof *g);
-    if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
-    g->magic = GRAPH_MAGIC;
-    g->gidx = s->ctx->gidx;
-    g->mem_gidx = -1; /* captured allocations come from the stream's device */
+    struct CUgraph_st *g = into;
+    if (g) {
+        r = sim_graph_capture_begin(g);
+        if (r) return r;
+    } else {
+        g = sim_graph_new(s->ctx->gidx);
+        if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
+        g->capturing = 1;
+    }
     s->capture = g;
     return CUDA_SUCCESS;
 }
 
-SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hs, int mode) { return begin_capture(hs, mode); }
-SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hs, int mode) {
-    return begin_capture(hs, mode);
+SIM_EXPORT CUresult cuStreamBeginCapture_v2(CUstream hs, int mode) {
+    (void)mode;
+    return begin_capture(hs, NULL);
 }
-SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hs) { return begin_capture(hs, 0); }
-SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hs) { return begin_capture(hs, 0); }
+SIM_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream hs, int mode) {
+    (void)mode;
+    return begin_capture(hs, NULL);
+}
+SIM_EXPORT CUresult cuStreamBeginCapture(CUstream hs) { return begin_capture(hs, NULL); }
+SIM_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream hs) { return begin_capture(hs, NULL); }
+
+static CUresult capture_to_graph(CUstream hs, CUgraph g, const CUgraphNode *deps, size_t ndeps) {
+    if (!g || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
+    return begin_capture(hs, g);
+}
+
+SIM_EXPORT CUresult cuStreamBeginCaptureToGraph(CUstream hs, CUgraph g, const CUgraphNode *deps,
+                                                const CUgraphEdgeData *edges, size_t ndeps,
+                                                int mode) {
+    (void)edges;
+    (void)mode;
+    return capture_to_graph(hs, g, deps, ndeps);
+}
+SIM_EXPORT CUresult cuStreamBeginCaptureToGraph_ptsz(CUstream hs, CUgraph g,
+                                                     const CUgraphNode *deps,
+                                                     const CUgraphEdgeData *edges, size_t ndeps,
+                                                     int mode) {
+    (void)edges;
+    (void)mode;
+    return capture_to_graph(PTSZ(hs), g, deps, ndeps);
+}
 
 static CUresult end_capture(CUstream hs, CUgraph *pg) {
     CUresult r = sim_check_init();
@@ -482,6 +508,7 @@ static CUresult end_capture(CUstream hs, CUgraph *pg) {
     if (!pg) return CUDA_ERROR_INVALID_VALUE;
     if (!s || !s->capture) return CUDA_ERROR_ILLEGAL_STATE;
     *pg = s->capture;
+    sim_graph_capture_end(s->capture);
     s->capture = NULL;
     return CUDA_SUCCESS;
 }
@@ -607,226 +634,3 @@ SIM_EXPORT CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b) {
 SIM_EXPORT CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) {
     return cuEventElapsedTime(ms, a, b);
 }
-
-/* ---- graphs: kernel nodes and memory allocation nodes ---- */
-
-SIM_EXPORT CUresult cuGraphCreate(CUgraph *pg, unsigned int flags) {
-    if (!pg || flags) return CUDA_ERROR_INVALID_VALUE;
-    struct CUgraph_st *g = calloc(1, sizeof *g);
-    if (!g) return CUDA_ERROR_OUT_OF_MEMORY;
-    g->magic = GRAPH_MAGIC;
-    struct CUctx_st *c = sim_current_ctx();
-    g->gidx = c ? c->gidx : -1;
-    g->mem_gidx = -1;
-    *pg = g;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphDestroy(CUgraph g) {
-    if (!g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    g->magic = 0;
-    free(g);
-    return CUDA_SUCCESS;
-}
-
-static CUresult add_node(CUgraphNode *node, CUgraph g, CUfunction f, unsigned gx, unsigned gy,
-                         unsigned gz, void **params, void **extra) {
-    if (!node || !g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    /* node parameters are captured when added: the duration is fixed now */
-    g->total_ns += kernel_duration(f, gx, gy, gz, params, extra);
-    g->nodes++;
-    *node = (CUgraphNode)(uintptr_t)(g->nodes);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                            size_t ndeps, const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
-    (void)deps;
-    (void)ndeps;
-    if (!p) return CUDA_ERROR_INVALID_VALUE;
-    return add_node(node, g, p->func, p->gridDimX, p->gridDimY, p->gridDimZ, p->kernelParams,
-                    p->extra);
-}
-
-SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                         size_t ndeps, const CUDA_KERNEL_NODE_PARAMS *p) {
-    (void)deps;
-    (void)ndeps;
-    if (!p) return CUDA_ERROR_INVALID_VALUE;
-    return add_node(node, g, p->func, p->gridDimX, p->gridDimY, p->gridDimZ, p->kernelParams,
-                    p->extra);
-}
-
-SIM_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                           size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
-    (void)deps;
-    (void)ndeps;
-    if (!node || !g || g->magic != GRAPH_MAGIC || !p) return CUDA_ERROR_INVALID_VALUE;
-    if (p->poolProps.location.type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_INVALID_VALUE;
-    int gidx;
-    CUresult r = sim_device_gidx(p->poolProps.location.id, &gidx);
-    if (r) return r;
-    if (g->gidx < 0) g->gidx = gidx;
-    /* the allocation resides on its location's device, as on NVIDIA's driver; allocation
-     * nodes on two devices in one graph are not simulated */
-    if (g->mem_gidx >= 0 && g->mem_gidx != gidx) return CUDA_ERROR_NOT_SUPPORTED;
-    g->mem_gidx = gidx;
-    CUdeviceptr dptr;
-    r = sim_graph_alloc_node(g, p->bytesize, &dptr);
-    if (r) return r;
-    p->dptr = dptr;
-    *node = (CUgraphNode)(uintptr_t)(g->nodes);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                          size_t ndeps, CUdeviceptr dptr) {
-    (void)deps;
-    (void)ndeps;
-    (void)dptr;
-    if (!node || !g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    g->nodes++;
-    *node = (CUgraphNode)(uintptr_t)(g->nodes);
-    return CUDA_SUCCESS;
-}
-
-/* CUDA 12.2+'s generic node: the same nodes as the typed calls above; other node types are
- * not simulated. */
-static CUresult add_generic_node(CUgraphNode *node, CUgraph g, CUgraphNodeParams *p) {
-    if (!p) return CUDA_ERROR_INVALID_VALUE;
-    switch (p->type) {
-    case CU_GRAPH_NODE_TYPE_KERNEL:
-        return add_node(node, g, p->kernel.func, p->kernel.gridDimX, p->kernel.gridDimY,
-                        p->kernel.gridDimZ, p->kernel.kernelParams, p->kernel.extra);
-    case CU_GRAPH_NODE_TYPE_MEM_ALLOC:
-        return cuGraphAddMemAllocNode(node, g, NULL, 0, &p->alloc);
-    case CU_GRAPH_NODE_TYPE_MEM_FREE:
-        return cuGraphAddMemFreeNode(node, g, NULL, 0, p->free_dptr);
-    default:
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
-}
-
-SIM_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                   size_t ndeps, CUgraphNodeParams *p) {
-    (void)deps;
-    (void)ndeps;
-    return add_generic_node(node, g, p);
-}
-
-SIM_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
-                                      const CUgraphEdgeData *edges, size_t ndeps,
-                                      CUgraphNodeParams *p) {
-    (void)deps;
-    (void)edges;
-    (void)ndeps;
-    return add_generic_node(node, g, p);
-}
-
-static CUresult instantiate(CUgraphExec *pe, CUgraph g) {
-    if (!pe || !g || g->magic != GRAPH_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    struct CUgraphExec_st *e = calloc(1, sizeof *e);
-    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
-    e->magic = EXEC_MAGIC;
-    e->nodes = g->nodes;
-    e->total_ns = g->total_ns;
-    e->gidx = g->gidx;
-    e->mem_gidx = g->mem_gidx;
-    for (int i = 0; i < g->nallocs; i++) {
-        if (e->alloc_bytes > UINT64_MAX - g->alloc_size[i]) {
-            free(e);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        e->alloc_bytes += g->alloc_size[i];
-    }
-    *pe = e;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
-                                                unsigned long long flags) {
-    (void)flags;
-    return instantiate(pe, g);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *pe, CUgraph g, CUgraphNode *err_node,
-                                          char *log, size_t log_size) {
-    (void)err_node;
-    if (log && log_size) log[0] = 0;
-    return instantiate(pe, g);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g, CUgraphNode *err_node,
-                                       char *log, size_t log_size) {
-    return cuGraphInstantiate_v2(pe, g, err_node, log, log_size);
-}
-
-typedef struct {
-    unsigned long long flags;
-    CUstream hUploadStream;
-    CUgraphNode hErrNode_out;
-    int result_out;
-} graph_instantiate_params_t; /* CUDA_GRAPH_INSTANTIATE_PARAMS */
-
-#define CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD 2
-
-static CUresult upload(struct CUgraphExec_st *e, CUstream hs);
-
-static CUresult instantiate_with_params(CUgraphExec *pe, CUgraph g, graph_instantiate_params_t *p) {
-    CUresult r = instantiate(pe, g);
-    if (!r && p && (p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD)) {
-        r = upload(*pe, p->hUploadStream);
-        if (r) {
-            free(*pe);
-            *pe = NULL;
-        }
-    }
-    if (p) p->result_out = r ? 1 : 0;
-    return r;
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *pe, CUgraph g,
-                                                 graph_instantiate_params_t *p) {
-    return instantiate_with_params(pe, g, p);
-}
-
-SIM_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *pe, CUgraph g,
-                                                      graph_instantiate_params_t *p) {
-    return instantiate_with_params(pe, g, p);
-}
-
-SIM_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
-    if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    e->magic = 0;
-    free(e);
-    return CUDA_SUCCESS;
-}
-
-/* A graph's allocation nodes take their memory from the device's graph pool when the graph
- * is uploaded or first launched. */
-static CUresult upload(struct CUgraphExec_st *e, CUstream hs) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!e || e->magic != EXEC_MAGIC) return CUDA_ERROR_INVALID_VALUE;
-    struct CUctx_st *c = sim_stream_ctx(hs);
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    int dev = e->mem_gidx >= 0 ? e->mem_gidx : e->gidx >= 0 ? e->gidx : c->gidx;
-    return e->alloc_bytes ? sim_graph_mem_reserve(dev, e->alloc_bytes) : CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream hs) { return upload(e, hs); }
-SIM_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream hs) { return upload(e, PTSZ(hs)); }
-
-static CUresult graph_launch(CUgraphExec e, CUstream hs) {
-    CUresult r = upload(e, hs);
-    if (r) return r;
-    struct CUctx_st *c = sim_stream_ctx(hs);
-    struct CUstream_st *s = sim_real_stream(hs);
-    if (s && s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    sim_submit(c, s, e->total_ns, e->nodes);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuGraphLaunch(CUgraphExec e, CUstream hs) { return graph_launch(e, hs); }
-SIM_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream hs) { return graph_launch(e, PTSZ(hs)); }

@@ -19,7 +19,7 @@
 #define GRANULE (2ULL << 20)
 #define TAG_KIND_SHIFT 8
 #define TAG_CTX_SHIFT 16
-enum { KIND_DEV = 1, KIND_ARRAY = 2, KIND_V1 = 3 };
+enum { KIND_DEV = 1, KIND_ARRAY = 2, KIND_V1 = 3, KIND_MANAGED = 4 };
 
 /* ---- addresses ---- */
 
@@ -127,7 +127,15 @@ static CUresult free_kind(uint64_t key, int want_array) {
     if ((tag_kind(tag) == KIND_ARRAY) != want_array) return CUDA_ERROR_INVALID_VALUE;
     if (qgpu_table_take(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
     if (tag_kind(tag) == KIND_V1) v1_give(key, size);
-    sim_uncharge(tag_gidx(tag), size);
+    if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size); /* IPC: importers may hold it */
+    return CUDA_SUCCESS;
+}
+
+CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx) {
+    int64_t tag;
+    if (qgpu_table_get(&g_sim_allocs, ptr, size, &tag) != 0 || tag_kind(tag) != KIND_DEV)
+        return CUDA_ERROR_INVALID_VALUE; /* not the base of a cuMemAlloc'ed allocation */
+    *gidx = tag_gidx(tag);
     return CUDA_SUCCESS;
 }
 
@@ -148,11 +156,12 @@ QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx) {
     while ((n = qgpu_table_take_if(&g_sim_allocs, owned_by_dying, taken, 256)) > 0) {
         for (size_t i = 0; i < n; i++) {
             if (tag_kind(taken[i].tag) == KIND_V1) v1_give(taken[i].key, taken[i].size);
-            sim_uncharge(tag_gidx(taken[i].tag), taken[i].size);
+            if (!sim_ipc_freed(taken[i].key)) sim_uncharge(tag_gidx(taken[i].tag), taken[i].size);
         }
         if (n < 256) break;
     }
     pthread_mutex_unlock(&dying_lock);
+    sim_ipc_forget_ctx(ctx); /* what it opened through IPC handles is closed with it */
 }
 
 /* ---- plain allocations ---- */
@@ -229,7 +238,7 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
     if (!dptr || (flags != 1 && flags != 2)) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_in(c, KIND_DEV, size, dptr);
+    return alloc_in(c, KIND_MANAGED, size, dptr);
 }
 
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
@@ -377,6 +386,9 @@ typedef struct {
     int released;
     int refs; /* cuMemCreate + cuMemRetainAllocationHandle - cuMemRelease */
     int maps;
+    uint32_t types; /* requestedHandleTypes */
+    int share;      /* its entry in the GPU's shared table (shared.c), -1: this process's own */
+    uint64_t share_id;
 } vmm_handle_t;
 
 typedef struct {
@@ -401,9 +413,20 @@ static vmm_handle_t *find_handle(uint64_t h) {
     return NULL;
 }
 
+/* locked: a reference or mapping of a shared allocation came or went in this process */
+static void share_delta(const vmm_handle_t *h, int delta) {
+    if (h->share < 0) return;
+    sim_gpu_state_t *st = g_sim_state[h->gidx];
+    sim_state_lock(st);
+    if (sim_shared_alive(st, h->share, h->share_id)) sim_shared_ref(st, h->share, delta);
+    sim_state_unlock(st);
+}
+
+/* A shared allocation's memory is not this process's to free: shared.c frees it when no
+ * process holds it and no descriptor is open. */
 static void drop_if_dead(vmm_handle_t *h) {
     if (h->refs > 0 || h->maps > 0) return;
-    if (h->gidx >= 0) sim_uncharge(h->gidx, h->size);
+    if (h->gidx >= 0 && h->share < 0) sim_uncharge(h->gidx, h->size);
     *h = handles[--nhandles];
 }
 
@@ -422,6 +445,14 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
     CUresult r = sim_check_init();
     if (r) return r;
     if (!handle || !prop || !size || flags || size % GRANULE) return CUDA_ERROR_INVALID_VALUE;
+    uint32_t types = (uint32_t)prop->requestedHandleTypes;
+    if (types & ~(uint32_t)(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_WIN32 |
+                            CU_MEM_HANDLE_TYPE_WIN32_KMT | CU_MEM_HANDLE_TYPE_FABRIC))
+        return CUDA_ERROR_INVALID_VALUE;
+    /* host memory is not IPC capable (cuda.h); this Linux device exports to POSIX file
+     * descriptors only: no Win32 handles, no fabric (its attribute 128 is 0) */
+    if (types && prop->location.type == CU_MEM_LOCATION_TYPE_HOST) return CUDA_ERROR_INVALID_VALUE;
+    if (types & ~(uint32_t)CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
     int g = -1;
     if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
         r = sim_device_gidx(prop->location.id, &g);
@@ -438,7 +469,7 @@ SIM_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t siz
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     uint64_t h = sim_next_address(size) | 1; /* an opaque handle, not an address */
-    handles[nhandles++] = (vmm_handle_t){h, size, g, 0, 1, 0};
+    handles[nhandles++] = (vmm_handle_t){h, size, g, 0, 1, 0, types, -1, 0};
     pthread_mutex_unlock(&vmm_lock);
     *handle = h;
     return CUDA_SUCCESS;
@@ -454,6 +485,7 @@ SIM_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
         return CUDA_ERROR_INVALID_VALUE;
     }
     h->refs--;
+    share_delta(h, -1);
     drop_if_dead(h); /* still mapped: the memory stays until the last unmap */
     pthread_mutex_unlock(&vmm_lock);
     return CUDA_SUCCESS;
@@ -470,6 +502,7 @@ SIM_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *ha
         vmm_handle_t *h = find_handle(maps[i].handle);
         if (!h) break;
         h->refs++;
+        share_delta(h, 1);
         *handle = h->handle;
         pthread_mutex_unlock(&vmm_lock);
         return CUDA_SUCCESS;
@@ -568,6 +601,7 @@ SIM_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     }
     maps[nmaps++] = (vmm_map_t){ptr, size, handle};
     h->maps++;
+    share_delta(h, 1);
     pthread_mutex_unlock(&vmm_lock);
     return CUDA_SUCCESS;
 }
@@ -585,6 +619,7 @@ SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
             vmm_handle_t *h = find_handle(m.handle);
             if (h) {
                 h->maps--;
+                share_delta(h, -1);
                 drop_if_dead(h);
             }
             found = 1;
@@ -598,6 +633,108 @@ SIM_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 
 SIM_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const void *desc, size_t count) {
     if (!ptr || !size || !desc || !count) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+/* ---- VMM sharing between processes: POSIX file descriptors (shared.c keeps the lifetime) ---- */
+
+/* Exports to a new descriptor. Refused like NVIDIA's driver: a handle type other than a
+ * POSIX descriptor is not supported on this device, and a handle created without requesting
+ * that type cannot be exported. */
+SIM_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle handle,
+                                                 int type, unsigned long long flags) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!out || flags || type == CU_MEM_HANDLE_TYPE_NONE) return CUDA_ERROR_INVALID_VALUE;
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&vmm_lock);
+    vmm_handle_t *h = find_handle(handle);
+    if (!h || h->refs <= 0 || h->gidx < 0 || !(h->types & (uint32_t)type)) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    sim_gpu_state_t *st = g_sim_state[h->gidx];
+    if (h->share < 0) { /* first export: the allocation becomes shared */
+        sim_state_lock(st);
+        int idx = sim_shared_publish(st, h->size, SIM_SHARE_VMM, h->types, h->refs + h->maps,
+                                     &h->share_id);
+        sim_state_unlock(st);
+        if (idx < 0) {
+            pthread_mutex_unlock(&vmm_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        h->share = idx;
+    }
+    int fd = sim_shared_open_fd(st, h->gidx, h->share, h->share_id);
+    pthread_mutex_unlock(&vmm_lock);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *(int *)out = fd;
+    return CUDA_SUCCESS;
+}
+
+static int visible_ordinal(int gidx) {
+    for (int v = 0; v < g_sim_nvis; v++)
+        if (g_sim_vis[v] == gidx) return v;
+    return -1;
+}
+
+/* Imports a descriptor another (or this) process exported: a new handle holding the memory,
+ * to be released with cuMemRelease like one cuMemCreate made. */
+SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
+                                                   void *os_handle, int type) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    int fd = (int)(intptr_t)os_handle, g, idx;
+    uint64_t id, token;
+    if (sim_shared_read_fd(fd, g_sim_cfg.ngpus, &g, &idx, &id, &token) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (visible_ordinal(g) < 0) return CUDA_ERROR_NOT_SUPPORTED; /* its GPU is not ours */
+    pthread_mutex_lock(&vmm_lock);
+    if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) != 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    sim_gpu_state_t *st = g_sim_state[g];
+    sim_state_lock(st);
+    if (!sim_shared_fd_is(st, idx, id, token, fd)) {
+        sim_state_unlock(st);
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    sim_shared_ref(st, idx, 1);
+    uint64_t size = st->shared[idx].size;
+    uint32_t types = st->shared[idx].handle_types;
+    sim_state_unlock(st);
+    uint64_t h = sim_next_address(size) | 1;
+    handles[nhandles++] = (vmm_handle_t){h, size, g, 0, 1, 0, types, idx, id};
+    pthread_mutex_unlock(&vmm_lock);
+    *handle = h;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                           CUmemGenericAllocationHandle handle) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&vmm_lock);
+    vmm_handle_t *h = find_handle(handle);
+    if (!h || h->refs <= 0) {
+        pthread_mutex_unlock(&vmm_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->requestedHandleTypes = (int)h->types;
+    if (h->gidx < 0) {
+        prop->location.type = CU_MEM_LOCATION_TYPE_HOST;
+    } else {
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = visible_ordinal(h->gidx);
+    }
+    pthread_mutex_unlock(&vmm_lock);
     return CUDA_SUCCESS;
 }
 
@@ -848,7 +985,8 @@ static CUresult alloc_async(CUdeviceptr *dptr, size_t size, struct CUmemPoolHand
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return sim_graph_alloc_node(s->capture, size, dptr); /* a graph node */
+    if (s && s->capture) /* an allocation node of the graph, on the pool's device */
+        return sim_graph_capture_alloc(s->capture, pool ? pool->gidx : c->gidx, size, dptr);
     if (!pool) {
         pthread_mutex_lock(&pool_lock);
         pool = device_pool_locked(c->gidx, 1);
@@ -890,7 +1028,7 @@ static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
     struct CUctx_st *c = sim_stream_ctx(stream);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return CUDA_SUCCESS; /* a free node of the captured graph */
+    if (s && s->capture) return sim_graph_capture_free(s->capture, dptr); /* a free node */
     uint64_t size;
     int64_t tag;
     pthread_mutex_lock(&pool_lock);
@@ -917,22 +1055,47 @@ SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
     return free_async(dptr, stream ? stream : (CUstream)(uintptr_t)2);
 }
 
+/* ---- which allocation an address lies in ---- */
+
+SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!sim_current_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
+    uint64_t b = 0, n = 0;
+    int found = qgpu_table_find_range(&g_sim_allocs, dptr, &b, &n) == 0 ||
+                qgpu_table_find_range(&pool_allocs, dptr, &b, &n) == 0 ||
+                sim_ipc_range(dptr, &b, &n) == 0;
+    if (!found) {
+        pthread_mutex_lock(&vmm_lock);
+        for (size_t i = 0; i < nmaps && !found; i++) {
+            if (dptr < maps[i].va || dptr - maps[i].va >= maps[i].size) continue;
+            b = maps[i].va;
+            n = maps[i].size;
+            found = 1;
+        }
+        pthread_mutex_unlock(&vmm_lock);
+    }
+    if (!found) return CUDA_ERROR_NOT_FOUND;
+    if (base) *base = b;
+    if (size) *size = n;
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *size,
+                                         CUdeviceptr_v1 dptr) {
+    CUdeviceptr b;
+    size_t n;
+    CUresult r = cuMemGetAddressRange_v2(&b, &n, dptr);
+    if (r) return r;
+    if (base) *base = (CUdeviceptr_v1)b;
+    if (size) *size = n > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)n;
+    return CUDA_SUCCESS;
+}
+
 /* ---- graph memory: a per-device pool for graph allocation nodes ---- */
 
 static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
 static uint64_t graph_used_high[SIM_MAX_GPUS];
-
-CUresult sim_graph_alloc_node(struct CUgraph_st *g, uint64_t size, CUdeviceptr *dptr) {
-    if (!size) return CUDA_ERROR_INVALID_VALUE;
-    if (g->nallocs >= SIM_GRAPH_ALLOCS) return CUDA_ERROR_OUT_OF_MEMORY;
-    uint64_t a = sim_next_address(size);
-    g->alloc_size[g->nallocs] = size;
-    g->alloc_ptr[g->nallocs] = a;
-    g->nallocs++;
-    g->nodes++;
-    *dptr = a;
-    return CUDA_SUCCESS;
-}
 
 CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
     pthread_mutex_lock(&pool_lock);

@@ -32,11 +32,19 @@
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
     X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
     X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
-    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) \
+    X(cuGraphAddChildGraphNode) X(cuGraphAddEmptyNode) X(cuGraphChildGraphNodeGetGraph) \
+    X(cuGraphClone) X(cuGraphConditionalHandleCreate) X(cuGraphCreate) X(cuGraphDestroy) \
+    X(cuGraphDestroyNode) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
+    X(cuGraphExecUpdate) X(cuGraphExecUpdate_v2) X(cuGraphGetNodes) \
+    X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuGraphNodeGetType) \
+    X(cuGraphNodeSetParams) \
     X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \
-    X(cuGraphUpload_ptsz) X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuInit) X(cuLaunch) \
+    X(cuGraphUpload_ptsz) X(cuGreenCtxCreate) X(cuGreenCtxDestroy) X(cuInit) \
+    X(cuIpcCloseMemHandle) X(cuIpcGetMemHandle) X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) \
+    X(cuLaunch) \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernelMultiDevice) \
     X(cuLaunchCooperativeKernel_ptsz) X(cuLaunchGrid) X(cuLaunchGridAsync) X(cuLaunchKernel) \
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
@@ -44,6 +52,8 @@
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
     X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
+    X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAddressRange) X(cuMemGetAddressRange_v2) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
     X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
@@ -51,6 +61,7 @@
     X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
     X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
+    X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) \
     X(cuStreamCreate) X(cuStreamCreateWithPriority) X(cuStreamDestroy) X(cuStreamDestroy_v2) \
     X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) X(cuStreamGetCaptureInfo) \
     X(cuStreamGetCaptureInfo_ptsz) X(cuStreamGetCaptureInfo_v2) X(cuStreamGetCaptureInfo_v2_ptsz) \

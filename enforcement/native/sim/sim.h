@@ -27,8 +27,8 @@
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
-#define SIM_STATE_MAGIC 0x334d495355504751ULL /* "QGPUSIM3" little endian */
-#define SIM_STATE_VERSION 3
+#define SIM_STATE_MAGIC 0x344d495355504751ULL /* "QGPUSIM4" little endian */
+#define SIM_STATE_VERSION 4
 #define SIM_PROC_RING 32
 #define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
 #define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
@@ -88,6 +88,30 @@ typedef struct {
 
 #define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS)
 
+/* An allocation that more than one process may keep alive (shared.c): a VMM allocation
+ * exported to a file descriptor, or a cuMemAlloc'ed allocation with a legacy IPC handle. Its
+ * memory is charged to one process that holds a reference (`charged`); when that process
+ * lets go or dies, the charge moves to another holder; when only open file descriptors keep
+ * it, to no process (the header's `unowned`). It is freed when no process holds a reference
+ * and no descriptor is open. */
+#define SIM_MAX_SHARED 256
+enum { SIM_SHARE_VMM = 1, SIM_SHARE_IPC = 2 };
+enum { SIM_CHARGED_NONE = -1, SIM_CHARGED_PENDING = -2 };
+
+typedef struct {
+    uint64_t id;    /* 0 = free entry */
+    uint64_t token; /* random: names the entry together with id */
+    uint64_t size;
+    int32_t charged;       /* the slot holding the charge, or SIM_CHARGED_* */
+    uint32_t kind;         /* SIM_SHARE_* */
+    uint32_t handle_types; /* VMM: CUmemAllocationProp.requestedHandleTypes */
+    uint32_t has_file;     /* VMM: exported at least once (descriptors may be open) */
+    int32_t refs[SIM_MAX_PROCS]; /* per process slot: handles + mappings (VMM), the
+                                    allocation + open IPC mappings (IPC) */
+} sim_shared_t;
+
+#define SIM_SHARED_SIZE (40 + 4 * SIM_MAX_PROCS)
+
 typedef struct {
     uint64_t magic;          /* 0 */
     uint32_t version;        /* 8 */
@@ -109,8 +133,12 @@ typedef struct {
     int32_t ts_cur;          /* 416: the running process's slot, -1 = idle */
     uint32_t pad0;           /* 420 */
     uint64_t done_total_ns;  /* 424: device time run so far, all processes (both models) */
-    char pad[80];            /* 432 .. 512 */
+    uint64_t unowned;        /* 432: shared memory kept only by open descriptors (in mem_used) */
+    uint64_t share_next_id;  /* 440: last shared-allocation id handed out */
+    char pad[64];            /* 448 .. 512 */
     sim_proc_t procs[SIM_MAX_PROCS]; /* 512 */
+    sim_shared_t shared[SIM_MAX_SHARED];
+    char state_path[4096];   /* this file's path: shared.c names descriptor files after it */
 } sim_gpu_state_t;
 
 _Static_assert(sizeof(sim_proc_t) == SIM_PROC_SIZE, "sim_proc_t layout");
@@ -120,6 +148,10 @@ _Static_assert(__builtin_offsetof(sim_proc_t, mk_pos) == 728, "sim_proc_t layout
 _Static_assert(sizeof(pthread_mutex_t) <= 64, "mutex fits");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, done_total_ns) == 424, "header layout");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, procs) == 512, "procs offset");
+_Static_assert(__builtin_offsetof(sim_gpu_state_t, unowned) == 432, "header layout");
+_Static_assert(sizeof(sim_shared_t) == SIM_SHARED_SIZE, "sim_shared_t layout");
+_Static_assert(__builtin_offsetof(sim_gpu_state_t, shared) == 512 + SIM_MAX_PROCS * SIM_PROC_SIZE,
+               "shared offset");
 
 #define SIM_LOCK(st) ((pthread_mutex_t *)(st)->lock_area)
 
@@ -139,5 +171,29 @@ QGPU_HIDDEN unsigned sim_state_utilization(sim_gpu_state_t *st, int64_t now); /*
 /* Locked. Charge/uncharge device memory to this process; overflow-safe. */
 QGPU_HIDDEN CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes);
 QGPU_HIDDEN void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes);
+/* Locked. Frees slot i (its process exited or died): what it held goes, shared allocations
+ * it held keep their memory while others hold them. */
+QGPU_HIDDEN void sim_state_drop_slot(sim_gpu_state_t *st, int i);
+
+/* shared.c (locked unless said otherwise) */
+QGPU_HIDDEN void sim_shared_forget_slot(sim_gpu_state_t *st, int slot); /* before a slot goes */
+QGPU_HIDDEN void sim_shared_settle(sim_gpu_state_t *st); /* place pending charges, free dead */
+/* A new entry for an allocation of `size` this process is already charged for, holding
+ * `refs` references; returns its index, or -1 when the table is full. */
+QGPU_HIDDEN int sim_shared_publish(sim_gpu_state_t *st, uint64_t size, uint32_t kind,
+                                   uint32_t handle_types, int refs, uint64_t *id);
+/* 1 if entry idx is alive and is `id` */
+QGPU_HIDDEN int sim_shared_alive(const sim_gpu_state_t *st, int idx, uint64_t id);
+/* This process's references to entry idx change by delta; a process taking a reference to
+ * memory nobody is charged for takes the charge; the holder letting go passes it on. */
+QGPU_HIDDEN void sim_shared_ref(sim_gpu_state_t *st, int idx, int delta);
+/* Not locked: a new descriptor for entry idx (creates its file on first use); -1 on error. */
+QGPU_HIDDEN int sim_shared_open_fd(sim_gpu_state_t *st, int gidx, int idx, uint64_t id);
+/* Not locked: reads what a descriptor says it names (its GPU, entry, id, token). */
+QGPU_HIDDEN int sim_shared_read_fd(int fd, int ngpus, int *gidx, int *idx, uint64_t *id,
+                                   uint64_t *token);
+/* 1 if `fd` is a descriptor of live entry idx (its file, not a copy of its contents) */
+QGPU_HIDDEN int sim_shared_fd_is(const sim_gpu_state_t *st, int idx, uint64_t id, uint64_t token,
+                                 int fd);
 
 #endif

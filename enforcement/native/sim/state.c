@@ -1,5 +1,6 @@
 /* Shared per-GPU state of the simulator: memory, the device model (fifo or time-sliced),
  * per-process slots and utilisation samples. Everything here runs under the GPU's lock. */
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -29,12 +30,17 @@ sim_gpu_state_t *sim_state_open(const sim_gpu_config_t *gpu, const sim_config_t 
     sim_gpu_state_t *st =
         qgpu_map_state(gpu->state_path, sizeof(sim_gpu_state_t), SIM_STATE_MAGIC,
                        __builtin_offsetof(sim_gpu_state_t, lock_area), init_state, &arg);
-    if (st) st->mem_total = gpu->memory; /* the config is authoritative for the card size */
+    if (st) {
+        st->mem_total = gpu->memory; /* the config is authoritative for the card size */
+        sim_state_lock(st);
+        snprintf(st->state_path, sizeof st->state_path, "%s", gpu->state_path);
+        sim_state_unlock(st);
+    }
     return st;
 }
 
 static void repair(sim_gpu_state_t *st) {
-    uint64_t used = 0;
+    uint64_t used = st->unowned;
     for (int i = 0; i < SIM_MAX_PROCS; i++)
         if (st->procs[i].pid) used += st->procs[i].mem_used;
     st->mem_used = used;
@@ -46,17 +52,25 @@ void sim_state_lock(sim_gpu_state_t *st) {
 
 void sim_state_unlock(sim_gpu_state_t *st) { qgpu_unlock(SIM_LOCK(st)); }
 
+void sim_state_drop_slot(sim_gpu_state_t *st, int i) {
+    sim_proc_t *p = &st->procs[i];
+    sim_shared_forget_slot(st, i); /* what others still hold moves off this slot first */
+    st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
+    if (st->ts_cur == i) st->ts_cur = -1;
+    memset(p, 0, sizeof *p);
+    sim_shared_settle(st);
+}
+
 int sim_state_reclaim_dead(sim_gpu_state_t *st) {
     int freed = 0;
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         sim_proc_t *p = &st->procs[i];
         if (!p->pid || qgpu_proc_alive(p->pid, p->start_time)) continue;
         /* the driver frees a dead process's memory and work with its contexts */
-        st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
-        if (st->ts_cur == i) st->ts_cur = -1;
-        memset(p, 0, sizeof *p);
+        sim_state_drop_slot(st, i);
         freed++;
     }
+    sim_shared_settle(st); /* memory kept only by descriptors goes when the last one closes */
     return freed;
 }
 

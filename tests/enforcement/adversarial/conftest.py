@@ -124,9 +124,13 @@ def programs() -> Iterator[Programs]:
 
 
 def spawn(
-    argv: list[str | Path], env: dict[str, str], stdin: int = subprocess.PIPE
+    argv: list[str | Path],
+    env: dict[str, str],
+    stdin: int = subprocess.PIPE,
+    pass_fds: tuple[int, ...] = (),
 ) -> subprocess.Popen[str]:
-    """A hostile program's process: text pipes for its reports, stdin to hold it."""
+    """A hostile program's process: text pipes for its reports, stdin to hold it (and the
+    descriptors in `pass_fds`, e.g. a unix socket to pass handles over)."""
     return subprocess.Popen(
         [str(a) for a in argv],
         env=env,
@@ -134,6 +138,7 @@ def spawn(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        pass_fds=pass_fds,
     )
 
 
@@ -158,6 +163,13 @@ class Hostile:
                 return self
             self.lines.append((key, int(value or 0)))
         raise AssertionError("hostile program never became ready")
+
+    def command(self, line: str) -> Hostile:
+        """Send a command line to a program that serves commands, wait for its next ready."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read_until_ready()
 
     def all(self, key: str) -> list[int]:
         return [v for k, v in self.lines if k == key]
@@ -197,9 +209,14 @@ class Arena:
         env["PYTHONPATH"] = os.pathsep.join([str(PROGRAMS), env.get("PYTHONPATH", "")])
         return env
 
-    def start(self, argv: list[str | Path], env: dict[str, str] | None = None) -> Hostile:
+    def start(
+        self,
+        argv: list[str | Path],
+        env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> Hostile:
         """Start a hostile program and wait until it has taken what it could."""
-        h = Hostile(spawn(argv, env if env is not None else self.hostile_env()))
+        h = Hostile(spawn(argv, env if env is not None else self.hostile_env(), pass_fds=pass_fds))
         self.hostiles.append(h)
         return h.read_until_ready()
 

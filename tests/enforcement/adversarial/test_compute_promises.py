@@ -223,7 +223,7 @@ def test_a_tenant_hiding_its_work_cannot_get_a_well_behaved_neighbour_killed(
     pair: PairFactory, programs: Programs, iso: str
 ) -> None:
     """A 75 % burst-share tenant launches through the raw driver, so the hook's shared view
-    (launches published in the GPU region) never shows it busy. A well-behaved (hooked)
+    (its activity file: launches through the hook) never shows it busy. A well-behaved (hooked)
     25 % neighbour must still fall back to its share (burst-share) or to what the
     guaranteed slice leaves (best-effort), so that neither is killed and the well-behaved
     one is never even reported; the hidden tenant, within its own share, keeps it (it may

@@ -98,6 +98,79 @@ def test_graph_memory_nodes_are_charged_when_they_allocate(
     arena.contained(h)
 
 
+GRAPH_PLACEMENTS = [
+    "child_move",
+    "child_move_nested",
+    "capture_to_graph",
+    "capture_to_child",
+    "raw_add",
+]
+
+
+@pytest.mark.parametrize("mode", GRAPH_PLACEMENTS)
+def test_graph_memory_is_charged_however_it_got_into_the_graph(
+    arena: Arena, programs: Programs, mode: str
+) -> None:
+    """A 3 GiB allocation node that reaches the instantiated graph through a moved child
+    graph (CUDA 12.9+), capture into an existing graph (12.3+), or the raw driver: the
+    executable graph's need is what the driver says the graph holds at instantiation."""
+    h = arena.start([programs.c("graphmem"), mode])
+    assert h.all("grab") == [0] and set(h.all("node") + h.all("move")) == {0}
+    assert h.all("instantiate") == [0] and h.all("run") == [OOM]
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("mode", ["exec_update", "exec_update_v1", "exec_child", "exec_node"])
+def test_executable_graph_updated_to_more_memory_is_charged(
+    arena: Arena, programs: Programs, mode: str
+) -> None:
+    """An executable graph instantiated with a 1 MiB allocation node and then updated with a
+    topologically identical graph holding 3 GiB (cuda.h names no restriction on allocation
+    nodes there, so the simulator lets it through)."""
+    h = arena.start([programs.c("graphmem"), mode])
+    assert h.all("grab") == [0] and h.all("instantiate") == [0] and h.all("update") == [0]
+    assert h.all("run") == [OOM]
+    arena.contained(h)
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["hooked", "driver-alone"])
+@pytest.mark.parametrize(
+    "mode",
+    ["refused_child", "refused_clone", "refused_set", "refused_owned", "refused_conditional"],
+)
+def test_graph_changes_the_driver_refuses_add_no_memory(
+    arena: Arena, programs: Programs, mode: str, hook: bool
+) -> None:
+    """What cuda.h says NVIDIA's driver refuses for graphs with allocation nodes (cloning
+    them, CLONE ownership, changing an allocation node, adding one to a graph a node owns or
+    to a conditional body, instantiating a moved graph) is refused, by the simulated driver
+    alone too; what is left runs."""
+    h = arena.start([programs.c("graphmem"), mode], arena.hostile_env(hook=hook))
+    refused = h.all("node")
+    assert h.all("grab") == [0] and refused and 0 not in refused, h.lines
+    assert h.all("run") == [0]
+    arena.contained(h)
+
+
+def test_a_child_graph_replaced_again_and_again_counts_once(
+    arena: Arena, programs: Programs
+) -> None:
+    """Three updates of a child graph node to 256 MiB leave 256 MiB in the executable graph:
+    the launch fits in the 512 MiB left (1 MiB + 3 x 256 MiB would not)."""
+    h = arena.start([programs.c("graphmem"), "exec_child_fits"])
+    assert h.all("update") == [0, 0, 0] and h.all("run") == [0]
+    arena.contained(h)
+
+
+def test_graph_memory_in_a_moved_child_graph_counts_against_the_slice(
+    arena: Arena, programs: Programs
+) -> None:
+    h = arena.start([programs.c("graphmem"), "child_move_fits"])
+    assert h.all("move") == [0] and h.all("run") == [0]
+    assert h.all("after") == [OOM]  # 3 GiB + the context + 256 MiB: no room for 512 MiB
+    arena.contained(h)
+
+
 @pytest.mark.parametrize("mode", ["v1", "v2", "v3", "v4", "green"])
 def test_every_context_is_charged(arena: Arena, programs: Programs, mode: str) -> None:
     h = arena.start([programs.c("contexts"), mode])
