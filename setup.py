@@ -46,9 +46,11 @@ LIBRARIES = {
                 "mem.c",
                 "vmm.c",
                 "ipc.c",
+                "managed.c",
                 "pool.c",
                 "graph.c",
                 "ctx.c",
+                "module.c",
                 "launch.c",
                 "nvml.c",
             )
@@ -63,7 +65,20 @@ LIBRARIES = {
         "libcuda.so.1",
         [
             str(NATIVE / "sim" / n)
-            for n in ("driver.c", "ctx.c", "mem.c", "ipc.c", "exec.c", "graph.c", "procaddr.c")
+            for n in (
+                "driver.c",
+                "ctx.c",
+                "mem.c",
+                "pool.c",
+                "managed.c",
+                "ipc.c",
+                "exec.c",
+                "graph.c",
+                "module.c",
+                "image.c",
+                "graphmem.c",
+                "procaddr.c",
+            )
         ]
         + SIM_CORE
         + COMMON,

@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
     CUresult (*mfree)(CUdeviceptr) = dlsym(h, "cuMemFree_v2");
     CUresult (*sync)(void) = dlsym(h, "cuCtxSynchronize");
     void *ctx, *mod, *fn;
-    if (init(0) || retain(&ctx, 0) || setctx(ctx) || load(&mod, "m") ||
+    if (init(0) || retain(&ctx, 0) || setctx(ctx) || load(&mod, "qgpu-sim-module") ||
         getfn(&fn, mod, "qgpu_sim_busy")) {
         fprintf(stderr, "setup failed\n");
         return 1;

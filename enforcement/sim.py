@@ -75,6 +75,11 @@ SCHEDULERS = ("timesliced", "fifo")
 PROCADDR_MODES = ("internal", "exported")
 # what one context costs on a simulated GPU (the interposer charges the same by default)
 CONTEXT_MEMORY = 512 << 20
+# what the device runtime reserves (cuCtxSetLimit; NVIDIA does not publish the sizes): per
+# pending device-side launch above the default 2048, and per thread the device can hold at
+# once per device-side sync depth level above the default 2
+DEVRT_LAUNCH_BYTES = 8 << 10
+DEVRT_SYNC_THREAD_BYTES = 4 << 10
 # The Linux driver each CUDA release shipped with (NVIDIA's CUDA release notes, "CUDA Toolkit
 # and Corresponding Driver Versions"): what the simulated driver and NVML report as their
 # driver version when the config names only the CUDA version.
@@ -109,6 +114,8 @@ class SimGpu:
     cc: str
     threads_per_sm: int = 2048
     context_memory: int = CONTEXT_MEMORY
+    devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES
+    devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES
 
     @property
     def memory_gib(self) -> int:
@@ -183,6 +190,8 @@ def write_sim_config(
     driver_version: str | None = None,
     procaddr: str = "internal",
     context_memory: int | Mapping[str, int] = CONTEXT_MEMORY,
+    devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES,
+    devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -194,7 +203,9 @@ def write_sim_config(
     ``internal`` (cuGetProcAddress hands out entry points that are not the exported symbols,
     as a real driver may) or ``exported``. ``context_memory``: bytes each context costs on the
     device, for every GPU, or per GPU model (``{"T4": 300 << 20}``; models not named cost
-    CONTEXT_MEMORY)."""
+    CONTEXT_MEMORY). ``devrt_launch_bytes`` / ``devrt_sync_thread_bytes``: what the device
+    runtime reserves per pending launch above 2048 and per resident thread per sync-depth
+    level above 2 (cuCtxSetLimit), on every GPU."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -214,6 +225,12 @@ def write_sim_config(
     if not re.fullmatch(r"\d+(\.\d+)+", driver_version):
         raise SimSpecError(f"driver_version {driver_version!r}: must look like 580.65.06")
     ctx_cost = _context_costs(models, context_memory)
+    for name, value in (
+        ("devrt_launch_bytes", devrt_launch_bytes),
+        ("devrt_sync_thread_bytes", devrt_sync_thread_bytes),
+    ):
+        if not isinstance(value, int) or value < 0:
+            raise SimSpecError(f"{name} {value!r}: must be >= 0 bytes")
     state = Path(state_dir) if state_dir else Path(f"{path}.state")
     lines = [
         "# qgpu simulated GPUs (enforcement/sim.py)",
@@ -237,6 +254,8 @@ def write_sim_config(
             m.cc,
             m.threads_per_sm,
             ctx_cost[m.key],
+            devrt_launch_bytes,
+            devrt_sync_thread_bytes,
         )
         gpus.append(g)
         lines += [
@@ -248,6 +267,8 @@ def write_sim_config(
             f"gpu{i}.cc={g.cc}",
             f"gpu{i}.threads_per_sm={g.threads_per_sm}",
             f"gpu{i}.context_memory={g.context_memory}",
+            f"gpu{i}.devrt_launch_bytes={g.devrt_launch_bytes}",
+            f"gpu{i}.devrt_sync_thread_bytes={g.devrt_sync_thread_bytes}",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -311,6 +332,8 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
                 values.get(p + "cc", "8.0"),
                 int(values.get(p + "threads_per_sm", "2048")),
                 int(values.get(p + "context_memory", str(CONTEXT_MEMORY))),
+                int(values.get(p + "devrt_launch_bytes", str(DEVRT_LAUNCH_BYTES))),
+                int(values.get(p + "devrt_sync_thread_bytes", str(DEVRT_SYNC_THREAD_BYTES))),
             )
         )
         i += 1

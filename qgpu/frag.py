@@ -68,7 +68,10 @@ Before the mix is known (fill measure only): frag counts a prior (`qgpu.mix_prio
 arrivals, and while the cluster's GPU core is less than half allocated a share never opens
 an empty GPU that a used one could spare (``keep_empty``) -- until 400 requests have been
 seen (``keep_empty_until``), when the mix's proportions are known to within the repricing
-drift and frag's own scores decide.
+drift and frag's own scores decide. The rule is insurance for whole-GPU requests, and it is
+not taken where it cannot pay out: while the cluster has more empty nodes of its largest
+size than requests can still arrive before the lapse (`_spare_whole_nodes`), every request
+until then finds a whole empty node whatever the shares do.
 """
 
 from __future__ import annotations
@@ -801,8 +804,10 @@ class FragPolicy(Policy):
             return per_gpu
         if 1.0 - float(s.free_core.sum()) / cap >= self.keep_empty:
             return per_gpu
-        if self.keep_empty_until and self._requests_seen() >= self.keep_empty_until:
-            return per_gpu
+        if self.keep_empty_until:
+            to_come = self.keep_empty_until - self._requests_seen()
+            if to_come <= 0 or self._spare_whole_nodes(s) > to_come:
+                return per_gpu
         cand = np.flatnonzero(np.isfinite(per_gpu))
         empty = cand[(s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])]
         if len(empty) == 0 or len(empty) == len(cand):
@@ -812,6 +817,31 @@ class FragPolicy(Policy):
         out = per_gpu.copy()
         out[empty] -= 2.0 * (spread + bound) + 1.0
         return out
+
+    @staticmethod
+    def _spare_whole_nodes(s: ClusterState) -> int:
+        """Nodes of the cluster's largest GPU count whose GPUs are all empty and healthy.
+
+        The keep-empty rule guards whole-GPU requests that arrive before the mix is known.
+        Each request, a share or a whole-GPU request (one node's GPUs), breaks at most one
+        such node; so while there are more of them than requests can still arrive before
+        the rule lapses, every request until then finds a node with as many empty GPUs as
+        any node has, wherever the shares go, and the rule cannot save one: frag's own
+        scores decide (docs/placement.md, "Issue 22: the keep-empty rule where it cannot
+        pay out")."""
+        if not len(s.nodes):
+            return 0
+        size = int(s.node_gpu_count.max())
+        if size == 0:
+            return 0
+        # empty: no slice on the node (a slice takes at least 1 qgpu-core of its GPU)
+        nodes = np.flatnonzero((s.node_gpu_count == size) & (s.node_free_core == s.node_cap_core))
+        if not len(nodes):
+            return 0
+        gpus, _ = s.gpus_of(nodes)
+        sick = np.zeros(len(s.nodes), dtype=np.int64)
+        np.add.at(sick, s.gpu_node[gpus], ~s.healthy[gpus])
+        return int((sick[nodes] == 0).sum())
 
     def gap_by_room(self, state: ClusterState) -> np.ndarray:
         """V[r, x]: `gap_values` for a gap with room for at most r more slices."""

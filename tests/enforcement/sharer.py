@@ -8,6 +8,10 @@ Descriptors over the unix socket SOCKET_FD: ``send FD``, ``recv`` -> fd; ``close
 Plain memory and legacy IPC: ``alloc MIB [managed|async]`` -> p; ``free P``; ``ipcget P`` ->
 hex; ``ipcopen HEX [FLAGS]`` -> p; ``ipcclose P``; ``range P`` -> base, size.
 ``used`` -> used (cuMemGetInfo: total - free); ``attr N`` -> value.
+Pools: ``pool TYPES`` -> pool; ``palloc POOL MIB`` -> p; ``pfree P`` (cuMemFreeAsync, then
+synchronised); ``pexport POOL [TYPE]`` -> fd; ``pimport FD [TYPE]`` -> pool; ``pexportptr P``
+-> hex; ``pimportptr POOL HEX`` -> p; ``ptrim POOL MIB``; ``pdestroy POOL``; ``pattr POOL N``
+-> value; ``sync``.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ import sys
 from ctypes import POINTER, Structure, byref, c_char, c_int, c_size_t, c_uint, c_uint64, c_void_p
 from typing import Any
 
-from enforcement.simcuda import MemAllocationProp
+from enforcement.simcuda import MemAllocationProp, MemPoolProps
 
 MIB = 1 << 20
 POSIX_FD = 1
 
 
 class IpcMemHandle(Structure):
+    _fields_ = [("reserved", c_char * 64)]
+
+
+class PoolPtrExportData(Structure):
     _fields_ = [("reserved", c_char * 64)]
 
 
@@ -52,6 +60,16 @@ def driver() -> ctypes.CDLL:
         "cuMemGetAddressRange_v2": [p(c_uint64), p(c_size_t), c_uint64],
         "cuMemGetInfo_v2": [p(c_size_t), p(c_size_t)],
         "cuDeviceGetAttribute": [p(c_int), c_int, c_int],
+        "cuMemPoolCreate": [p(c_void_p), c_void_p],
+        "cuMemAllocFromPoolAsync": [p(c_uint64), c_size_t, c_void_p, c_void_p],
+        "cuMemFreeAsync": [c_uint64, c_void_p],
+        "cuMemPoolExportToShareableHandle": [c_void_p, c_void_p, c_int, c_uint64],
+        "cuMemPoolImportFromShareableHandle": [p(c_void_p), c_void_p, c_int, c_uint64],
+        "cuMemPoolExportPointer": [p(PoolPtrExportData), c_uint64],
+        "cuMemPoolImportPointer": [p(c_uint64), c_void_p, p(PoolPtrExportData)],
+        "cuMemPoolTrimTo": [c_void_p, c_size_t],
+        "cuMemPoolDestroy": [c_void_p],
+        "cuMemPoolGetAttribute": [c_void_p, c_int, c_void_p],
     }
     for name, args in sigs.items():
         getattr(lib, name).argtypes = args
@@ -59,6 +77,49 @@ def driver() -> ctypes.CDLL:
     ctx = c_void_p()
     assert lib.cuDevicePrimaryCtxRetain(byref(ctx), 0) == 0 and lib.cuCtxSetCurrent(ctx) == 0
     return lib
+
+
+def pool_command(lib: ctypes.CDLL, cmd: str, a: list[str]) -> dict[str, Any]:
+    if cmd == "pool":
+        props = MemPoolProps()
+        props.allocType, props.handleTypes = 1, int(a[0])
+        props.location.type, props.location.id = 1, 0
+        pool = c_void_p()
+        return {"r": lib.cuMemPoolCreate(byref(pool), byref(props)), "pool": pool.value}
+    if cmd == "palloc":
+        ptr = c_uint64()
+        r = lib.cuMemAllocFromPoolAsync(byref(ptr), int(a[1]) * MIB, int(a[0]), None)
+        return {"r": r or lib.cuCtxSynchronize(), "p": ptr.value}
+    if cmd == "pfree":
+        return {"r": lib.cuMemFreeAsync(int(a[0]), None) or lib.cuCtxSynchronize()}
+    if cmd == "pexport":
+        fd = c_int(-1)
+        t = int(a[1]) if a[1:] else POSIX_FD
+        return {"r": lib.cuMemPoolExportToShareableHandle(byref(fd), int(a[0]), t, 0),
+                "fd": fd.value}  # fmt: skip
+    if cmd == "pimport":
+        pool = c_void_p()
+        t = int(a[1]) if a[1:] else POSIX_FD
+        return {"r": lib.cuMemPoolImportFromShareableHandle(byref(pool), int(a[0]), t, 0),
+                "pool": pool.value}  # fmt: skip
+    if cmd == "pexportptr":
+        data = PoolPtrExportData()
+        return {"r": lib.cuMemPoolExportPointer(byref(data), int(a[0])), "hex": bytes(data).hex()}
+    if cmd == "pimportptr":
+        data = PoolPtrExportData.from_buffer_copy(bytes.fromhex(a[1]))
+        ptr = c_uint64()
+        return {"r": lib.cuMemPoolImportPointer(byref(ptr), int(a[0]), byref(data)),
+                "p": ptr.value}  # fmt: skip
+    if cmd == "ptrim":
+        return {"r": lib.cuMemPoolTrimTo(int(a[0]), int(a[1]) * MIB)}
+    if cmd == "pdestroy":
+        return {"r": lib.cuMemPoolDestroy(int(a[0]))}
+    if cmd == "pattr":
+        v = c_uint64()
+        return {"r": lib.cuMemPoolGetAttribute(int(a[0]), int(a[1]), byref(v)), "value": v.value}
+    if cmd == "sync":
+        return {"r": lib.cuCtxSynchronize()}
+    return {"r": -1, "error": f"unknown command {cmd}"}
 
 
 def main() -> None:
@@ -140,6 +201,8 @@ def main() -> None:
         elif cmd == "attr":
             v = c_int()
             out = {"r": lib.cuDeviceGetAttribute(byref(v), int(a[0]), 0), "value": v.value}
+        elif cmd.startswith("p") or cmd == "sync":
+            out = pool_command(lib, cmd, a)
         else:
             out = {"r": -1, "error": f"unknown command {cmd}"}
         print(json.dumps(out), flush=True)

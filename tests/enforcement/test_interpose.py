@@ -4,6 +4,7 @@ dlsym(RTLD_NEXT, ...) of other preloaded libraries still meaning "after the call
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from enforcement.native import hook_library_path, sim_library_dir
 
-from .conftest import CTX, GIB, Sim
+from .conftest import CTX, GIB, REPO, Sim
 
 LOOKUP_C = r"""
 #define _GNU_SOURCE
@@ -177,3 +178,29 @@ def test_rtld_next_of_other_preloaded_libraries(sim: Sim, short_tmp: Path) -> No
     proc = subprocess.run([str(prog)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "wrapped: hello\n"
+
+
+def exported_symbols(library: Path) -> set[str]:
+    """The defined dynamic symbols of a shared library (readelf)."""
+    out = subprocess.run(
+        ["readelf", "--dyn-syms", "--wide", str(library)], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    return {
+        f[7].split("@")[0]
+        for line in out.splitlines()
+        if len(f := line.split()) >= 8 and f[6] != "UND"
+    }
+
+
+def test_every_abi_form_of_a_wrapped_entry_point_is_wrapped() -> None:
+    """cuGetProcAddress hands out, by (name, version, flags), whichever form NVIDIA's table
+    says: a name the hook wraps in one form (cuMemPrefetchAsync, cuCtxSynchronize, ...) must
+    be wrapped in every form, or a caller of another CUDA version gets the raw driver."""
+    table = (REPO / "enforcement/native/include/qgpu_procaddr_table.h").read_text()
+    forms: dict[str, set[str]] = {}
+    for name, symbol in re.findall(r'\{"(\w+)", \d, \d+, "(\w+)"\}', table):
+        forms.setdefault(name, set()).add(symbol)
+    hook = exported_symbols(hook_library_path())
+    missing = {n: sorted(s - hook) for n, s in forms.items() if s & hook and s - hook}
+    assert not missing, f"wrapped in some forms only: {missing}"

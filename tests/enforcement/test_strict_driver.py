@@ -448,7 +448,7 @@ int main(int argc, char **argv) {
                                                           (uint64_t)0, (void *)0));
     r = ((fn)getinfo)(&free_b, &total);
     printf("meminfo %d %zu %zu\n", r, free_b, total);
-    f(cuda, "cuModuleLoadData")(&mod, "m");
+    f(cuda, "cuModuleLoadData")(&mod, "qgpu-sim-module");
     f(cuda, "cuModuleGetFunction")(&func, mod, "qgpu_sim_busy");
     printf("launch %d\n", f(cuda, "cuLaunchKernel")(func, 1, 1, 1, 1, 1, 1, 0, (void *)0,
                                                    params, (void *)0));

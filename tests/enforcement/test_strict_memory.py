@@ -2,8 +2,9 @@
 lives until its last unmap and release, stream-ordered frees take effect when the stream
 reaches them, pools keep freed memory up to their release threshold until trimmed, contexts
 cost memory (configurable per GPU), and every size check refuses instead of wrapping. Each
-test here failed on the simulator before commit 4b11bae. The simulator alone, no
-interposer: what it does is what the interposer's accounting must match."""
+test here failed on the simulator before commit 4b11bae (the device runtime's limits came
+later). The simulator alone, no interposer: what it does is what the interposer's accounting
+must match; test_device_runtime_limits_are_charged_to_the_slice runs the same calls under it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from enforcement.sim import write_sim_config
 from .conftest import CTX, GIB, Sim, run_json
 
 MIB = 1 << 20
-SUCCESS, INVALID_VALUE, OUT_OF_MEMORY = 0, 1, 2
+SUCCESS, INVALID_VALUE, OUT_OF_MEMORY, UNSUPPORTED_LIMIT = 0, 1, 2, 215
 
 # Common prelude: the driver with typed entry points, a primary context, used().
 PRELUDE = """
@@ -41,6 +42,7 @@ SIG = {
     "cuMemPoolSetAttribute": [c_void_p, c_int, c_void_p],
     "cuMemPoolGetAttribute": [c_void_p, c_int, c_void_p],
     "cuCtxSetLimit": [c_int, c_size_t], "cuCtxCreate_v2": [P(c_void_p), c_uint, c_int],
+    "cuCtxGetLimit": [P(c_size_t), c_int],
     "cuLaunchKernel": [c_void_p] + [c_uint] * 7 + [c_void_p] * 3,
 }
 for name, args in SIG.items():
@@ -57,7 +59,7 @@ def prop():
     p.type, p.location.type, p.location.id = 1, 1, 0
     return p
 mod, busy = c_void_p(), c_void_p()
-lib.cuModuleLoadData(byref(mod), b"m")
+lib.cuModuleLoadData(byref(mod), b"qgpu-sim-module")
 lib.cuModuleGetFunction(byref(busy), mod, b"qgpu_sim_busy")
 def launch(ns, stream=None):
     arg = c_uint64(ns)
@@ -214,6 +216,74 @@ def test_strict_contexts_cost_memory_per_gpu_model(short_tmp: Path, gpu: int) ->
     assert out["limit"] == SUCCESS
     assert out["with_limit"] == 2 * cost + 100 * MIB + 64 * threads
     assert out["destroyed"] == cost
+
+
+DEVRT = (
+    PRELUDE
+    + """
+SYNC_DEPTH, PENDING = 3, 4
+v = c_size_t()
+base = used()
+out["pending_default"] = [lib.cuCtxGetLimit(byref(v), PENDING), v.value]
+out["pending"] = lib.cuCtxSetLimit(PENDING, 2048 + 1024)
+out["pending_used"] = used() - base
+out["pending_read"] = [lib.cuCtxGetLimit(byref(v), PENDING), v.value]
+out["pending_huge"] = lib.cuCtxSetLimit(PENDING, 2048 + (1 << 30))  # 8 TiB: no card holds it
+out["pending_back"] = lib.cuCtxSetLimit(PENDING, 2048)
+out["pending_gone"] = used() - base
+v.value = 0
+out["sync_default"] = [lib.cuCtxGetLimit(byref(v), SYNC_DEPTH), v.value]
+out["sync"] = lib.cuCtxSetLimit(SYNC_DEPTH, 4)
+out["sync_used"] = used() - base
+out["sync_deep"] = lib.cuCtxSetLimit(SYNC_DEPTH, 25)  # the maximum launch depth is 24
+out["sync_back"] = lib.cuCtxSetLimit(SYNC_DEPTH, 2)
+out["sync_gone"] = used() - base
+print(json.dumps(out))
+"""
+)
+
+
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_strict_device_runtime_limits_reserve_memory(short_tmp: Path, gpu: int) -> None:
+    """cuCtxSetLimit's device runtime limits reserve device memory (cuda.h): pending
+    launches on every model, the sync depth only below compute capability 9.0
+    (CUDA_ERROR_UNSUPPORTED_LIMIT on an H100) and at most 24; what the card cannot hold is
+    refused; lowering gives it back."""
+    cfg = write_sim_config(short_tmp / "d.conf", "H100-80GB,T4", node="devrt")
+    out = run_json(Sim(cfg, short_tmp / "l").base_env(gpu), DEVRT)
+    assert out["pending_default"] == [SUCCESS, 2048]
+    assert out["pending"] == SUCCESS and out["pending_used"] == 1024 * 8 * 1024
+    assert out["pending_read"] == [SUCCESS, 2048 + 1024]
+    assert out["pending_huge"] == OUT_OF_MEMORY
+    assert out["pending_back"] == SUCCESS and out["pending_gone"] == 0
+    if gpu == 0:  # H100: compute capability 9.0
+        assert out["sync_default"][0] == UNSUPPORTED_LIMIT
+        assert out["sync"] == UNSUPPORTED_LIMIT and out["sync_used"] == 0
+    else:  # T4: 40 SMs x 1024 threads, 4 KiB each per level above 2
+        assert out["sync_default"] == [SUCCESS, 2]
+        assert out["sync"] == SUCCESS and out["sync_used"] == 2 * 40 * 1024 * 4096
+        assert out["sync_deep"] == INVALID_VALUE
+        assert out["sync_back"] == SUCCESS and out["sync_gone"] == 0
+
+
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_device_runtime_limits_are_charged_to_the_slice(short_tmp: Path, gpu: int) -> None:
+    """The same calls in a 4 GiB slice: each raise is charged the hook's bound (16 KiB per
+    pending launch, 8 KiB per resident thread per sync level; more than this driver takes),
+    lowering gives it back, and the sync depth an H100 does not have is refused as the
+    driver refuses it, before anything is charged."""
+    cfg = write_sim_config(short_tmp / "d.conf", "H100-80GB,T4", node="devrt-hooked")
+    env = Sim(cfg, short_tmp / "l").slice_env("devrt", gpu=gpu, memory=4 * GIB)
+    out = run_json(env, DEVRT)
+    assert out["pending"] == SUCCESS and out["pending_used"] == 1024 * 16 * 1024
+    assert out["pending_huge"] == OUT_OF_MEMORY
+    assert out["pending_back"] == SUCCESS and out["pending_gone"] == 0
+    if gpu == 0:
+        assert out["sync"] == UNSUPPORTED_LIMIT and out["sync_used"] == 0
+    else:
+        assert out["sync"] == SUCCESS and out["sync_used"] == 2 * 40 * 1024 * 8192
+        assert out["sync_deep"] in (INVALID_VALUE, OUT_OF_MEMORY)  # 24 levels do not fit
+        assert out["sync_back"] == SUCCESS and out["sync_gone"] == 0
 
 
 OVERFLOW = (

@@ -226,3 +226,92 @@ def test_legacy_ipc_memory_stays_while_the_importer_holds_it_after_the_exporter_
     assert held(sim, importer.pid) == CTX + SIZE * MIB
     importer.ok(f"ipcclose {q}")
     assert read_gpu_state(sim.config).mem_used == CTX
+
+
+# ---- memory pools shared between processes (cuMemPoolExportToShareableHandle) ----
+
+RESERVED, USED = 5, 7  # CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, _USED_MEM_CURRENT
+
+
+def test_what_the_driver_refuses_for_pools(sim: Sim) -> None:
+    s = Sharer(sim.base_env())
+    assert s(f"pool {FABRIC}")["r"] == NOT_SUPPORTED
+    assert s(f"pool {WIN32}")["r"] == NOT_SUPPORTED
+    assert s("pool 64")["r"] == INVALID_VALUE
+    plain = s.ok("pool 0")["pool"]
+    assert s(f"pexport {plain}")["r"] == INVALID_VALUE  # created without the handle type
+    p = s.ok(f"palloc {plain} {SIZE}")["p"]
+    assert s(f"pexportptr {p}")["r"] == INVALID_VALUE  # its pool is not shared
+    pool = s.ok(f"pool {POSIX_FD}")["pool"]
+    assert s(f"pexport {pool} {FABRIC}")["r"] == NOT_SUPPORTED
+    assert s(f"pexport {pool} 0")["r"] == INVALID_VALUE
+    assert s("pimport 0")["r"] == INVALID_VALUE  # its stdin: not an exported descriptor
+    fd = s.ok(f"pexport {pool}")["fd"]
+    assert s(f"import {fd}")["r"] == INVALID_VALUE  # a pool's descriptor is not a VMM handle's
+    h = s.ok(f"create {SIZE} {POSIX_FD}")["h"]
+    vmm_fd = s.ok(f"export {h}")["fd"]
+    assert s(f"pimport {vmm_fd}")["r"] == INVALID_VALUE  # nor the other way round
+    imported = s.ok(f"pimport {fd}")["pool"]
+    assert s(f"palloc {imported} {SIZE}")["r"] == INVALID_VALUE  # no allocations of its own
+    q = s.ok(f"palloc {pool} {SIZE}")["p"]
+    data = s.ok(f"pexportptr {q}")["hex"]
+    assert s(f"pimportptr {plain} {data}")["r"] == INVALID_VALUE  # not the pool it came from
+    s.exit()
+
+
+def test_a_pool_descriptor_keeps_the_pool_memory_after_its_exporter_dies(
+    sim: Sim, sharers: list[Sharer], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    exporter, other = sharers
+    other.exit()  # the test receives on the other end itself
+    pool = exporter.ok(f"pool {POSIX_FD}")["pool"]
+    p = exporter.ok(f"palloc {pool} {SIZE}")["p"]
+    fd = exporter.ok(f"pexport {pool}")["fd"]
+    exporter.ok(f"pfree {p}")
+    exporter.ok(f"ptrim {pool} 0")  # nobody else holds it: a trim gives back as before
+    assert exporter.ok(f"pattr {pool} {RESERVED}")["value"] == 0
+    assert held(sim, exporter.pid) == CTX
+    exporter.ok(f"palloc {pool} {SIZE}")  # grows again, shared: the exporter is charged
+    assert held(sim, exporter.pid) == CTX + SIZE * MIB
+    exporter.ok(f"send {fd}")
+    exporter.kill()
+    _, fds, _, _ = socket.recv_fds(pair[1], 1, 1)
+    state = read_gpu_state(sim.config)
+    assert state.unowned == SIZE * MIB and state.mem_used == SIZE * MIB
+    os.close(fds[0])
+    assert read_gpu_state(sim.config).mem_used == 0
+
+
+def test_an_imported_pool_and_its_pointers_keep_the_memory(
+    sim: Sim, sharers: list[Sharer]
+) -> None:
+    """The importer's pool and the pointers imported into it keep the exporter's pool
+    memory: the exporter's trims give nothing back while they exist, and the memory outlives
+    the exporter, charged to the importer, until the last of them goes."""
+    exporter, importer = sharers
+    pool = exporter.ok(f"pool {POSIX_FD}")["pool"]
+    p = exporter.ok(f"palloc {pool} {SIZE}")["p"]
+    fd = exporter.ok(f"pexport {pool}")["fd"]
+    data = exporter.ok(f"pexportptr {p}")["hex"]
+    exporter.ok(f"send {fd}")
+    got = importer.ok("recv")["fd"]
+    mine = importer.ok(f"pimport {got}")["pool"]
+    importer.ok(f"close {got}")
+    q = importer.ok(f"pimportptr {mine} {data}")["p"]
+    assert importer.ok(f"range {q}") | {"r": 0} == {"r": 0, "base": q, "size": SIZE * MIB}
+    assert importer.ok(f"pattr {mine} {RESERVED}")["value"] == SIZE * MIB
+    assert importer.ok(f"pattr {mine} {USED}")["value"] == SIZE * MIB
+    assert held(sim, exporter.pid) == CTX + SIZE * MIB and held(sim, importer.pid) == CTX
+    exporter.ok(f"palloc {pool} {SIZE}")  # the shared pool grows: the importer sees it
+    assert importer.ok(f"pattr {mine} {RESERVED}")["value"] == 2 * SIZE * MIB
+    exporter.ok(f"pfree {p}")  # before the importer freed it: cuda.h forbids, the memory stays
+    exporter.ok(f"ptrim {pool} 0")
+    assert exporter.ok(f"pattr {pool} {RESERVED}")["value"] == 2 * SIZE * MIB
+    exporter.ok(f"pdestroy {pool}")
+    exporter.exit()
+    assert held(sim, importer.pid) == CTX + 2 * SIZE * MIB  # moved to the process holding it
+    importer.ok(f"free {q}")  # the imported pool still holds it
+    assert held(sim, importer.pid) == CTX + 2 * SIZE * MIB
+    importer.ok(f"pdestroy {mine}")
+    assert held(sim, importer.pid) == CTX
+    assert read_gpu_state(sim.config).mem_used == CTX

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
@@ -20,7 +21,7 @@ from qgpu.mix_prior import (
     prior_setting,
     use_prior,
 )
-from qgpu.model import GpuDevice, NodeInventory, SliceRequest
+from qgpu.model import GpuDevice, GpuHealth, NodeInventory, SliceRequest
 from qgpu.placement import ClusterState, Engine
 
 WHOLE = SliceRequest(core=100)
@@ -155,6 +156,69 @@ def test_the_keep_empty_rule_lapses_once_enough_requests_were_seen():
     # by default it lapses when the mix is known to within frag's repricing drift (5%)
     assert FragPolicy().keep_empty_until == KEEP_EMPTY_EVIDENCE == 400
     assert FragPolicy(measure="fgd").keep_empty == 0  # the paper's measure stays as published
+
+
+def _three_requests(policy: FragPolicy, cluster: list[NodeInventory]) -> tuple[str, ...]:
+    """The rule's case: a 30% share, a whole GPU, then a 50% share; where the 50 goes."""
+    engine = Engine(ClusterState(cluster), policy)
+    engine.place("a", SliceRequest(core=30, memory_gib=2))
+    engine.place("b", SliceRequest(core=100))
+    placed = engine.place("c", SliceRequest(core=50, memory_gib=5)).gpu_uuids
+    engine.state.check_invariants()
+    return placed
+
+
+def test_the_keep_empty_rule_is_not_taken_where_it_cannot_pay_out():
+    # n holds the 30 and the whole GPU; m0, m1, ... are empty 4-GPU nodes. With the rule
+    # lapsing after 5 requests, 2 more requests can come after the 50 (the third): with
+    # 2 spare empty nodes they could break both, so the rule holds (the 50 goes beside the
+    # 30); with 3 no request before the lapse can miss a whole empty node, and frag's own
+    # scores decide, exactly as without the rule
+    def cluster(spare: int, sick: bool = False) -> list[NodeInventory]:
+        nodes = [node("n", 4)] + [node(f"m{i}", 4) for i in range(spare)]
+        if sick:  # a node with a broken GPU cannot take a 4-GPU request
+            gpus = [
+                g.model_copy(update={"health": GpuHealth.UNHEALTHY}) if i == 0 else g
+                for i, g in enumerate(nodes[1].gpus)
+            ]
+            nodes[1] = nodes[1].model_copy(update={"gpus": gpus})
+        return nodes
+
+    def rule() -> FragPolicy:
+        return FragPolicy(prior=None, keep_empty_until=5)
+
+    def no_rule() -> FragPolicy:
+        return FragPolicy(prior=None, keep_empty=0)
+
+    assert _three_requests(rule(), cluster(2)) == ("n-g0",)
+    assert _three_requests(rule(), cluster(3, sick=True)) == ("n-g0",)
+    lifted = _three_requests(rule(), cluster(3))
+    assert lifted == _three_requests(no_rule(), cluster(3)) != ("n-g0",)
+    # held to half fill (it never lapses): always taken
+    assert _three_requests(FragPolicy(prior=None, keep_empty_until=0), cluster(3)) == ("n-g0",)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_where_the_rule_is_not_taken_every_request_before_the_lapse_finds_empty_gpus(seed):
+    # the guarantee behind lifting the rule: more spare empty nodes than requests still to
+    # come before the lapse, so whatever the shares do, every whole-GPU request of up to a
+    # node's GPUs fits; and frag then decides exactly as without the rule
+    rng = random.Random(seed)
+    until = 12
+    cluster = [node(f"n{i}", 4) for i in range(until)] + [node("small", 2)]
+    engines = [
+        Engine(ClusterState(cluster), FragPolicy(prior=None, keep_empty_until=until)),
+        Engine(ClusterState(cluster), FragPolicy(prior=None, keep_empty=0)),
+    ]
+    for i in range(until - 1):
+        if rng.random() < 0.6:
+            req = SliceRequest(core=rng.choice([10, 25, 30, 47, 50, 65, 81]), memory_gib=2)
+        else:
+            req = SliceRequest(core=100 * rng.choice([1, 1, 2, 4]))
+        placed = [e.place(f"r{i}", req).gpu_uuids for e in engines]
+        assert placed[0] == placed[1]
+    for e in engines:
+        e.state.check_invariants()
 
 
 def test_the_agent_and_the_extender_take_the_same_flag(tmp_path, monkeypatch):

@@ -3,11 +3,15 @@
  * cuCtxCreate (v1..v4) and green contexts when created, a primary context when it is first
  * retained (again after a reset). Raising a context's limits reserves more: the malloc heap
  * and printf FIFO by their growth, the stack by its growth times every thread the device can
- * hold at once (SMs x threads per SM). All of it is charged before the driver call (refused
- * with CUDA_ERROR_OUT_OF_MEMORY over the cap) and given back when the context is destroyed
+ * hold at once (SMs x threads per SM), and the device runtime's pending launches and sync
+ * depth by what the driver reserves for them (devrt_* below: a bound, or what the driver's
+ * free memory shows it took, whichever is larger). All of it is charged before the driver
+ * call (refused with CUDA_ERROR_OUT_OF_MEMORY over the cap) and given back when the context
+ * is destroyed
  * (cuCtxDestroy, the last primary release, a primary reset, cuGreenCtxDestroy), together with
- * the allocations the driver frees with it. A context on a device other than the slice's GPU
- * is refused (CUDA_ERROR_INVALID_DEVICE). */
+ * the allocations the driver frees with it. A context created while libraries are loaded is
+ * measured as well (module.c: eager loading brings them into it). A context on a device other
+ * than the slice's GPU is refused (CUDA_ERROR_INVALID_DEVICE). */
 #include "hook.h"
 
 #define MAX_DEVICES 64
@@ -18,6 +22,8 @@
 #define ATTR_MAX_THREADS_PER_MULTIPROCESSOR 39
 
 static qgpu_table_t ctx_charge = QGPU_TABLE_INIT; /* context -> bytes charged for it */
+/* context | limit (3, 4) -> bytes charged for that device runtime limit (in ctx_charge too) */
+static qgpu_table_t devrt_charge = QGPU_TABLE_INIT;
 static qgpu_table_t green_ctx = QGPU_TABLE_INIT;  /* green context -> its CUcontext */
 static struct {
     int refs, active;
@@ -37,8 +43,22 @@ static void note_context(CUcontext ctx, uint64_t bytes) {
 static void context_gone(CUcontext ctx) {
     uint64_t bytes;
     if (qgpu_table_take(&ctx_charge, (uintptr_t)ctx, &bytes, NULL) == 0) ledger_release(bytes);
+    qgpu_table_take(&devrt_charge, (uintptr_t)ctx | CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, NULL, NULL);
+    qgpu_table_take(&devrt_charge, (uintptr_t)ctx | CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, NULL,
+                    NULL);
     mem_forget_ctx(ctx);
     ipc_forget_ctx(ctx);
+    pool_forget_ctx(ctx);
+    module_forget_ctx(ctx);
+}
+
+/* A created context that module.c found over the cap (the libraries eager loading brought
+ * into it do not fit) is destroyed again. */
+static CUresult refuse_created(CUcontext ctx) {
+    if (HAVE_REAL(cuCtxDestroy_v2)) REAL(cuCtxDestroy_v2)(ctx);
+    module_forget_ctx(ctx);
+    ledger_release(g_lim.context_memory);
+    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 #define CTX_CREATE(name, params, args)                                                       \
@@ -46,11 +66,16 @@ static void context_gone(CUcontext ctx) {
         HOOK_ENTER(name, args);                                                              \
         if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;                      \
         if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
+        measure_t m;                                                                         \
+        module_ctx_begin(&m);                                                                \
         CUresult r = REAL(name)(args);                                                       \
+        int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,           \
+                                  g_lim.context_memory);                                     \
         if (r != CUDA_SUCCESS || !pctx) {                                                    \
             ledger_release(g_lim.context_memory);                                            \
             return r;                                                                        \
         }                                                                                    \
+        if (over) return refuse_created(*pctx);                                              \
         note_context(*pctx, g_lim.context_memory);                                           \
         return r;                                                                            \
     }
@@ -67,6 +92,7 @@ CTX_CREATE(cuCtxCreate_v4, (CUcontext * pctx, CUctxCreateParams *params, unsigne
 #define CTX_DESTROY(name)                                                                    \
     QGPU_EXPORT CUresult name(CUcontext ctx) {                                               \
         HOOK_ENTER(name, ctx);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(ctx);                                                        \
         if (r == CUDA_SUCCESS) context_gone(ctx);                                            \
         return r;                                                                            \
@@ -78,13 +104,23 @@ QGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     HOOK_ENTER(cuDevicePrimaryCtxRetain, pctx, dev);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (dev < 0 || dev >= MAX_DEVICES) return REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    measure_t m;
+    module_ctx_begin(&m); /* before primary_lock: the memory lock is always taken first */
     pthread_mutex_lock(&primary_lock);
     int creates = !primary[dev].active;
     if (creates && take_context_charge() != 0) {
         pthread_mutex_unlock(&primary_lock);
+        module_ctx_end(&m, CUDA_ERROR_OUT_OF_MEMORY, NULL, 0);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult r = REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,
+                              creates ? g_lim.context_memory : 0);
+    if (r == CUDA_SUCCESS && pctx && over) { /* the libraries it brought in do not fit */
+        if (HAVE_REAL(cuDevicePrimaryCtxRelease_v2)) REAL(cuDevicePrimaryCtxRelease_v2)(dev);
+        module_forget_ctx(*pctx);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     if (r != CUDA_SUCCESS || !pctx) {
         if (creates) ledger_release(g_lim.context_memory);
     } else {
@@ -108,6 +144,7 @@ static void primary_gone_locked(CUdevice dev) {
 #define PRIMARY_RELEASE(name)                                                                \
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(dev);                                                        \
         if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
         pthread_mutex_lock(&primary_lock);                                                   \
@@ -123,6 +160,7 @@ PRIMARY_RELEASE(cuDevicePrimaryCtxRelease_v2)
 #define PRIMARY_RESET(name)                                                                  \
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(dev);                                                        \
         if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
         pthread_mutex_lock(&primary_lock);                                                   \
@@ -138,20 +176,32 @@ QGPU_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, C
     HOOK_ENTER(cuGreenCtxCreate, out, desc, dev, flags);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
     if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    measure_t m;
+    module_ctx_begin(&m);
     CUresult r = REAL(cuGreenCtxCreate)(out, desc, dev, flags);
+    CUcontext as_ctx = NULL;
+    if (r == CUDA_SUCCESS && out && HAVE_REAL(cuCtxFromGreenCtx))
+        REAL(cuCtxFromGreenCtx)(&as_ctx, *out);
+    /* the primary context it may have created is measured too: nothing is taken off */
+    int over = module_ctx_end(&m, r, as_ctx, 0);
     if (r != CUDA_SUCCESS || !out) {
         ledger_release(g_lim.context_memory);
         return r;
     }
+    if (over) {
+        if (HAVE_REAL(cuGreenCtxDestroy)) REAL(cuGreenCtxDestroy)(*out);
+        module_forget_ctx(as_ctx);
+        ledger_release(g_lim.context_memory);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     note_context((CUcontext)(void *)*out, g_lim.context_memory);
-    CUcontext as_ctx = NULL;
-    if (HAVE_REAL(cuCtxFromGreenCtx) && REAL(cuCtxFromGreenCtx)(&as_ctx, *out) == CUDA_SUCCESS)
-        qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx, 0);
+    if (as_ctx) qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx, 0);
     return r;
 }
 
 QGPU_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx g) {
     HOOK_ENTER(cuGreenCtxDestroy, g);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuGreenCtxDestroy)(g);
     if (r != CUDA_SUCCESS) return r;
     uint64_t as_ctx = 0;
@@ -186,8 +236,127 @@ static uint64_t limit_cost(int limit, uint64_t value) {
     return hook_mul(value - base, per, &cost) ? UINT64_MAX : cost;
 }
 
+/* ---- the device runtime's reservations ----
+ *
+ * CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT and CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH make the
+ * driver reserve device memory (cuda.h: "large amounts"), how much per launch or level
+ * NVIDIA does not publish. The hook charges the larger of:
+ *  - a bound: 16 KiB per pending launch above the default 2048 (a launch record and up to
+ *    4 KiB of parameters, with room to spare), and 8 KiB per thread the device can hold at
+ *    once per sync level above the default 2 (the saved state of every live parent thread);
+ *  - what the driver took: the card's free memory (the driver's own cuMemGetInfo) just before
+ *    and just after the call. Another process freeing memory at that moment makes the
+ *    difference smaller, never the charge (the bound stays); one allocating makes it larger
+ *    (an over-charge of this slice, never of another).
+ * The bound is charged before the call (refused over the cap); more, when the driver shows
+ * it took more, after it: if that does not fit, the limit is set back and the call refused.
+ * Lowering a limit gives back its share: the bound for the new value, or the old charge
+ * scaled to the new value, whichever is larger. Calls are serialised in the process, so two
+ * threads' measurements never overlap. */
+#define SYNC_DEPTH_DEFAULT 2ULL
+#define SYNC_DEPTH_MAX 24ULL
+#define PENDING_DEFAULT 2048ULL
+#define DEVRT_LAUNCH_BOUND (16ULL << 10)
+#define DEVRT_SYNC_THREAD_BOUND (8ULL << 10)
+
+static pthread_mutex_t devrt_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t devrt_default(int limit) {
+    return limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH ? SYNC_DEPTH_DEFAULT : PENDING_DEFAULT;
+}
+
+/* the hook's bound for a value (UINT64_MAX when it cannot be represented) */
+static uint64_t devrt_bound(int limit, uint64_t value) {
+    uint64_t base = devrt_default(limit), per = DEVRT_LAUNCH_BOUND, cost;
+    if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH && value > SYNC_DEPTH_MAX)
+        value = SYNC_DEPTH_MAX; /* cuda.h's maximum: the driver refuses or clamps above it */
+    if (value <= base) return 0;
+    if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH &&
+        hook_mul(threads_on_device(), DEVRT_SYNC_THREAD_BOUND, &per) != 0)
+        return UINT64_MAX;
+    return hook_mul(value - base, per, &cost) ? UINT64_MAX : cost;
+}
+
+/* the card's free memory as the driver reports it; 0 when it cannot say */
+static int card_free(uint64_t *out) {
+    size_t f = 0, t = 0;
+    if (!HAVE_REAL(cuMemGetInfo_v2) || REAL(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS) return -1;
+    *out = f;
+    return 0;
+}
+
+/* held for `old`, scaled to `now` (both above the default) */
+static uint64_t scaled(uint64_t held, uint64_t old, uint64_t now, uint64_t base) {
+    if (old <= base || now <= base) return 0;
+    return (uint64_t)((unsigned __int128)held * (now - base) / (old - base));
+}
+
+/* The charge for the limit after the driver set it to `now` (was `old`, charged `held`). */
+static uint64_t devrt_target(int limit, uint64_t old, uint64_t now, uint64_t held, int measured,
+                             uint64_t took) {
+    uint64_t target = devrt_bound(limit, now);
+    if (now > old && measured && held + took > target) target = held + took;
+    if (now < old) {
+        uint64_t keep = scaled(held, old, now, devrt_default(limit));
+        if (keep > target) target = keep;
+    }
+    return target;
+}
+
+static CUresult set_devrt_limit(int limit, size_t value) {
+    size_t old = devrt_default(limit);
+    /* a limit the device does not have (the sync depth from compute capability 9.0) is
+     * refused as the driver would, before anything is charged or reaches it */
+    if (HAVE_REAL(cuCtxGetLimit) && REAL(cuCtxGetLimit)(&old, limit) == CUDA_ERROR_UNSUPPORTED_LIMIT)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    CUcontext ctx = mem_current_ctx();
+    uint64_t key = (uintptr_t)ctx | (uint64_t)limit, held = 0;
+    pthread_mutex_lock(&devrt_lock);
+    qgpu_table_get(&devrt_charge, key, &held, NULL);
+    uint64_t want = devrt_bound(limit, value), pre = want > held ? want - held : 0;
+    if (want == UINT64_MAX || (pre && ledger_reserve(pre) != 0)) {
+        pthread_mutex_unlock(&devrt_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t f0 = 0, f1 = 0;
+    int m0 = card_free(&f0);
+    CUresult r = REAL(cuCtxSetLimit)(limit, value);
+    int m1 = card_free(&f1);
+    if (r != CUDA_SUCCESS) {
+        ledger_release(pre);
+        pthread_mutex_unlock(&devrt_lock);
+        return r;
+    }
+    size_t now = value; /* what the driver set (it may clamp or round) */
+    if (HAVE_REAL(cuCtxGetLimit)) REAL(cuCtxGetLimit)(&now, limit);
+    uint64_t target = devrt_target(limit, old, now, held, m0 == 0 && m1 == 0,
+                                   f0 > f1 ? f0 - f1 : 0);
+    uint64_t have = held + pre;
+    if (target > have && ledger_reserve(target - have) != 0) {
+        REAL(cuCtxSetLimit)(limit, old); /* the driver took more than the slice has */
+        ledger_release(pre);
+        pthread_mutex_unlock(&devrt_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (target < have) ledger_release(have - target);
+    if (target) qgpu_table_put(&devrt_charge, key, target, 0);
+    else qgpu_table_take(&devrt_charge, key, NULL, NULL);
+    uint64_t total = 0;
+    qgpu_table_get(&ctx_charge, (uintptr_t)ctx, &total, NULL);
+    if (target >= held)
+        total += target - held;
+    else
+        total = total > held - target ? total - (held - target) : 0;
+    qgpu_table_put(&ctx_charge, (uintptr_t)ctx, total, 0);
+    pthread_mutex_unlock(&devrt_lock);
+    return r;
+}
+
 QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     HOOK_ENTER(cuCtxSetLimit, limit, value);
+    HOOK_MEM_OP();
+    if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH || limit == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT)
+        return set_devrt_limit(limit, value);
     if (limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE || !HAVE_REAL(cuCtxGetLimit))
         return REAL(cuCtxSetLimit)(limit, value);
     size_t old = 0;
@@ -202,6 +371,7 @@ QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     }
     CUcontext ctx = mem_current_ctx();
     uint64_t held = 0;
+    pthread_mutex_lock(&devrt_lock); /* one writer of the context's charge at a time */
     qgpu_table_get(&ctx_charge, (uintptr_t)ctx, &held, NULL);
     if (after < before) {
         ledger_release(before - after);
@@ -210,5 +380,6 @@ QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
         held += after - before;
     }
     qgpu_table_put(&ctx_charge, (uintptr_t)ctx, held, 0);
+    pthread_mutex_unlock(&devrt_lock);
     return r;
 }

@@ -29,6 +29,9 @@ QGPU_SYMVER(pthread_attr_setstacksize, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_setpshared, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_init, QGPU_GLIBC_BASE);
 QGPU_SYMVER(pthread_mutexattr_destroy, QGPU_GLIBC_BASE);
+QGPU_SYMVER(pthread_rwlock_rdlock, QGPU_GLIBC_BASE);
+QGPU_SYMVER(pthread_rwlock_wrlock, QGPU_GLIBC_BASE);
+QGPU_SYMVER(pthread_rwlock_unlock, QGPU_GLIBC_BASE);
 #if defined(__x86_64__)
 QGPU_SYMVER(dladdr1, "GLIBC_2.3.3");
 QGPU_SYMVER(dlinfo, "GLIBC_2.3.3");

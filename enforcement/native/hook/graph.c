@@ -5,8 +5,12 @@
  * graph moved into its parent, ...) and CUDA adds more. So at every instantiation the hook
  * walks the graph the driver instantiated (cuGraphGetNodes, cuGraphNodeGetType,
  * cuGraphMemAllocNodeGetParams, into child graphs through cuGraphChildGraphNodeGetGraph) and
- * records the executable graph's need: the sum of its allocation nodes' sizes. The walk
- * refuses an allocation node on another GPU than the slice's (CUDA_ERROR_INVALID_DEVICE).
+ * records the executable graph's need: the sum of its allocation nodes' sizes, each rounded
+ * up to the device's allocation granularity (the larger of cuMemGetAllocationGranularity's
+ * minimum and recommended, 2 MiB when it cannot say): every graph allocation has an address
+ * of its own, so the driver may back each with whole pages of physical memory, and a graph
+ * of many small nodes takes that much more than it asks. The walk refuses an allocation
+ * node on another GPU than the slice's (CUDA_ERROR_INVALID_DEVICE).
  *
  * The graph is walked before the driver instantiates it and again after, and the larger sum
  * is kept: graphs are not thread-safe, and another thread could add nodes in between; a
@@ -26,6 +30,7 @@
  * the driver refuses allocation and free nodes there, and in any graph a node owns.
  * Upload and launch (graph_mem_before here, pool.c's graph_mem_after) charge the need. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "hook.h"
 
@@ -40,6 +45,32 @@ static qgpu_table_t child_share = QGPU_TABLE_INIT;
 static uint64_t add_sat(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
 
 /* ---- walking a graph ---- */
+
+#define GRAN_DEVICES 64
+#define GRAN_FALLBACK (2ULL << 20)
+
+/* What the driver may map for one allocation of `size` on `loc`: whole granules. */
+static uint64_t backed_size(uint64_t size, const CUmemLocation *loc) {
+    static uint64_t gran[GRAN_DEVICES]; /* found once per device (0: not yet) */
+    int dev = loc->id >= 0 && loc->id < GRAN_DEVICES ? loc->id : 0;
+    uint64_t g = __atomic_load_n(&gran[dev], __ATOMIC_RELAXED);
+    if (!g) {
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = *loc;
+        size_t min = 0, rec = 0;
+        if (HAVE_REAL(cuMemGetAllocationGranularity)) {
+            REAL(cuMemGetAllocationGranularity)(&min, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+            REAL(cuMemGetAllocationGranularity)(&rec, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+        }
+        g = min > rec ? min : rec;
+        if (!g || (g & (g - 1))) g = GRAN_FALLBACK; /* unknown or not a power of two */
+        __atomic_store_n(&gran[dev], g, __ATOMIC_RELAXED);
+    }
+    if (size > UINT64_MAX - (g - 1)) return UINT64_MAX;
+    return (size + g - 1) & ~(g - 1);
+}
 
 typedef struct {
     CUgraphNode node;
@@ -119,7 +150,8 @@ static CUresult walk(CUgraph g, int depth, uint64_t *bytes, walk_t *w) {
                     : CUDA_ERROR_NOT_SUPPORTED;
             if (r == CUDA_SUCCESS && hook_foreign_location(&p.poolProps.location))
                 r = CUDA_ERROR_INVALID_DEVICE;
-            if (r == CUDA_SUCCESS) *bytes = add_sat(*bytes, p.bytesize);
+            if (r == CUDA_SUCCESS)
+                *bytes = add_sat(*bytes, backed_size(p.bytesize, &p.poolProps.location));
         } else if (type == CU_GRAPH_NODE_TYPE_GRAPH) {
             CUgraph child = NULL;
             uint64_t share = 0;
@@ -202,10 +234,18 @@ static CUresult instantiated(CUresult r, CUgraphExec *e, CUgraph g, uint64_t at_
     return wr;
 }
 
-/* Before an upload or launch: the executable graph's allocations, charged in full. */
-int graph_mem_before(CUgraphExec e, uint64_t *need) {
+/* Before an upload or launch: the executable graph's allocations, charged in full. When
+ * they do not fit, the driver is asked to give back the graph memory nothing uses
+ * (pool.c), first at once, then after the stream's earlier work has run (a relaunch of the
+ * same graph on the same stream): the charge is never smaller than the driver's pool plus
+ * the whole need, so a launch can take no more than it was charged for. `s` NULL: no
+ * waiting. */
+int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need) {
     *need = need_of(e);
-    return *need && ledger_reserve(*need) != 0 ? -1 : 0;
+    if (!*need || ledger_reserve(*need) == 0) return 0;
+    for (int wait = 0; wait <= can_wait; wait++)
+        if (graph_mem_make_room(s, wait) && ledger_reserve(*need) == 0) return 0;
+    return -1;
 }
 
 /* ---- graph allocation nodes: the slice's GPU only (refused early; the walk checks too) ---- */
@@ -222,10 +262,19 @@ static int generic_alloc_refused(const CUgraphNodeParams *p) {
            hook_foreign_location(&p->alloc.poolProps.location);
 }
 
+/* A kernel node of a CUkernel: its library is loaded into the current context first,
+ * measured (module.c), as for cuGraphAddKernelNode. */
+static CUresult generic_kernel_loaded(const CUgraphNodeParams *p) {
+    if (!p || p->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_SUCCESS;
+    return module_kernel_use((void *)p->kernel.func, NULL);
+}
+
 QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                     size_t ndeps, CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode, node, g, deps, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult k = generic_kernel_loaded(p);
+    if (k != CUDA_SUCCESS) return k;
     return REAL(cuGraphAddNode)(node, g, deps, ndeps, p);
 }
 
@@ -234,6 +283,8 @@ QGPU_EXPORT CUresult cuGraphAddNode_v2(CUgraphNode *node, CUgraph g, const CUgra
                                        CUgraphNodeParams *p) {
     HOOK_ENTER(cuGraphAddNode_v2, node, g, deps, edges, ndeps, p);
     if (generic_alloc_refused(p)) return CUDA_ERROR_INVALID_DEVICE;
+    CUresult k = generic_kernel_loaded(p);
+    if (k != CUDA_SUCCESS) return k;
     return REAL(cuGraphAddNode_v2)(node, g, deps, edges, ndeps, p);
 }
 
@@ -273,7 +324,9 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
     uint64_t need;
     CUresult r = before_instantiate(g, &need);
     if (r != CUDA_SUCCESS) return r;
-    if (upload && need && ledger_reserve(need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (upload && need && ledger_reserve(need) != 0 &&
+        (!graph_mem_make_room(NULL, 0) || ledger_reserve(need) != 0))
+        return CUDA_ERROR_OUT_OF_MEMORY;
     r = real(e, g, params);
     if (upload) graph_mem_after(r, need);
     return instantiated(r, e, g, need);
@@ -281,16 +334,19 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams_ptsz, e, g, params);
+    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams_ptsz), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
     HOOK_ENTER(cuGraphExecDestroy, e);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuGraphExecDestroy)(e);
     if (r == CUDA_SUCCESS) {
         pthread_mutex_lock(&graph_lock);
@@ -427,14 +483,17 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
 
 /* ---- upload ---- */
 
-#define UPLOAD(name)                                                                         \
+#define UPLOAD(name, SMAP)                                                                   \
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
+        HOOK_MEM_OP();                                                                       \
         uint64_t need;                                                                       \
-        if (graph_mem_before(e, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;                \
+        if (graph_mem_before(e, SMAP(s), 1, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;    \
         CUresult r = REAL(name)(e, s);                                                       \
         graph_mem_after(r, need);                                                            \
         return r;                                                                            \
     }
-UPLOAD(cuGraphUpload)
-UPLOAD(cuGraphUpload_ptsz)
+#define SAME_STREAM(s) (s)
+#define PTSZ_STREAM(s) ((s) ? (s) : (CUstream)(uintptr_t)0x2)
+UPLOAD(cuGraphUpload, SAME_STREAM)
+UPLOAD(cuGraphUpload_ptsz, PTSZ_STREAM)

@@ -4,10 +4,11 @@
  * through the hook. Then the limits are read (config.c), the slice ledger is mapped
  * (ledger.c), the GPU's shared state is opened (roster.c, busy.c, region.c), and the wrappers
  * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
- * legacy IPC mappings (ipc.c), pools, stream-ordered and graph memory (pool.c), what
- * executable graphs allocate (graph.c), contexts (ctx.c), launches (launch.c), NVML views
- * (nvml.c). dlsym.c makes the wrappers reachable through
- * dlsym, dlvsym and cuGetProcAddress; real.c finds the real driver's functions. */
+ * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
+ * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
+ * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
 
@@ -29,12 +30,19 @@
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemRetainAllocationHandle)  \
     X(cuMemMapArrayAsync) X(cuMemMapArrayAsync_ptsz)                                         \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)                        \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2)                \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz)           \
+    X(cuMemAdvise) X(cuMemAdvise_v2)                                                         \
     X(cuIpcOpenMemHandle) X(cuIpcOpenMemHandle_v2) X(cuIpcCloseMemHandle)                    \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)                    \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                 \
     X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemPoolCreate) X(cuDeviceGetMemPool)          \
+    X(cuMemPoolExportToShareableHandle) X(cuMemPoolImportFromShareableHandle)                \
+    X(cuMemPoolImportPointer)                                                                \
     X(cuDeviceGetDefaultMemPool) X(cuMemGetMemPool) X(cuMemGetDefaultMemPool)                \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize)                   \
+    X(cuCtxSynchronize_v2)                                                                   \
     X(cuEventSynchronize)                                                                    \
     X(cuGraphAddMemAllocNode) X(cuGraphAddNode) X(cuGraphAddNode_v2)                          \
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2)                                           \
@@ -49,7 +57,11 @@
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)    \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)                           \
     X(cuLaunchCooperativeKernelMultiDevice) X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz)                                                   \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)  \
+    X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary)       \
+    X(cuModuleUnload) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
+    X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) X(cuLibraryGetKernel) \
+    X(cuLibraryEnumerateKernels) X(cuKernelGetFunction)                                      \
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)                                 \
     X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)       \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)      \
@@ -69,7 +81,8 @@
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAllocationGranularity)               \
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
-    X(nvmlDeviceGetHandleByIndex_v2)
+    X(nvmlDeviceGetHandleByIndex_v2) X(cuKernelGetLibrary) X(cuStreamGetCtx)                 \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
@@ -212,13 +225,43 @@ QGPU_HIDDEN void ipc_forget_ctx(CUcontext ctx);
 
 /* pool.c */
 QGPU_HIDDEN void pool_settle_all(void); /* credit what pools and graph memory gave back */
+/* `ptr` was freed (cuMemFree, or cuMemFreeAsync on `s`): a pointer imported into a shared pool
+ * lets go of the pool (async: once the stream reaches the free) */
+QGPU_HIDDEN void pool_forget_import(CUdeviceptr ptr, int async, CUstream s);
+QGPU_HIDDEN void pool_forget_ctx(CUcontext ctx); /* its imported pointers went with it */
 /* after a graph upload or launch that was charged `need` first: the device's graph memory
  * is then charged what the driver reserves (need is given back on failure) */
 QGPU_HIDDEN void graph_mem_after(CUresult r, uint64_t need);
+/* the driver gives back the graph memory nothing uses (after stream s's earlier work with
+ * `wait`) and the charge follows; 1 when the charge fell */
+QGPU_HIDDEN int graph_mem_make_room(CUstream s, int wait);
+QGPU_HIDDEN uint64_t pool_reserved_total(void); /* what the process's pools reserve now */
 
-/* graph.c: before a graph upload or launch, its allocations charged in full (-1: they do
- * not fit, refuse) */
-QGPU_HIDDEN int graph_mem_before(CUgraphExec e, uint64_t *need);
+/* module.c: device memory taken by loading device code, measured around the driver's call.
+ * Every wrapper that makes the driver allocate or free device memory holds the process's
+ * memory lock shared for the call (HOOK_MEM_OP); a measured call holds it exclusively. */
+QGPU_HIDDEN int memop_begin(void);
+QGPU_HIDDEN void memop_end(int *held);
+#define HOOK_MEM_OP() \
+    int hook_memop_ __attribute__((cleanup(memop_end), unused)) = memop_begin()
+typedef struct {
+    int own_ok, dev_ok;
+    uint64_t own, dev, pools; /* before the call: this pid's, the device's, the pools' */
+    int measuring;            /* a context creation measured (libraries are loaded) */
+    int shared;               /* otherwise: the lock held shared */
+} measure_t;
+/* Around a context creation: measured while libraries are loaded (eager loading brings them
+ * into the new context). -1 when what it took beyond `own_cost` does not fit (undo it). */
+QGPU_HIDDEN void module_ctx_begin(measure_t *m);
+QGPU_HIDDEN int module_ctx_end(measure_t *m, CUresult r, CUcontext ctx, uint64_t own_cost);
+QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is gone */
+/* Before a CUkernel is launched or put in a graph node on stream `s`: its library is loaded
+ * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
+QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
+
+/* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
+ * room made by trimming when they do not fit (-1: they still do not, refuse) */
+QGPU_HIDDEN int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need);
 
 /* launch.c */
 typedef struct {

@@ -65,6 +65,7 @@ static CUresult charge_open(CUdeviceptr ptr, CUresult (*close_fn)(CUdeviceptr)) 
 #define IPC_OPEN(name)                                                                       \
     QGPU_EXPORT CUresult name(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int flags) { \
         HOOK_ENTER(name, pdptr, handle, flags);                                              \
+        HOOK_MEM_OP();                                                                       \
         CUresult r = REAL(name)(pdptr, handle, flags);                                       \
         if (r != CUDA_SUCCESS || !pdptr) return r;                                           \
         return charge_open(*pdptr, REAL(cuIpcCloseMemHandle));                               \
@@ -75,6 +76,7 @@ IPC_OPEN(cuIpcOpenMemHandle_v2)
 
 QGPU_EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
     HOOK_ENTER(cuIpcCloseMemHandle, dptr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuIpcCloseMemHandle)(dptr);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&ipc_lock);

@@ -418,11 +418,20 @@ static void note_mode(int gated) {
         return r_;                                                                           \
     } while (0)
 
+/* A CUkernel launched as a CUfunction: its library is loaded into the stream's context
+ * first, measured (module.c). */
+#define KERNEL_LOADED(f, s)                                                                  \
+    do {                                                                                     \
+        CUresult k_ = module_kernel_use((void *)(f), (s));                                   \
+        if (k_ != CUDA_SUCCESS) return k_;                                                   \
+    } while (0)
+
 #define LAUNCH_KERNEL(name, SMAP)                                                            \
     QGPU_EXPORT CUresult name(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, \
                               unsigned by, unsigned bz, unsigned shmem, CUstream s, void **params, \
                               void **extra) {                                                \
         HOOK_ENTER(name, f, gx, gy, gz, bx, by, bz, shmem, s, params, extra);                \
+        KERNEL_LOADED(f, s);                                                                 \
         GATED(SMAP(s), REAL(name)(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra));      \
     }
 
@@ -431,6 +440,7 @@ static void note_mode(int gated) {
                               unsigned by, unsigned bz, unsigned shmem, CUstream s,           \
                               void **params) {                                               \
         HOOK_ENTER(name, f, gx, gy, gz, bx, by, bz, shmem, s, params);                       \
+        KERNEL_LOADED(f, s);                                                                 \
         GATED(SMAP(s), REAL(name)(f, gx, gy, gz, bx, by, bz, shmem, s, params));             \
     }
 
@@ -438,6 +448,7 @@ static void note_mode(int gated) {
     QGPU_EXPORT CUresult name(const CUlaunchConfig *cfg, CUfunction f, void **params,        \
                               void **extra) {                                                \
         HOOK_ENTER(name, cfg, f, params, extra);                                             \
+        KERNEL_LOADED(f, cfg ? cfg->hStream : NULL);                                         \
         GATED(SMAP(cfg ? cfg->hStream : NULL), REAL(name)(cfg, f, params, extra));           \
     }
 
@@ -445,8 +456,9 @@ static void note_mode(int gated) {
 #define GRAPH_LAUNCH(name, SMAP)                                                             \
     QGPU_EXPORT CUresult name(CUgraphExec g, CUstream s) {                                   \
         HOOK_ENTER(name, g, s);                                                              \
+        HOOK_MEM_OP();                                                                       \
         uint64_t need_;                                                                      \
-        if (graph_mem_before(g, &need_) != 0) return CUDA_ERROR_OUT_OF_MEMORY;               \
+        if (graph_mem_before(g, SMAP(s), 1, &need_) != 0) return CUDA_ERROR_OUT_OF_MEMORY;   \
         CUresult r_;                                                                         \
         region_publish_launch();                                                             \
         gate_mode_t m_ = gate_mode();                                                        \
@@ -476,16 +488,19 @@ GRAPH_LAUNCH(cuGraphLaunch_ptsz, PTSZ_STREAM)
 /* Legacy (CUDA 2.x) launches run on the legacy default stream, or the given one. */
 QGPU_EXPORT CUresult cuLaunch(CUfunction f) {
     HOOK_ENTER(cuLaunch, f);
+    KERNEL_LOADED(f, NULL);
     GATED(NULL, REAL(cuLaunch)(f));
 }
 
 QGPU_EXPORT CUresult cuLaunchGrid(CUfunction f, int w, int h) {
     HOOK_ENTER(cuLaunchGrid, f, w, h);
+    KERNEL_LOADED(f, NULL);
     GATED(NULL, REAL(cuLaunchGrid)(f, w, h));
 }
 
 QGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s) {
     HOOK_ENTER(cuLaunchGridAsync, f, w, h, s);
+    KERNEL_LOADED(f, s);
     GATED(s, REAL(cuLaunchGridAsync)(f, w, h, s));
 }
 
@@ -494,5 +509,6 @@ QGPU_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s) {
 QGPU_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *list, unsigned int n,
                                                           unsigned int flags) {
     HOOK_ENTER(cuLaunchCooperativeKernelMultiDevice, list, n, flags);
+    for (unsigned i = 0; list && i < n; i++) KERNEL_LOADED(list[i].function, list[i].hStream);
     GATED(list && n ? list[0].hStream : NULL, REAL(cuLaunchCooperativeKernelMultiDevice)(list, n, flags));
 }

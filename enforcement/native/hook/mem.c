@@ -66,6 +66,7 @@ void mem_forget_ctx(CUcontext ctx) {
 
 QGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
     HOOK_ENTER(cuMemAlloc_v2, dptr, size);
+    HOOK_MEM_OP();
     CHARGE(size);
     CUresult r = REAL(cuMemAlloc_v2)(dptr, size);
     SETTLE(r, size, r == CUDA_SUCCESS ? *dptr : 0);
@@ -74,6 +75,7 @@ QGPU_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
 
 QGPU_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int size) {
     HOOK_ENTER(cuMemAlloc, dptr, size);
+    HOOK_MEM_OP();
     CHARGE(size);
     CUresult r = REAL(cuMemAlloc)(dptr, size);
     SETTLE(r, size, r == CUDA_SUCCESS ? *dptr : 0);
@@ -102,6 +104,7 @@ static CUresult pitch_settle(CUresult r, uint64_t guess, uint64_t pitch, uint64_
 QGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
                                         size_t height, unsigned int elem) {
     HOOK_ENTER(cuMemAllocPitch_v2, dptr, pitch, width, height, elem);
+    HOOK_MEM_OP();
     uint64_t guess;
     if (hook_mul(width, height, &guess) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     CHARGE(guess);
@@ -112,6 +115,7 @@ QGPU_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t
 QGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width,
                                      unsigned int height, unsigned int elem) {
     HOOK_ENTER(cuMemAllocPitch, dptr, pitch, width, height, elem);
+    HOOK_MEM_OP();
     uint64_t guess = (uint64_t)width * height; /* 32 x 32 bits: cannot wrap */
     CHARGE(guess);
     CUresult r = REAL(cuMemAllocPitch)(dptr, pitch, width, height, elem);
@@ -120,6 +124,7 @@ QGPU_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, 
 
 QGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
     HOOK_ENTER(cuMemAllocManaged, dptr, size, flags);
+    HOOK_MEM_OP();
     CHARGE(size);
     CUresult r = REAL(cuMemAllocManaged)(dptr, size, flags);
     SETTLE(r, size, r == CUDA_SUCCESS ? *dptr : 0);
@@ -128,15 +133,23 @@ QGPU_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned 
 
 QGPU_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     HOOK_ENTER(cuMemFree_v2, dptr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFree_v2)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 
 QGPU_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     HOOK_ENTER(cuMemFree, dptr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemFree)(dptr);
-    if (r == CUDA_SUCCESS && dptr) untrack(dptr);
+    if (r == CUDA_SUCCESS && dptr) {
+        untrack(dptr);
+        pool_forget_import(dptr, 0, NULL);
+    }
     return r;
 }
 
@@ -167,6 +180,7 @@ static int array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, uin
 #define ARRAY_CREATE(name, desc_t, W, H, D)                                                  \
     QGPU_EXPORT CUresult name(CUarray *arr, const desc_t *d) {                               \
         HOOK_ENTER(name, arr, d);                                                            \
+        HOOK_MEM_OP();                                                                       \
         uint64_t bytes = 0;                                                                  \
         if (d && array_bytes(W, H, D, d->Format, d->NumChannels, &bytes) != 0)               \
             return CUDA_ERROR_OUT_OF_MEMORY;                                                 \
@@ -182,6 +196,7 @@ ARRAY_CREATE(cuArray3DCreate, CUDA_ARRAY3D_DESCRIPTOR_v1, d->Width, d->Height, d
 
 QGPU_EXPORT CUresult cuArrayDestroy(CUarray arr) {
     HOOK_ENTER(cuArrayDestroy, arr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuArrayDestroy)(arr);
     if (r == CUDA_SUCCESS) untrack((uintptr_t)arr);
     return r;
@@ -191,6 +206,7 @@ QGPU_EXPORT CUresult cuArrayDestroy(CUarray arr) {
 QGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                             unsigned int levels) {
     HOOK_ENTER(cuMipmappedArrayCreate, out, d, levels);
+    HOOK_MEM_OP();
     uint64_t total = 0;
     if (d) {
         uint64_t w = d->Width, h = d->Height, dep = d->Depth;
@@ -212,6 +228,7 @@ QGPU_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_AR
 
 QGPU_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray m) {
     HOOK_ENTER(cuMipmappedArrayDestroy, m);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMipmappedArrayDestroy)(m);
     if (r == CUDA_SUCCESS) untrack((uintptr_t)m);
     return r;

@@ -71,6 +71,7 @@ static void track_handle(CUmemGenericAllocationHandle handle, uint64_t size) {
 QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                  const CUmemAllocationProp *prop, unsigned long long flags) {
     HOOK_ENTER(cuMemCreate, handle, size, prop, flags);
+    HOOK_MEM_OP();
     if (prop && hook_foreign_location(&prop->location)) return CUDA_ERROR_INVALID_DEVICE;
     if (!prop || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return REAL(cuMemCreate)(handle, size, prop, flags); /* host memory is not capped */
@@ -86,6 +87,7 @@ QGPU_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t si
 
 QGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     HOOK_ENTER(cuMemRelease, handle);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemRelease)(handle);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -100,6 +102,7 @@ QGPU_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
 
 QGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
     HOOK_ENTER(cuMemRetainAllocationHandle, handle, addr);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemRetainAllocationHandle)(handle, addr);
     if (r != CUDA_SUCCESS || !handle) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -112,6 +115,7 @@ QGPU_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h
 QGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                               CUmemGenericAllocationHandle handle, unsigned long long flags) {
     HOOK_ENTER(cuMemMap, ptr, size, offset, handle, flags);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMap)(ptr, size, offset, handle, flags);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -130,6 +134,7 @@ QGPU_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 
 QGPU_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     HOOK_ENTER(cuMemUnmap, ptr, size);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemUnmap)(ptr, size);
     if (r != CUDA_SUCCESS) return r;
     pthread_mutex_lock(&vmm_lock);
@@ -176,6 +181,7 @@ static void pin_mapped(void *list, unsigned count) {
 
 QGPU_EXPORT CUresult cuMemMapArrayAsync(void *list, unsigned int count, CUstream s) {
     HOOK_ENTER(cuMemMapArrayAsync, list, count, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMapArrayAsync)(list, count, s);
     if (r == CUDA_SUCCESS) pin_mapped(list, count);
     return r;
@@ -183,6 +189,7 @@ QGPU_EXPORT CUresult cuMemMapArrayAsync(void *list, unsigned int count, CUstream
 
 QGPU_EXPORT CUresult cuMemMapArrayAsync_ptsz(void *list, unsigned int count, CUstream s) {
     HOOK_ENTER(cuMemMapArrayAsync_ptsz, list, count, s);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemMapArrayAsync_ptsz)(list, count, s);
     if (r == CUDA_SUCCESS) pin_mapped(list, count);
     return r;
@@ -243,6 +250,7 @@ static int imported_size(CUmemGenericAllocationHandle h, const CUmemAllocationPr
 QGPU_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
                                                     void *os_handle, int type) {
     HOOK_ENTER(cuMemImportFromShareableHandle, handle, os_handle, type);
+    HOOK_MEM_OP();
     CUresult r = REAL(cuMemImportFromShareableHandle)(handle, os_handle, type);
     if (r != CUDA_SUCCESS || !handle) return r;
     CUmemAllocationProp prop;

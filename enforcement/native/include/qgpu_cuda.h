@@ -25,7 +25,23 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUgreenCtx_st *CUgreenCtx;
 typedef struct CUdevResourceDesc_st *CUdevResourceDesc;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUkern_st *CUkernel;
+typedef struct CUlinkState_st *CUlinkState;
 typedef unsigned int CUdeviceptr_v1;
+typedef int CUjit_option;     /* enum CUjit_option_enum */
+typedef int CUjitInputType;   /* enum CUjitInputType_enum */
+typedef int CUlibraryOption;  /* enum CUlibraryOption_enum */
+typedef int CUmoduleLoadingMode; /* enum CUmoduleLoadingMode_enum */
+
+#define CU_JIT_INPUT_CUBIN 0
+#define CU_JIT_INPUT_PTX 1
+#define CU_JIT_INPUT_FATBINARY 2
+#define CU_JIT_INPUT_OBJECT 3
+#define CU_JIT_INPUT_LIBRARY 4
+#define CU_JIT_INPUT_NVVM 5
+#define CU_MODULE_EAGER_LOADING 1
+#define CU_MODULE_LAZY_LOADING 2
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -36,12 +52,17 @@ typedef unsigned int CUdeviceptr_v1;
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_IMAGE 200
 #define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_NO_BINARY_FOR_GPU 209
+#define CUDA_ERROR_INVALID_PTX 218
+#define CUDA_ERROR_JIT_COMPILER_NOT_FOUND 221
+#define CUDA_ERROR_FILE_NOT_FOUND 301
 #define CUDA_ERROR_INVALID_HANDLE 400
 #define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_NOT_READY 600
 #define CUDA_ERROR_LAUNCH_FAILED 719
 #define CUDA_ERROR_NOT_PERMITTED 800
 #define CUDA_ERROR_NOT_SUPPORTED 801
+#define CUDA_ERROR_UNSUPPORTED_LIMIT 215
 #define CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 #define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
 #define CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE 910
@@ -111,6 +132,8 @@ typedef struct {
 #define CU_MEM_LOCATION_TYPE_INVALID 0
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
 #define CU_MEM_LOCATION_TYPE_HOST 2
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA 3
+#define CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT 4
 
 typedef struct {
     int type; /* CUmemLocationType */
@@ -125,6 +148,7 @@ typedef struct {
 #define CU_MEM_HANDLE_TYPE_FABRIC 0x8
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
+#define CU_MEM_ALLOC_GRANULARITY_RECOMMENDED 0x1
 
 /* legacy IPC (cuIpcGetMemHandle): an opaque 64-byte handle passed by value */
 #define CU_IPC_HANDLE_SIZE 64
@@ -161,6 +185,32 @@ typedef struct {
     int flags; /* CUmemAccess_flags */
 } CUmemAccessDesc;
 
+/* cuMemPoolExportPointer: an opaque 64-byte record passed by address */
+typedef struct {
+    unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+
+/* managed memory (cuMemAllocManaged, cuMemPrefetchAsync, cuMemAdvise) */
+#define CU_DEVICE_CPU ((CUdevice)-1)
+#define CU_DEVICE_INVALID ((CUdevice)-2)
+#define CU_MEM_ATTACH_GLOBAL 0x1
+#define CU_MEM_ATTACH_HOST 0x2
+#define CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS 89
+#define CU_MEM_ADVISE_SET_READ_MOSTLY 1
+#define CU_MEM_ADVISE_UNSET_READ_MOSTLY 2
+#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
+#define CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION 4
+#define CU_MEM_ADVISE_SET_ACCESSED_BY 5
+#define CU_MEM_ADVISE_UNSET_ACCESSED_BY 6
+#define CU_MEM_RANGE_ATTRIBUTE_READ_MOSTLY 1
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION 2
+#define CU_MEM_RANGE_ATTRIBUTE_ACCESSED_BY 3
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION 4
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_TYPE 5
+#define CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION_ID 6
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_TYPE 7
+#define CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION_ID 8
+
 typedef struct {
     CUmemPoolProps poolProps;
     const CUmemAccessDesc *accessDescs;
@@ -191,6 +241,8 @@ typedef struct {
 #define CU_LIMIT_STACK_SIZE 0
 #define CU_LIMIT_PRINTF_FIFO_SIZE 1
 #define CU_LIMIT_MALLOC_HEAP_SIZE 2
+#define CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH 3
+#define CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT 4
 
 #define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
 #define CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT 5

@@ -54,6 +54,33 @@ CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
                                                 CUmemGenericAllocationHandle handle);
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr);
 
+/* managed memory: where it lives (advice: CUmem_advise) */
+CUresult cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream);
+CUresult cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice,
+                                 CUstream hStream);
+CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                               unsigned int flags, CUstream hStream);
+CUresult cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                    unsigned int flags, CUstream hStream);
+CUresult cuMemPrefetchBatchAsync(CUdeviceptr *dptrs, size_t *sizes, size_t count,
+                                 CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs,
+                                 size_t numPrefetchLocs, unsigned long long flags,
+                                 CUstream hStream);
+CUresult cuMemPrefetchBatchAsync_ptsz(CUdeviceptr *dptrs, size_t *sizes, size_t count,
+                                      CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs,
+                                      size_t numPrefetchLocs, unsigned long long flags,
+                                      CUstream hStream);
+CUresult cuMemDiscardAndPrefetchBatchAsync(CUdeviceptr *dptrs, size_t *sizes, size_t count,
+                                           CUmemLocation *prefetchLocs, size_t *prefetchLocIdxs,
+                                           size_t numPrefetchLocs, unsigned long long flags,
+                                           CUstream hStream);
+CUresult cuMemDiscardAndPrefetchBatchAsync_ptsz(CUdeviceptr *dptrs, size_t *sizes, size_t count,
+                                                CUmemLocation *prefetchLocs,
+                                                size_t *prefetchLocIdxs, size_t numPrefetchLocs,
+                                                unsigned long long flags, CUstream hStream);
+CUresult cuMemAdvise(CUdeviceptr devPtr, size_t count, int advice, CUdevice device);
+CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, int advice, CUmemLocation location);
+
 /* sharing memory with other processes: VMM shareable handles, legacy IPC */
 CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
                                       int handleType, unsigned long long flags);
@@ -78,12 +105,20 @@ CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
 CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev);
 CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props);
+/* pools shared between processes (handleType: CUmemAllocationHandleType) */
+CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool, int handleType,
+                                          unsigned long long flags);
+CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle, int handleType,
+                                            unsigned long long flags);
+CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool,
+                                CUmemPoolPtrExportData *shareData);
 /* CUDA 13: pools by location (type: CUmemAllocationType) */
 CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *location, int type);
 CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *location, int type);
 CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuStreamSynchronize_ptsz(CUstream hStream);
 CUresult cuCtxSynchronize(void);
+CUresult cuCtxSynchronize_v2(CUcontext ctx);
 CUresult cuEventSynchronize(CUevent hEvent);
 
 /* graph memory */
@@ -169,6 +204,39 @@ CUresult cuLaunchGrid(CUfunction f, int grid_width, int grid_height);
 CUresult cuLaunchGridAsync(CUfunction f, int grid_width, int grid_height, CUstream hStream);
 CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream);
 CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+
+/* device code: modules, libraries, kernels */
+CUresult cuModuleLoad(CUmodule *module, const char *fname);
+CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                            CUjit_option *options, void **optionValues);
+CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin);
+CUresult cuModuleUnload(CUmodule hmod);
+CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                           void **jitOptionsValues, unsigned int numJitOptions,
+                           CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                           unsigned int numLibraryOptions);
+CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                               void **jitOptionsValues, unsigned int numJitOptions,
+                               CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                               unsigned int numLibraryOptions);
+CUresult cuLibraryUnload(CUlibrary library);
+CUresult cuLibraryGetModule(CUmodule *pMod, CUlibrary library);
+CUresult cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name);
+CUresult cuLibraryGetManaged(CUdeviceptr *dptr, size_t *bytes, CUlibrary library, const char *name);
+CUresult cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name);
+CUresult cuLibraryEnumerateKernels(CUkernel *kernels, unsigned int numKernels, CUlibrary lib);
+CUresult cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel);
+CUresult cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel);
+CUresult cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                              const CUgraphNode *dependencies, size_t numDependencies,
+                              const CUDA_KERNEL_NODE_PARAMS *nodeParams);
+CUresult cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                 const CUgraphNode *dependencies, size_t numDependencies,
+                                 const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams);
+CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx);
+CUresult cuCtxPushCurrent_v2(CUcontext ctx);
+CUresult cuCtxPopCurrent_v2(CUcontext *pctx);
 
 /* called by the hook itself */
 CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);

@@ -9,6 +9,8 @@
 #include "sim.h"
 
 #define DEFAULT_CONTEXT_MEMORY (512ULL << 20)
+#define DEFAULT_DEVRT_LAUNCH_BYTES (8ULL << 10)
+#define DEFAULT_DEVRT_SYNC_THREAD_BYTES (4ULL << 10)
 
 static char *trim(char *s) {
     while (isspace((unsigned char)*s)) s++;
@@ -115,6 +117,13 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
             } else if (strcmp(field, "context_memory") == 0) {
                 if (parse_u64(val, &g->context_memory) != 0) BAD("must be an integer number of bytes");
                 g->context_memory_set = 1;
+            } else if (strcmp(field, "devrt_launch_bytes") == 0) {
+                if (parse_u64(val, &g->devrt_launch_bytes) != 0) BAD("must be an integer number of bytes");
+                g->devrt_launch_set = 1;
+            } else if (strcmp(field, "devrt_sync_thread_bytes") == 0) {
+                if (parse_u64(val, &g->devrt_sync_thread_bytes) != 0)
+                    BAD("must be an integer number of bytes");
+                g->devrt_sync_set = 1;
             } else if (strcmp(field, "sms") == 0) {
                 if (parse_int(val, 1, 100000, &g->sms) != 0) BAD("must be an integer 1..100000");
             } else if (strcmp(field, "threads_per_sm") == 0) {
@@ -152,6 +161,8 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
         }
         if (g->pci_bus <= 0) g->pci_bus = 0x10 + i;
         if (!g->context_memory_set) g->context_memory = DEFAULT_CONTEXT_MEMORY;
+        if (!g->devrt_launch_set) g->devrt_launch_bytes = DEFAULT_DEVRT_LAUNCH_BYTES;
+        if (!g->devrt_sync_set) g->devrt_sync_thread_bytes = DEFAULT_DEVRT_SYNC_THREAD_BYTES;
         snprintf(g->state_path, sizeof g->state_path, "%s/%s.gpu", state_dir, g->uuid);
     }
     if (qgpu_mkdirs(state_dir) != 0) {

@@ -1,8 +1,18 @@
 /* Simulated contexts: regular (cuCtxCreate v1..v4), primary (retain/release/reset) and green
  * contexts. Like a real driver, every context costs device memory (the GPU's
  * `context_memory`), charged when it is created and given back when it is destroyed, and a
- * context's limits (stack, printf FIFO, malloc heap) reserve device memory too. Destroying a
- * context frees the memory allocated in it. */
+ * context's limits reserve device memory too: the stack (for every thread the device can hold
+ * at once), the printf FIFO and malloc heap, and the device runtime's reservations for
+ * pending device-side launches and for the nesting levels a device-side synchronize may
+ * reach (cuda.h: "reserve large amounts of device memory"; the sizes are not published, so
+ * they are configuration: per pending launch above the default 2048, `devrt_launch_bytes`,
+ * 8 KiB by default: a launch record and the up to 4 KiB of parameters a device-side launch
+ * passes; per sync-depth level above the default 2, `devrt_sync_thread_bytes` per thread the
+ * device can hold at once, 4 KiB by default: the saved state of every live parent thread).
+ * A reservation the card cannot hold is refused (CUDA_ERROR_OUT_OF_MEMORY); the sync depth is
+ * refused on compute capability 9.0 and later (CUDA_ERROR_UNSUPPORTED_LIMIT) and above 24
+ * (CUDA_ERROR_INVALID_VALUE), the pending launch count below 3.5. Destroying a context frees
+ * the memory allocated in it and unloads its modules (module.c). */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +24,10 @@
 #define STACK_DEFAULT 1024ULL
 #define PRINTF_FIFO_DEFAULT (1ULL << 20)
 #define MALLOC_HEAP_DEFAULT (8ULL << 20)
+#define SYNC_DEPTH_DEFAULT 2ULL
+#define SYNC_DEPTH_MAX 24ULL
+#define PENDING_LAUNCH_DEFAULT 2048ULL
+#define MEMORY_LIMITS 5 /* limits 0..4 reserve device memory */
 #define CTX_STACK_DEPTH 32
 
 static struct CUctx_st primary[SIM_MAX_GPUS];
@@ -123,17 +137,32 @@ static void forget_everywhere(struct CUctx_st *ctx) {
     pthread_mutex_unlock(&registry_lock);
 }
 
+static const uint64_t limit_default[MEMORY_LIMITS] = {
+    STACK_DEFAULT, PRINTF_FIFO_DEFAULT, MALLOC_HEAP_DEFAULT, SYNC_DEPTH_DEFAULT,
+    PENDING_LAUNCH_DEFAULT};
+
+/* Device memory a limit's value reserves beyond the default (UINT64_MAX: not representable). */
 static uint64_t limit_cost(const struct CUctx_st *c, int which, uint64_t value) {
     const sim_gpu_config_t *g = &g_sim_cfg.gpus[c->gidx];
-    uint64_t base = which == CU_LIMIT_STACK_SIZE       ? STACK_DEFAULT
-                    : which == CU_LIMIT_PRINTF_FIFO_SIZE ? PRINTF_FIFO_DEFAULT
-                                                         : MALLOC_HEAP_DEFAULT;
+    uint64_t base = limit_default[which];
     if (value <= base) return 0;
-    uint64_t extra = value - base, per = 1;
+    uint64_t extra = value - base, per = 1, threads = (uint64_t)g->sms * (uint64_t)g->threads_per_sm;
     /* the stack is reserved for every thread the device can hold at once */
-    if (which == CU_LIMIT_STACK_SIZE) per = (uint64_t)g->sms * (uint64_t)g->threads_per_sm;
-    if (extra > UINT64_MAX / per) return UINT64_MAX;
+    if (which == CU_LIMIT_STACK_SIZE) per = threads;
+    if (which == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH) per = threads * g->devrt_sync_thread_bytes;
+    if (which == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT) per = g->devrt_launch_bytes;
+    if (per && extra > UINT64_MAX / per) return UINT64_MAX;
     return extra * per;
+}
+
+/* What cuda.h says about a limit on this device: 0, or the error that refuses it. */
+static CUresult limit_supported(const struct CUctx_st *c, int which) {
+    const sim_gpu_config_t *g = &g_sim_cfg.gpus[c->gidx];
+    int cc = g->cc_major * 10 + g->cc_minor;
+    if (which == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH && cc >= 90) return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    if (which == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT && cc < 35)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    return CUDA_SUCCESS;
 }
 
 /* `cost`: the device memory the context itself takes (a regular or primary context the GPU's
@@ -145,9 +174,7 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
     c->dev = dev;
     c->gidx = gidx;
     c->flags = flags;
-    c->limits[CU_LIMIT_STACK_SIZE] = STACK_DEFAULT;
-    c->limits[CU_LIMIT_PRINTF_FIFO_SIZE] = PRINTF_FIFO_DEFAULT;
-    c->limits[CU_LIMIT_MALLOC_HEAP_SIZE] = MALLOC_HEAP_DEFAULT;
+    for (int i = 0; i < MEMORY_LIMITS; i++) c->limits[i] = limit_default[i];
     CUresult r = sim_charge(gidx, cost);
     if (r) return r;
     c->charged = cost;
@@ -156,7 +183,15 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
     sim_proc_t *p = sim_state_proc_slot(st, 1);
     if (p) p->contexts++;
     sim_state_unlock(st);
-    return CUDA_SUCCESS;
+    r = sim_modules_ctx_created(c); /* eager loading: the libraries loaded so far come in */
+    if (r) {
+        sim_state_lock(st);
+        if (p && p->contexts) p->contexts--;
+        sim_state_unlock(st);
+        sim_uncharge(gidx, cost);
+        c->magic = 0;
+    }
+    return r;
 }
 
 /* Frees what the context holds: its allocations (mem.c tags them with the context), its
@@ -164,6 +199,7 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
 QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx);
 
 static void ctx_release(struct CUctx_st *c) {
+    sim_modules_ctx_gone(c); /* its modules and library instances unload with it */
     sim_free_ctx_allocations(c);
     sim_uncharge(c->gidx, c->charged);
     c->charged = 0;
@@ -303,14 +339,28 @@ SIM_EXPORT CUresult cuCtxSynchronize(void) {
     return CUDA_SUCCESS;
 }
 
+/* CUDA 13: a given context (NULL: the current one) */
+SIM_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUctx_st *c = ctx ? ctx : sim_current_ctx();
+    if (!c || !valid(c)) return CUDA_ERROR_INVALID_CONTEXT;
+    sim_wait_idle(c, NULL);
+    sim_pools_on_sync(c);
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     CUresult r = sim_check_init();
     if (r) return r;
     struct CUctx_st *c = sim_current_ctx();
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    if (limit < CU_LIMIT_STACK_SIZE || limit > CU_LIMIT_MALLOC_HEAP_SIZE) {
+    if (limit < 0 || limit >= MEMORY_LIMITS) /* L2 hints (5, 6): accepted, ignored */
         return limit >= 0 && limit <= 6 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    }
+    r = limit_supported(c, limit);
+    if (r) return r;
+    if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH && value > SYNC_DEPTH_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
     uint64_t before = limit_cost(c, limit, c->limits[limit]);
     uint64_t after = limit_cost(c, limit, value);
     if (after == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -332,7 +382,8 @@ SIM_EXPORT CUresult cuCtxGetLimit(size_t *value, int limit) {
     struct CUctx_st *c = sim_current_ctx();
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     if (!value || limit < 0) return CUDA_ERROR_INVALID_VALUE;
-    *value = limit <= CU_LIMIT_MALLOC_HEAP_SIZE ? c->limits[limit] : 0;
+    if (limit < MEMORY_LIMITS && (r = limit_supported(c, limit)) != CUDA_SUCCESS) return r;
+    *value = limit < MEMORY_LIMITS ? c->limits[limit] : 0;
     return CUDA_SUCCESS;
 }
 

@@ -134,6 +134,12 @@ SIM_EXPORT CUresult cuDriverGetVersion(int *version) {
     return CUDA_SUCCESS;
 }
 
+int sim_visible_ordinal(int gidx) {
+    for (int v = 0; v < g_sim_nvis; v++)
+        if (g_sim_vis[v] == gidx) return v;
+    return -1;
+}
+
 CUresult sim_device_gidx(CUdevice dev, int *gidx) {
     CUresult r = sim_check_init();
     if (r) return r;
@@ -235,6 +241,9 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *value = c->cc_minor; break;
     case 81: *value = 228 << 10; break;         /* MAX_SHARED_MEMORY_PER_MULTIPROCESSOR */
     case 82: *value = 65536; break;             /* MAX_REGISTERS_PER_MULTIPROCESSOR */
+    case CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS: /* Pascal and later, on Linux */
+        *value = c->cc_major >= 6;
+        break;
     case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY:
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH:
     case 102: /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
@@ -287,6 +296,12 @@ static const struct {
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_NO_BINARY_FOR_GPU, "CUDA_ERROR_NO_BINARY_FOR_GPU",
+     "no kernel image is available for execution on the device"},
+    {CUDA_ERROR_INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {CUDA_ERROR_JIT_COMPILER_NOT_FOUND, "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+     "PTX JIT compiler library not found"},
+    {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND", "file not found"},
     {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},

@@ -15,7 +15,29 @@
 #define POOL_MAGIC 0x504f4f4cu
 #define GREEN_MAGIC 0x4752454eu
 #define DESC_MAGIC 0x44455343u
+#define LIB_MAGIC 0x4c494252u
+#define KERNEL_MAGIC 0x4b45524eu
+#define LINK_MAGIC 0x4c494e4bu
 #define NODE_MAGIC 0x474e4f44u
+#define SIM_GRANULE (2ULL << 20) /* physical memory is mapped in 2 MiB granules */
+
+/* A device code image, read by image.c: what loading it takes and what it defines. */
+typedef struct {
+    char *name;
+    uint64_t offset; /* in the module's data block */
+    uint64_t size;
+    int managed;
+} sim_sym_t;
+
+typedef struct {
+    int builtin;         /* the simulator's own image: no data, every kernel name exists */
+    int sm;              /* SASS architecture of the cubin used (75 = sm_75) */
+    uint64_t data_bytes; /* device memory for its globals and constant banks */
+    int nfuncs;
+    char **funcs; /* kernel (entry) names */
+    int nsyms;
+    sim_sym_t *syms; /* globals */
+} sim_image_t;
 
 /* A point in a process's queue: an event, or a stream-ordered free. fifo: its time is known
  * when recorded; timesliced: it completes when the process's queue reaches it while the
@@ -37,7 +59,7 @@ struct CUctx_st {
     int green;
     unsigned flags;
     int64_t last_end_ns; /* fifo: end of the last op queued by this context */
-    uint64_t limits[3];  /* CU_LIMIT_STACK_SIZE, PRINTF_FIFO_SIZE, MALLOC_HEAP_SIZE */
+    uint64_t limits[5];  /* CU_LIMIT_STACK_SIZE .. DEV_RUNTIME_PENDING_LAUNCH_COUNT */
     uint64_t charged;    /* device memory this context holds (its cost + its limits) */
 };
 
@@ -55,14 +77,46 @@ struct CUevent_st {
     sim_marker_t m;
 };
 
+/* A module loaded into a context (cuModuleLoad*), or a library's instance in a context. */
 struct CUmod_st {
     uint32_t magic;
+    struct CUctx_st *ctx;
+    struct CUlib_st *lib; /* the library it is an instance of, or NULL */
+    sim_image_t img;
+    uint64_t base;           /* device address of its data block (img.data_bytes) */
+    struct CUfunc_st *funcs; /* functions handed out, freed with the module */
+    struct CUmod_st *next;   /* every live module of the process (module.c) */
+};
+
+struct CUlib_st {
+    uint32_t magic;
+    unsigned char *code; /* a copy of the image: instances are made from it per device */
+    size_t len;
+    sim_image_t img;     /* its names, read for the device current at load */
+    struct CUkern_st *kernels;
+    struct CUlib_st *next;
+};
+
+struct CUkern_st {
+    uint32_t magic; /* first, like CUfunc_st: a CUkernel may be passed where a CUfunction goes */
+    struct CUlib_st *lib;
+    char *name;
+    struct CUkern_st *next;
+};
+
+struct CUlinkState_st {
+    uint32_t magic;
+    int cc_major, cc_minor; /* the target: the current context's device at cuLinkCreate */
+    int inputs;
+    unsigned char *cubin; /* the one input, as a plain cubin */
+    size_t cubin_len;
 };
 
 struct CUfunc_st {
     uint32_t magic;
     int busy_kernel; /* named qgpu_sim_busy: first param is nanoseconds */
-    char name[128];
+    char *name;
+    struct CUfunc_st *next; /* in its module's list */
     /* legacy launch state (cuFuncSetBlockShape, cuParamSet*) */
     int bx, by, bz;
     unsigned param_size;
@@ -107,14 +161,27 @@ struct CUgraphExec_st {
     /* what the copy needs, refreshed after every update */
     int64_t total_ns;
     int kernels;
-    uint64_t alloc_bytes; /* what its allocation nodes take from the graph pool */
-    int mem_gidx;         /* where (-1: no allocation nodes) */
+    int mem_gidx; /* the device of its allocation nodes (-1: none) */
+    /* its graph memory (graphmem.c): the allocations it leaves allocated (no free node for
+     * them in the graph), the physical size of those it frees itself, and the addresses of
+     * other graphs' allocations its free nodes free */
+    uint64_t id;
+    uint64_t *keep;
+    int nkeep;
+    uint64_t keep_backed;
+    uint64_t temp_backed;
+    uint64_t *frees;
+    int nfrees;
 };
 
 struct CUmemPoolHandle_st {
     uint32_t magic;
     int gidx;
     int is_default;
+    int imported;          /* cuMemPoolImportFromShareableHandle: no allocations of its own */
+    uint32_t handle_types; /* CUmemPoolProps.handleTypes: what it may be exported to */
+    int share;             /* its entry in the GPU's shared table (shared.c), -1: not shared */
+    uint64_t share_id;
     uint64_t reserved; /* physical memory the pool holds (charged to the device) */
     uint64_t used;     /* handed out and not yet freed in stream order */
     uint64_t threshold;
@@ -151,16 +218,50 @@ QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);
 QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
 QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
-QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
-QGPU_HIDDEN CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes); /* at upload/launch */
+
+/* driver.c: the visible ordinal of GPU index gidx (-1: not visible) */
+QGPU_HIDDEN int sim_visible_ordinal(int gidx);
+
+/* managed.c: where managed memory lives */
+QGPU_HIDDEN CUresult sim_managed_new(uint64_t base, uint64_t size, int gidx); /* on gidx */
+QGPU_HIDDEN int sim_managed_free(uint64_t base); /* 1: it was managed, its memory is freed */
+QGPU_HIDDEN void sim_managed_touch(int gidx);    /* a kernel launched on gidx */
 
 /* mem.c: the base of a cuMemAlloc'ed allocation (what cuIpcGetMemHandle may export) */
 QGPU_HIDDEN CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx);
+QGPU_HIDDEN CUresult sim_free_plain(uint64_t ptr); /* cuMemFree of a plain allocation */
+
+/* pool.c: pools, the stream-ordered allocator, pools shared between processes */
+QGPU_HIDDEN void sim_pools_on_sync(struct CUctx_st *ctx); /* release thresholds apply */
+QGPU_HIDDEN int sim_pool_range(uint64_t addr, uint64_t *base, uint64_t *size);
+QGPU_HIDDEN int sim_pool_import_free(uint64_t ptr); /* 1: an imported pointer, let go */
+QGPU_HIDDEN void sim_pool_forget_ctx(struct CUctx_st *ctx); /* its imported pointers go */
 
 /* ipc.c: legacy IPC */
 QGPU_HIDDEN int sim_ipc_freed(uint64_t ptr); /* 1: exported, its shared entry let go of it */
 QGPU_HIDDEN void sim_ipc_forget_ctx(struct CUctx_st *ctx); /* closes what ctx opened */
 QGPU_HIDDEN int sim_ipc_range(uint64_t addr, uint64_t *base, uint64_t *size);
+
+/* image.c */
+extern QGPU_HIDDEN const char sim_builtin_image[];
+/* Reads an image (len 0: a bare pointer, whose headers give its extent) for a device of
+ * compute capability cc_major.cc_minor (-1: any). */
+QGPU_HIDDEN CUresult sim_image_parse(const void *image, size_t len, int cc_major, int cc_minor,
+                                     sim_image_t *out);
+QGPU_HIDDEN CUresult sim_image_extent(const void *image, size_t *len);
+/* The plain cubin the device would run from an image (malloc'd copy). */
+QGPU_HIDDEN CUresult sim_image_cubin(const void *image, size_t len, int cc_major, int cc_minor,
+                                     unsigned char **out, size_t *out_len);
+QGPU_HIDDEN int sim_image_has_kernel(const sim_image_t *img, const char *name);
+QGPU_HIDDEN const sim_sym_t *sim_image_symbol(const sim_image_t *img, const char *name);
+QGPU_HIDDEN void sim_image_free(sim_image_t *img);
+
+/* module.c */
+QGPU_HIDDEN CUresult sim_modules_ctx_created(struct CUctx_st *ctx); /* eager libraries */
+QGPU_HIDDEN void sim_modules_ctx_gone(struct CUctx_st *ctx);        /* its modules unload */
+/* The function a CUkernel is in `ctx` (its library loaded there first if it is not). */
+QGPU_HIDDEN CUresult sim_kernel_function(struct CUkern_st *k, struct CUctx_st *ctx,
+                                         struct CUfunc_st **out);
 
 /* exec.c */
 QGPU_HIDDEN struct CUctx_st *sim_stream_ctx(CUstream s);
@@ -174,6 +275,26 @@ QGPU_HIDDEN void sim_wait_idle(struct CUctx_st *ctx, struct CUstream_st *s);
 /* the kernel-duration rule (see exec.c) */
 QGPU_HIDDEN int64_t sim_kernel_duration(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                                         void **params, void **extra);
+
+/* graphmem.c: graph allocations and the per-device graph memory pool (locked inside) */
+QGPU_HIDDEN uint64_t sim_gmem_backed(uint64_t size); /* whole granules (UINT64_MAX: too big) */
+QGPU_HIDDEN uint64_t sim_gmem_new_exec_id(void);
+QGPU_HIDDEN CUresult sim_gmem_node_added(struct CUgraphNode_st *node, uint64_t dptr,
+                                         uint64_t size, int gidx);
+QGPU_HIDDEN void sim_gmem_node_gone(struct CUgraphNode_st *node); /* an original node freed */
+/* 0 with the allocation node that made dptr (NULL once destroyed) and whether a free node
+ * for it is in another graph; -1 when dptr is no graph allocation's address */
+QGPU_HIDDEN int sim_gmem_lookup(uint64_t dptr, struct CUgraphNode_st **node, int *freed_elsewhere);
+QGPU_HIDDEN void sim_gmem_freed_elsewhere(uint64_t dptr);
+QGPU_HIDDEN CUresult sim_gmem_upload(struct CUgraphExec_st *e, int gidx);
+/* before a launch queues its work (refusals, growth), and after (what it frees) */
+QGPU_HIDDEN CUresult sim_gmem_launch(struct CUgraphExec_st *e, int gidx);
+QGPU_HIDDEN void sim_gmem_launched(struct CUgraphExec_st *e, int gidx, struct CUctx_st *c,
+                                   struct CUstream_st *s);
+/* cuMemFree (async 0) / cuMemFreeAsync of a graph allocation: -1 when dptr is none, else
+ * the CUresult */
+QGPU_HIDDEN int sim_gmem_free(uint64_t dptr, struct CUctx_st *c, struct CUstream_st *s, int async);
+QGPU_HIDDEN int sim_gmem_range(uint64_t addr, uint64_t *base, uint64_t *size);
 
 /* graph.c: what stream capture records */
 QGPU_HIDDEN struct CUgraph_st *sim_graph_new(int gidx);

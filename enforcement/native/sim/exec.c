@@ -64,6 +64,7 @@ static int64_t fifo_enqueue(struct CUctx_st *ctx, struct CUstream_st *s, int64_t
 }
 
 void sim_submit(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur, int kernels) {
+    if (kernels) sim_managed_touch(ctx->gidx); /* kernels may touch any managed memory */
     if (!ts_mode(ctx->gidx)) {
         fifo_enqueue(ctx, s, dur, kernels);
         return;
@@ -220,11 +221,15 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
                        unsigned by, unsigned bz, CUstream hs, void **params, void **extra) {
     CUresult r = sim_check_init();
     if (r) return r;
-    if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    if (!f || (f->magic != FUNC_MAGIC && f->magic != KERNEL_MAGIC)) return CUDA_ERROR_INVALID_HANDLE;
     if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024)
         return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = sim_stream_ctx(hs);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    if (f->magic == KERNEL_MAGIC) { /* a CUkernel: its library is loaded into c if it is not */
+        r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
+        if (r) return r;
+    }
     struct CUstream_st *s = sim_real_stream(hs);
     int64_t dur = sim_kernel_duration(f, gx, gy, gz, params, extra);
     if (s && s->capture) return sim_graph_capture_kernel(s->capture, dur); /* a kernel node */
@@ -334,41 +339,6 @@ SIM_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int gw, int gh, CUstream hs)
     return legacy(f, gw, gh, hs);
 }
 
-/* ---- modules ---- */
-
-SIM_EXPORT CUresult cuModuleLoadData(CUmodule *mod, const void *image) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!mod || !image) return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_current_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
-    struct CUmod_st *m = calloc(1, sizeof *m);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
-    m->magic = MOD_MAGIC;
-    *mod = m;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleUnload(CUmodule mod) {
-    if (!mod || mod->magic != MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    mod->magic = 0;
-    free(mod);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuModuleGetFunction(CUfunction *fn, CUmodule mod, const char *name) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!fn || !name) return CUDA_ERROR_INVALID_VALUE;
-    if (!mod || mod->magic != MOD_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    struct CUfunc_st *f = calloc(1, sizeof *f);
-    if (!f) return CUDA_ERROR_OUT_OF_MEMORY;
-    f->magic = FUNC_MAGIC;
-    snprintf(f->name, sizeof f->name, "%s", name);
-    f->busy_kernel = strcmp(name, "qgpu_sim_busy") == 0;
-    *fn = f;
-    return CUDA_SUCCESS;
-}
-
 /* ---- streams ---- */
 
 SIM_EXPORT CUresult cuStreamCreate(CUstream *ps, unsigned int flags) {
@@ -399,6 +369,29 @@ SIM_EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
 }
 
 SIM_EXPORT CUresult cuStreamDestroy(CUstream s) { return cuStreamDestroy_v2(s); }
+
+static CUresult stream_ctx(CUstream hs, CUcontext *pctx, CUgreenCtx *pgreen) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    if (hs && (uintptr_t)hs > 2 && hs->magic != STREAM_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    struct CUctx_st *c = sim_stream_ctx(hs);
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    *pctx = c;
+    if (pgreen) *pgreen = NULL; /* streams of green contexts are not simulated */
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuStreamGetCtx(CUstream hs, CUcontext *pctx) { return stream_ctx(hs, pctx, NULL); }
+SIM_EXPORT CUresult cuStreamGetCtx_ptsz(CUstream hs, CUcontext *pctx) {
+    return stream_ctx(hs ? hs : (CUstream)(uintptr_t)2, pctx, NULL);
+}
+SIM_EXPORT CUresult cuStreamGetCtx_v2(CUstream hs, CUcontext *pctx, CUgreenCtx *pgreen) {
+    return stream_ctx(hs, pctx, pgreen);
+}
+SIM_EXPORT CUresult cuStreamGetCtx_v2_ptsz(CUstream hs, CUcontext *pctx, CUgreenCtx *pgreen) {
+    return stream_ctx(hs ? hs : (CUstream)(uintptr_t)2, pctx, pgreen);
+}
 
 static CUresult stream_sync(CUstream hs) {
     CUresult r = sim_check_init();

@@ -21,8 +21,10 @@
  * and node types must match), so the interposer must not rely on a real driver refusing it.
  *
  * An executable graph runs its own copy of the graph it was instantiated from; updates
- * change the copy. Its allocation nodes take memory from the device's graph pool (mem.c) at
- * upload or launch. Graph objects are not thread-safe, as in CUDA. */
+ * change the copy. Its allocation nodes take memory from the device's graph pool at upload
+ * or launch, and live by the rules graphmem.c keeps (a free node must name an allocation
+ * node's address, once per graph, and not in both its own and another graph: refused here).
+ * Graph objects are not thread-safe, as in CUDA. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,6 +55,7 @@ struct CUgraph_st *sim_graph_new(int gidx) {
 static void graph_free(struct CUgraph_st *g);
 
 static void node_free(struct CUgraphNode_st *n) {
+    if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) sim_gmem_node_gone(n);
     if (n->child) graph_free(n->child);
     for (unsigned i = 0; i < n->nbodies; i++) graph_free(n->bodies[i]);
     free(n->bodies);
@@ -212,6 +215,12 @@ static CUresult add_kernel(CUgraphNode *out, struct CUgraph_st *g, int64_t ns) {
 static CUresult kernel_node(CUgraphNode *out, CUgraph g, CUfunction f, unsigned gx, unsigned gy,
                             unsigned gz, void **params, void **extra) {
     if (!out || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    if (f && f->magic == KERNEL_MAGIC) { /* a CUkernel: resolved in the current context */
+        struct CUctx_st *c = sim_current_ctx();
+        if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+        CUresult r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
+        if (r) return r;
+    }
     if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     /* node parameters are captured when added: the duration is fixed now */
     return add_kernel(out, g, sim_kernel_duration(f, gx, gy, gz, params, extra));
@@ -233,8 +242,14 @@ static CUresult add_alloc(CUgraphNode *out, struct CUgraph_st *g, int gidx,
     n->alloc = *p;
     n->alloc.accessDescs = NULL; /* owned by the caller: not kept */
     n->alloc.accessDescCount = 0;
-    n->alloc.dptr = p->dptr = sim_next_address(p->bytesize);
+    n->alloc.dptr = sim_next_address(p->bytesize);
     n->gidx = gidx;
+    if (sim_gmem_node_added(n, n->alloc.dptr, p->bytesize, gidx) != CUDA_SUCCESS) {
+        g->nnodes--;
+        node_free(n);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    p->dptr = n->alloc.dptr;
     if (g->gidx < 0) g->gidx = gidx;
     if (out) *out = n;
     return CUDA_SUCCESS;
@@ -249,12 +264,33 @@ static CUresult alloc_node(CUgraphNode *out, CUgraph g, CUDA_MEM_ALLOC_NODE_PARA
     return add_alloc(out, g, gidx, p);
 }
 
+/* A free node for dptr somewhere in g (child graphs included). */
+static int frees_in(const struct CUgraph_st *g, CUdeviceptr dptr) {
+    for (int i = 0; i < g->nnodes; i++) {
+        const struct CUgraphNode_st *n = g->node[i];
+        if (n->type == CU_GRAPH_NODE_TYPE_MEM_FREE && n->dptr == dptr) return 1;
+        if (n->child && frees_in(n->child, dptr)) return 1;
+    }
+    return 0;
+}
+
+/* cuda.h: a free node must name an allocation node's address, at most once per graph; an
+ * allocation freed in its own graph cannot be freed in another, nor one freed in another
+ * graph in its own. */
 static CUresult add_free(CUgraphNode *out, struct CUgraph_st *g, CUdeviceptr dptr) {
     CUresult r = takes_memory_nodes(g);
     if (r) return r;
+    struct CUgraphNode_st *an;
+    int elsewhere;
+    if (sim_gmem_lookup(dptr, &an, &elsewhere) != 0) return CUDA_ERROR_INVALID_VALUE;
+    struct CUgraph_st *root = root_of(g), *home = an ? root_of(an->owner) : NULL;
+    int own = home == root;
+    if (frees_in(root, dptr) || (own && elsewhere) || (!own && home && frees_in(home, dptr)))
+        return CUDA_ERROR_INVALID_VALUE;
     struct CUgraphNode_st *n = append(g, CU_GRAPH_NODE_TYPE_MEM_FREE);
     if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
     n->dptr = dptr;
+    if (!own) sim_gmem_freed_elsewhere(dptr);
     if (out) *out = n;
     return CUDA_SUCCESS;
 }
@@ -586,7 +622,6 @@ static int device_launchable(const struct CUgraph_st *g, int *kernels) {
 typedef struct {
     int64_t ns;
     int kernels;
-    uint64_t bytes;
 } needs_t;
 
 /* What running a graph takes: conditional bodies are counted once each. */
@@ -597,27 +632,105 @@ static void needs(const struct CUgraph_st *g, needs_t *out) {
             out->ns += n->ns;
             out->kernels++;
         }
-        if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC)
-            out->bytes = n->alloc.bytesize > UINT64_MAX - out->bytes ? UINT64_MAX
-                                                                     : out->bytes + n->alloc.bytesize;
         if (n->child) needs(n->child, out);
         for (unsigned b = 0; b < n->nbodies; b++) needs(n->bodies[b], out);
     }
 }
 
-static void refresh(struct CUgraphExec_st *e) {
-    needs_t nd = {0, 0, 0};
+/* The memory nodes of a graph (child graphs included): allocations (address, size) and
+ * the addresses its free nodes free. */
+typedef struct {
+    uint64_t *alloc, *size, *freed;
+    int nalloc, nsize, nfreed, cap_alloc, cap_size, cap_freed;
+} mem_nodes_t;
+
+static int push_u64(uint64_t **arr, int *n, int *cap, uint64_t v) {
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 16;
+        uint64_t *p = realloc(*arr, (size_t)nc * sizeof *p);
+        if (!p) return -1;
+        *arr = p;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = v;
+    return 0;
+}
+
+static int collect(const struct CUgraph_st *g, mem_nodes_t *m) {
+    for (int i = 0; i < g->nnodes; i++) {
+        const struct CUgraphNode_st *n = g->node[i];
+        if (n->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC &&
+            (push_u64(&m->alloc, &m->nalloc, &m->cap_alloc, n->alloc.dptr) ||
+             push_u64(&m->size, &m->nsize, &m->cap_size, n->alloc.bytesize)))
+            return -1;
+        if (n->type == CU_GRAPH_NODE_TYPE_MEM_FREE &&
+            push_u64(&m->freed, &m->nfreed, &m->cap_freed, n->dptr))
+            return -1;
+        if (n->child && collect(n->child, m)) return -1;
+    }
+    return 0;
+}
+
+static int in_list(const uint64_t *l, int n, uint64_t v) {
+    for (int i = 0; i < n; i++)
+        if (l[i] == v) return 1;
+    return 0;
+}
+
+/* What the executable graph's copy takes from the graph memory pool at a launch: the
+ * allocations it leaves allocated (keep), the size of those it frees itself, and the
+ * other graphs' allocations it frees. 0, or -1 out of host memory. */
+static int refresh_memory(struct CUgraphExec_st *e) {
+    mem_nodes_t m;
+    memset(&m, 0, sizeof m);
+    uint64_t *keep = NULL, *frees = NULL;
+    int nkeep = 0, cap_keep = 0, nfrees = 0, cap_frees = 0, rc = collect(e->snap, &m);
+    uint64_t keep_backed = 0, temp_backed = 0;
+    for (int i = 0; !rc && i < m.nalloc; i++) {
+        uint64_t b = sim_gmem_backed(m.size[i]);
+        if (in_list(m.freed, m.nfreed, m.alloc[i])) {
+            temp_backed = temp_backed > UINT64_MAX - b ? UINT64_MAX : temp_backed + b;
+        } else {
+            keep_backed = keep_backed > UINT64_MAX - b ? UINT64_MAX : keep_backed + b;
+            rc = push_u64(&keep, &nkeep, &cap_keep, m.alloc[i]);
+        }
+    }
+    for (int i = 0; !rc && i < m.nfreed; i++)
+        if (!in_list(m.alloc, m.nalloc, m.freed[i])) rc = push_u64(&frees, &nfrees, &cap_frees, m.freed[i]);
+    free(m.alloc);
+    free(m.size);
+    free(m.freed);
+    if (rc) {
+        free(keep);
+        free(frees);
+        return -1;
+    }
+    free(e->keep);
+    free(e->frees);
+    e->keep = keep;
+    e->nkeep = nkeep;
+    e->frees = frees;
+    e->nfrees = nfrees;
+    e->keep_backed = keep_backed;
+    e->temp_backed = temp_backed;
+    return 0;
+}
+
+static int refresh(struct CUgraphExec_st *e) {
+    needs_t nd = {0, 0};
     needs(e->snap, &nd);
     e->total_ns = nd.ns;
     e->kernels = nd.kernels;
-    e->alloc_bytes = nd.bytes;
     e->mem_gidx = mem_device(e->snap);
+    return refresh_memory(e);
 }
 
 static void exec_free(struct CUgraphExec_st *e) {
     struct CUgraph_st *src = e->src;
     if (--src->execs == 0 && src->destroyed) graph_free(src);
     graph_free(e->snap);
+    free(e->keep);
+    free(e->frees);
     e->magic = 0;
     free(e);
 }
@@ -642,8 +755,12 @@ static CUresult instantiate(CUgraphExec *pe, CUgraph g, unsigned long long flags
     e->magic = EXEC_MAGIC;
     e->src = g;
     e->flags = flags;
+    e->id = sim_gmem_new_exec_id();
     g->execs++;
-    refresh(e);
+    if (refresh(e) != 0) {
+        exec_free(e);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     *pe = e;
     return CUDA_SUCCESS;
 }
@@ -758,7 +875,7 @@ static CUresult exec_update(CUgraphExec e, CUgraph h, CUgraphExecUpdateResultInf
             for (int i = 0; i < snap->nnodes; i++) snap->node[i]->origin = e->snap->node[i]->origin;
             graph_free(e->snap);
             e->snap = snap;
-            refresh(e);
+            (void)refresh(e); /* out of host memory: the memory lists stay the old ones */
             res.result = CU_GRAPH_EXEC_UPDATE_SUCCESS;
             r = CUDA_SUCCESS;
         }
@@ -806,7 +923,7 @@ static CUresult exec_child_set(CUgraphExec e, CUgraphNode n, CUgraph child) {
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     graph_free(old);
-    refresh(e);
+    (void)refresh(e);
     return CUDA_SUCCESS;
 }
 
@@ -821,7 +938,7 @@ SIM_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode n, CUgra
     switch (t->type) {
     case CU_GRAPH_NODE_TYPE_KERNEL: {
         CUresult r = kernel_params_ns(p, &t->ns);
-        if (!r) refresh(e);
+        if (!r) (void)refresh(e);
         return r;
     }
     case CU_GRAPH_NODE_TYPE_EMPTY: return CUDA_SUCCESS;
@@ -832,28 +949,40 @@ SIM_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode n, CUgra
 
 /* ---- upload and launch ---- */
 
-/* A graph's allocation nodes take their memory from the device's graph pool when the graph
- * is uploaded or first launched. */
+/* The device an executable graph's allocations are on (its context's without any). */
+static int mem_dev(const struct CUgraphExec_st *e, const struct CUctx_st *c) {
+    return e->mem_gidx >= 0 ? e->mem_gidx : e->snap->gidx >= 0 ? e->snap->gidx : c->gidx;
+}
+
+/* A graph's allocation nodes take their memory from the device's graph pool (graphmem.c)
+ * when the graph is uploaded or launched. */
 static CUresult upload(struct CUgraphExec_st *e, CUstream hs) {
     CUresult r = sim_check_init();
     if (r) return r;
     if (!exec_ok(e)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = sim_stream_ctx(hs);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    int dev = e->mem_gidx >= 0 ? e->mem_gidx : e->snap->gidx >= 0 ? e->snap->gidx : c->gidx;
-    return e->alloc_bytes ? sim_graph_mem_reserve(dev, e->alloc_bytes) : CUDA_SUCCESS;
+    return sim_gmem_upload(e, mem_dev(e, c));
 }
 
 SIM_EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream hs) { return upload(e, hs); }
 SIM_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream hs) { return upload(e, PTSZ(hs)); }
 
+/* Refused while its allocations from a launch before are unfreed (without
+ * AUTO_FREE_ON_LAUNCH), or when the graph pool cannot grow to what it needs. */
 static CUresult graph_launch(CUgraphExec e, CUstream hs) {
-    CUresult r = upload(e, hs);
+    CUresult r = sim_check_init();
     if (r) return r;
+    if (!exec_ok(e)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = sim_stream_ctx(hs);
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(hs);
     if (s && s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    int dev = mem_dev(e, c);
+    r = sim_gmem_launch(e, dev);
+    if (r) return r;
     sim_submit(c, s, e->total_ns, e->kernels);
+    sim_gmem_launched(e, dev, c, s);
     return CUDA_SUCCESS;
 }
 

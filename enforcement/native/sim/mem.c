@@ -1,15 +1,13 @@
 /* Simulated device memory, with the lifetimes a real driver gives it:
  *  - plain allocations (cuMemAlloc v1/v2, pitch, managed, arrays, mipmapped arrays) belong to
- *    the context they were made in and die with it;
+ *    the context they were made in and die with it; managed memory lives where managed.c
+ *    says (its context's GPU, until prefetched or migrated elsewhere);
  *  - VMM physical allocations (cuMemCreate) live until they are released AND unmapped: a
  *    handle released while still mapped keeps its memory (NVIDIA's vectorAddMMAP sample
  *    releases right after mapping);
- *  - stream-ordered allocations come from memory pools: a pool keeps the physical memory it
- *    grew by (its "reserved" memory) after cuMemFreeAsync, which takes effect when the stream
- *    reaches it; at a synchronisation the pool gives back what it holds above its release
- *    threshold (default 0), and cuMemPoolTrimTo gives back on demand;
- *  - graph memory nodes take memory from a per-device graph pool at upload or launch, kept
- *    until cuDeviceGraphMemTrim.
+ *  - stream-ordered allocations come from memory pools (pool.c);
+ *  - graph memory nodes take memory from a per-device graph pool (graphmem.c); cuMemFree and
+ *    cuMemFreeAsync free graph allocations too.
  * Every size check is overflow-safe. No host memory backs the device addresses. */
 #include <stdlib.h>
 #include <string.h>
@@ -120,16 +118,25 @@ static CUresult alloc_in(struct CUctx_st *ctx, int kind, uint64_t size, CUdevice
     return CUDA_SUCCESS;
 }
 
+/* the memory of an allocation taken out of the table goes: managed memory from wherever
+ * it lives, IPC-exported memory when no importer holds it either */
+static void release(uint64_t key, uint64_t size, int64_t tag) {
+    if (tag_kind(tag) == KIND_V1) v1_give(key, size);
+    if (tag_kind(tag) == KIND_MANAGED && sim_managed_free(key)) return;
+    if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size);
+}
+
 static CUresult free_kind(uint64_t key, int want_array) {
     uint64_t size;
     int64_t tag;
     if (qgpu_table_get(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
     if ((tag_kind(tag) == KIND_ARRAY) != want_array) return CUDA_ERROR_INVALID_VALUE;
     if (qgpu_table_take(&g_sim_allocs, key, &size, &tag) != 0) return CUDA_ERROR_INVALID_VALUE;
-    if (tag_kind(tag) == KIND_V1) v1_give(key, size);
-    if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size); /* IPC: importers may hold it */
+    release(key, size, tag);
     return CUDA_SUCCESS;
 }
+
+CUresult sim_free_plain(uint64_t ptr) { return free_kind(ptr, 0); }
 
 CUresult sim_ipc_source(uint64_t ptr, uint64_t *size, int *gidx) {
     int64_t tag;
@@ -154,14 +161,12 @@ QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx) {
     qgpu_entry_t taken[256];
     size_t n;
     while ((n = qgpu_table_take_if(&g_sim_allocs, owned_by_dying, taken, 256)) > 0) {
-        for (size_t i = 0; i < n; i++) {
-            if (tag_kind(taken[i].tag) == KIND_V1) v1_give(taken[i].key, taken[i].size);
-            if (!sim_ipc_freed(taken[i].key)) sim_uncharge(tag_gidx(taken[i].tag), taken[i].size);
-        }
+        for (size_t i = 0; i < n; i++) release(taken[i].key, taken[i].size, taken[i].tag);
         if (n < 256) break;
     }
     pthread_mutex_unlock(&dying_lock);
-    sim_ipc_forget_ctx(ctx); /* what it opened through IPC handles is closed with it */
+    sim_ipc_forget_ctx(ctx);  /* what it opened through IPC handles is closed with it */
+    sim_pool_forget_ctx(ctx); /* and the pointers it imported from other processes' pools */
 }
 
 /* ---- plain allocations ---- */
@@ -237,22 +242,29 @@ SIM_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned i
     int g;
     CUresult r = ctx_gidx(&c, &g);
     if (r) return r;
-    if (!dptr || (flags != 1 && flags != 2)) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_in(c, KIND_MANAGED, size, dptr);
+    if (!dptr || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
+        return CUDA_ERROR_INVALID_VALUE;
+    r = alloc_in(c, KIND_MANAGED, size, dptr);
+    if (r) return r;
+    r = sim_managed_new(*dptr, size, c->gidx); /* populated on its context's GPU */
+    if (r) free_kind(*dptr, 0);
+    return r;
 }
 
+/* cuMemFree frees a graph allocation at once ("immediately upon the freeing call"). */
 SIM_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
-    if (!dptr) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    if (!dptr || sim_pool_import_free(dptr)) return CUDA_SUCCESS;
+    int gr = sim_gmem_free(dptr, NULL, NULL, 0);
+    return gr >= 0 ? (CUresult)gr : free_kind(dptr, 0);
 }
 
 SIM_EXPORT CUresult cuMemFree(CUdeviceptr_v1 dptr) {
     CUresult r = sim_check_init();
     if (r) return r;
-    if (!dptr) return CUDA_SUCCESS;
-    return free_kind(dptr, 0);
+    if (!dptr || sim_pool_import_free(dptr)) return CUDA_SUCCESS;
+    return free_kind(dptr, 0); /* 32-bit pointers: never a graph allocation */
 }
 
 SIM_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
@@ -672,12 +684,6 @@ SIM_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocati
     return CUDA_SUCCESS;
 }
 
-static int visible_ordinal(int gidx) {
-    for (int v = 0; v < g_sim_nvis; v++)
-        if (g_sim_vis[v] == gidx) return v;
-    return -1;
-}
-
 /* Imports a descriptor another (or this) process exported: a new handle holding the memory,
  * to be released with cuMemRelease like one cuMemCreate made. */
 SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle,
@@ -690,7 +696,7 @@ SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
     uint64_t id, token;
     if (sim_shared_read_fd(fd, g_sim_cfg.ngpus, &g, &idx, &id, &token) != 0)
         return CUDA_ERROR_INVALID_VALUE;
-    if (visible_ordinal(g) < 0) return CUDA_ERROR_NOT_SUPPORTED; /* its GPU is not ours */
+    if (sim_visible_ordinal(g) < 0) return CUDA_ERROR_NOT_SUPPORTED; /* its GPU is not ours */
     pthread_mutex_lock(&vmm_lock);
     if (grow((void **)&handles, &cap_handles, nhandles, sizeof *handles) != 0) {
         pthread_mutex_unlock(&vmm_lock);
@@ -698,7 +704,7 @@ SIM_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle 
     }
     sim_gpu_state_t *st = g_sim_state[g];
     sim_state_lock(st);
-    if (!sim_shared_fd_is(st, idx, id, token, fd)) {
+    if (!sim_shared_fd_is(st, idx, id, token, fd, SIM_SHARE_VMM)) {
         sim_state_unlock(st);
         pthread_mutex_unlock(&vmm_lock);
         return CUDA_ERROR_INVALID_VALUE;
@@ -732,327 +738,10 @@ SIM_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
         prop->location.type = CU_MEM_LOCATION_TYPE_HOST;
     } else {
         prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop->location.id = visible_ordinal(h->gidx);
+        prop->location.id = sim_visible_ordinal(h->gidx);
     }
     pthread_mutex_unlock(&vmm_lock);
     return CUDA_SUCCESS;
-}
-
-/* ---- memory pools and the stream-ordered allocator ---- */
-
-#define MAX_POOLS 256
-static struct CUmemPoolHandle_st *pools[MAX_POOLS];
-static int npools;
-static struct CUmemPoolHandle_st *default_pool[SIM_MAX_GPUS], *current_pool[SIM_MAX_GPUS];
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static qgpu_table_t pool_allocs = QGPU_TABLE_INIT; /* ptr -> (size, pool) */
-
-typedef struct {
-    sim_marker_t m;
-    struct CUmemPoolHandle_st *pool;
-    uint64_t size;
-} pending_free_t;
-static pending_free_t *pending;
-static size_t npending, cap_pending;
-
-static struct CUmemPoolHandle_st *new_pool(int gidx, int is_default) {
-    if (npools >= MAX_POOLS) return NULL;
-    struct CUmemPoolHandle_st *p = calloc(1, sizeof *p);
-    if (!p) return NULL;
-    p->magic = POOL_MAGIC;
-    p->gidx = gidx;
-    p->is_default = is_default;
-    pools[npools++] = p;
-    return p;
-}
-
-static int valid_pool(CUmemoryPool p) {
-    for (int i = 0; i < npools; i++)
-        if (pools[i] == p) return p->magic == POOL_MAGIC;
-    return 0;
-}
-
-/* locked: frees whose stream position has been reached go back to their pool */
-static void reap_locked(void) {
-    for (size_t i = 0; i < npending;) {
-        if (sim_marker_poll(&pending[i].m)) {
-            struct CUmemPoolHandle_st *p = pending[i].pool;
-            p->used = p->used >= pending[i].size ? p->used - pending[i].size : 0;
-            pending[i] = pending[--npending];
-            continue;
-        }
-        i++;
-    }
-}
-
-/* locked: give back what the pool holds above max(used, keep) */
-static void trim_locked(struct CUmemPoolHandle_st *p, uint64_t keep) {
-    uint64_t floor = p->used > keep ? p->used : keep;
-    if (p->reserved <= floor) return;
-    uint64_t give = (p->reserved - floor) & ~(GRANULE - 1);
-    if (!give) return;
-    p->reserved -= give;
-    sim_uncharge(p->gidx, give);
-}
-
-void sim_pools_on_sync(struct CUctx_st *ctx) {
-    pthread_mutex_lock(&pool_lock);
-    reap_locked();
-    for (int i = 0; i < npools; i++)
-        if (pools[i]->magic == POOL_MAGIC && (!ctx || pools[i]->gidx == ctx->gidx))
-            trim_locked(pools[i], pools[i]->threshold);
-    pthread_mutex_unlock(&pool_lock);
-}
-
-static struct CUmemPoolHandle_st *device_pool_locked(int gidx, int current) {
-    if (!default_pool[gidx]) default_pool[gidx] = new_pool(gidx, 1);
-    if (current && current_pool[gidx]) return current_pool[gidx];
-    return default_pool[gidx];
-}
-
-SIM_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    *pool = device_pool_locked(g, 0);
-    pthread_mutex_unlock(&pool_lock);
-    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
-}
-
-SIM_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!pool) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    *pool = device_pool_locked(g, 1);
-    pthread_mutex_unlock(&pool_lock);
-    return *pool ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
-}
-
-/* CUDA 13: the pools of a memory location (pinned device memory; the host's pools are not
- * simulated). */
-#define SIM_ALLOC_TYPE_PINNED 1
-static CUresult location_pool(CUmemoryPool *pool, const CUmemLocation *loc, int type, int current) {
-    if (!pool || !loc || type != SIM_ALLOC_TYPE_PINNED) return CUDA_ERROR_INVALID_VALUE;
-    if (loc->type != CU_MEM_LOCATION_TYPE_DEVICE) return CUDA_ERROR_NOT_SUPPORTED;
-    return current ? cuDeviceGetMemPool(pool, loc->id) : cuDeviceGetDefaultMemPool(pool, loc->id);
-}
-
-SIM_EXPORT CUresult cuMemGetMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type) {
-    return location_pool(pool, loc, type, 1);
-}
-
-SIM_EXPORT CUresult cuMemGetDefaultMemPool(CUmemoryPool *pool, CUmemLocation *loc, int type) {
-    return location_pool(pool, loc, type, 0);
-}
-
-SIM_EXPORT CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    pthread_mutex_lock(&pool_lock);
-    if (!valid_pool(pool) || pool->gidx != g) {
-        pthread_mutex_unlock(&pool_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    current_pool[g] = pool;
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    if (!pool || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        return CUDA_ERROR_INVALID_VALUE;
-    int g;
-    r = sim_device_gidx(props->location.id, &g);
-    if (r) return r;
-    pthread_mutex_lock(&pool_lock);
-    struct CUmemPoolHandle_st *p = new_pool(g, 0);
-    if (p) p->max_size = props->maxSize;
-    pthread_mutex_unlock(&pool_lock);
-    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
-    *pool = p;
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
-    pthread_mutex_lock(&pool_lock);
-    if (!valid_pool(pool) || pool->is_default) {
-        pthread_mutex_unlock(&pool_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    reap_locked();
-    /* memory still allocated from it is given back when freed; the rest now */
-    trim_locked(pool, pool->used);
-    for (int g = 0; g < SIM_MAX_GPUS; g++)
-        if (current_pool[g] == pool) current_pool[g] = NULL;
-    pool->magic = 0; /* kept allocated: outstanding frees may still name it */
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
-    pthread_mutex_lock(&pool_lock);
-    if (!valid_pool(pool)) {
-        pthread_mutex_unlock(&pool_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    reap_locked();
-    trim_locked(pool, keep);
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    CUresult r = CUDA_SUCCESS;
-    if (!valid_pool(pool)) {
-        r = CUDA_ERROR_INVALID_VALUE;
-    } else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
-        pool->threshold = *(cuuint64_t *)value;
-    } else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH || attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) {
-        if (*(cuuint64_t *)value != 0) r = CUDA_ERROR_INVALID_VALUE; /* can only be reset */
-        else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pool->reserved_high = pool->reserved;
-        else pool->used_high = pool->used;
-    } else if (attr < 1 || attr > 3) {
-        r = CUDA_ERROR_INVALID_VALUE; /* the reuse flags (1..3) are accepted and ignored */
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return r;
-}
-
-SIM_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    if (!valid_pool(pool)) {
-        pthread_mutex_unlock(&pool_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    reap_locked();
-    CUresult r = CUDA_SUCCESS;
-    switch (attr) {
-    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(cuuint64_t *)value = pool->threshold; break;
-    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = pool->reserved; break;
-    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = pool->reserved_high; break;
-    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = pool->used; break;
-    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = pool->used_high; break;
-    case 1: case 2: case 3: *(int *)value = 1; break;
-    default: r = CUDA_ERROR_INVALID_VALUE;
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return r;
-}
-
-static CUresult pool_alloc(struct CUmemPoolHandle_st *p, uint64_t size, CUdeviceptr *out) {
-    if (!size) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    reap_locked();
-    uint64_t spare = p->reserved - p->used;
-    if (spare < size) {
-        uint64_t grow_by = round_up(size - spare);
-        if (!grow_by || (p->max_size && grow_by > p->max_size - p->reserved)) {
-            pthread_mutex_unlock(&pool_lock);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        CUresult r = sim_charge(p->gidx, grow_by);
-        if (r) {
-            pthread_mutex_unlock(&pool_lock);
-            return r;
-        }
-        p->reserved += grow_by;
-        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
-    }
-    p->used += size;
-    if (p->used > p->used_high) p->used_high = p->used;
-    uint64_t a = sim_next_address(size);
-    qgpu_table_put(&pool_allocs, a, size, (int64_t)(uintptr_t)p);
-    pthread_mutex_unlock(&pool_lock);
-    *out = a;
-    return CUDA_SUCCESS;
-}
-
-static CUresult alloc_async(CUdeviceptr *dptr, size_t size, struct CUmemPoolHandle_st *pool,
-                            CUstream stream) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    struct CUctx_st *c = sim_stream_ctx(stream);
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    if (!dptr || !size) return CUDA_ERROR_INVALID_VALUE;
-    struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) /* an allocation node of the graph, on the pool's device */
-        return sim_graph_capture_alloc(s->capture, pool ? pool->gidx : c->gidx, size, dptr);
-    if (!pool) {
-        pthread_mutex_lock(&pool_lock);
-        pool = device_pool_locked(c->gidx, 1);
-        pthread_mutex_unlock(&pool_lock);
-        if (!pool) return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    return pool_alloc(pool, size, dptr);
-}
-
-SIM_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream) {
-    return alloc_async(dptr, size, NULL, stream);
-}
-
-SIM_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, CUstream stream) {
-    return alloc_async(dptr, size, NULL, stream ? stream : (CUstream)(uintptr_t)2);
-}
-
-static CUresult from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream stream) {
-    pthread_mutex_lock(&pool_lock);
-    int ok = valid_pool(pool);
-    pthread_mutex_unlock(&pool_lock);
-    if (!ok) return CUDA_ERROR_INVALID_VALUE;
-    return alloc_async(dptr, size, pool, stream);
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
-                                            CUstream stream) {
-    return from_pool(dptr, size, pool, stream);
-}
-
-SIM_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
-                                                 CUstream stream) {
-    return from_pool(dptr, size, pool, stream ? stream : (CUstream)(uintptr_t)2);
-}
-
-static CUresult free_async(CUdeviceptr dptr, CUstream stream) {
-    CUresult r = sim_check_init();
-    if (r) return r;
-    struct CUctx_st *c = sim_stream_ctx(stream);
-    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    struct CUstream_st *s = sim_real_stream(stream);
-    if (s && s->capture) return sim_graph_capture_free(s->capture, dptr); /* a free node */
-    uint64_t size;
-    int64_t tag;
-    pthread_mutex_lock(&pool_lock);
-    int found = qgpu_table_take(&pool_allocs, dptr, &size, &tag) == 0;
-    pthread_mutex_unlock(&pool_lock);
-    if (!found) /* cuMemFreeAsync also frees cuMemAlloc'ed memory (at once, like cuMemFree) */
-        return free_kind(dptr, 0) == CUDA_SUCCESS ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
-    pending_free_t f = {.pool = (struct CUmemPoolHandle_st *)(uintptr_t)tag, .size = size};
-    sim_marker_record(c, s, &f.m); /* takes effect when the stream reaches this point */
-    pthread_mutex_lock(&pool_lock);
-    if (grow((void **)&pending, &cap_pending, npending, sizeof *pending) != 0) {
-        sim_marker_wait(&f.m); /* no room to remember it: wait for it */
-        f.pool->used = f.pool->used >= size ? f.pool->used - size : 0;
-    } else {
-        pending[npending++] = f;
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) { return free_async(dptr, stream); }
-
-SIM_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
-    return free_async(dptr, stream ? stream : (CUstream)(uintptr_t)2);
 }
 
 /* ---- which allocation an address lies in ---- */
@@ -1063,8 +752,8 @@ SIM_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUd
     if (!sim_current_ctx()) return CUDA_ERROR_INVALID_CONTEXT;
     uint64_t b = 0, n = 0;
     int found = qgpu_table_find_range(&g_sim_allocs, dptr, &b, &n) == 0 ||
-                qgpu_table_find_range(&pool_allocs, dptr, &b, &n) == 0 ||
-                sim_ipc_range(dptr, &b, &n) == 0;
+                sim_pool_range(dptr, &b, &n) == 0 ||
+                sim_ipc_range(dptr, &b, &n) == 0 || sim_gmem_range(dptr, &b, &n) == 0;
     if (!found) {
         pthread_mutex_lock(&vmm_lock);
         for (size_t i = 0; i < nmaps && !found; i++) {
@@ -1090,72 +779,5 @@ SIM_EXPORT CUresult cuMemGetAddressRange(CUdeviceptr_v1 *base, unsigned int *siz
     if (base) *base = (CUdeviceptr_v1)b;
     if (size) *size = n > 0xFFFFFFFFu ? 0xFFFFFFFFu : (unsigned int)n;
     return CUDA_SUCCESS;
-}
-
-/* ---- graph memory: a per-device pool for graph allocation nodes ---- */
-
-static uint64_t graph_reserved[SIM_MAX_GPUS], graph_reserved_high[SIM_MAX_GPUS];
-static uint64_t graph_used_high[SIM_MAX_GPUS];
-
-CUresult sim_graph_mem_reserve(int gidx, uint64_t bytes) {
-    pthread_mutex_lock(&pool_lock);
-    CUresult r = CUDA_SUCCESS;
-    if (bytes > graph_reserved[gidx]) {
-        uint64_t more = round_up(bytes - graph_reserved[gidx]);
-        r = more ? sim_charge(gidx, more) : CUDA_ERROR_OUT_OF_MEMORY;
-        if (!r) {
-            graph_reserved[gidx] += more;
-            if (graph_reserved[gidx] > graph_reserved_high[gidx])
-                graph_reserved_high[gidx] = graph_reserved[gidx];
-        }
-    }
-    if (!r && bytes > graph_used_high[gidx]) graph_used_high[gidx] = bytes;
-    pthread_mutex_unlock(&pool_lock);
-    return r;
-}
-
-SIM_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    struct CUctx_st *c = sim_current_ctx();
-    if (c) sim_wait_idle(c, NULL); /* graph allocations are free once their launches end */
-    pthread_mutex_lock(&pool_lock);
-    sim_uncharge(g, graph_reserved[g]);
-    graph_reserved[g] = 0;
-    pthread_mutex_unlock(&pool_lock);
-    return CUDA_SUCCESS;
-}
-
-SIM_EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
-    int g;
-    CUresult r = sim_device_gidx(dev, &g);
-    if (r) return r;
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&pool_lock);
-    switch (attr) {
-    case CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: *(cuuint64_t *)value = 0; break;
-    case CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: *(cuuint64_t *)value = graph_used_high[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: *(cuuint64_t *)value = graph_reserved[g]; break;
-    case CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: *(cuuint64_t *)value = graph_reserved_high[g]; break;
-    default: r = CUDA_ERROR_INVALID_VALUE;
-    }
-    pthread_mutex_unlock(&pool_lock);
-    return r;
-}
-
-/* ---- what the simulator does not model: sharing memory with other processes ---- */
-
-SIM_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *out, CUmemoryPool pool, void *data) {
-    (void)out;
-    (void)pool;
-    (void)data;
-    return CUDA_ERROR_NOT_SUPPORTED;
-}
-
-SIM_EXPORT CUresult cuMemPoolExportPointer(void *data, CUdeviceptr ptr) {
-    (void)data;
-    (void)ptr;
-    return CUDA_ERROR_NOT_SUPPORTED;
 }
 

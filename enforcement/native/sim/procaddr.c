@@ -20,6 +20,7 @@
     X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxFromGreenCtx) X(cuCtxGetApiVersion) \
     X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxGetFlags) X(cuCtxGetLimit) X(cuCtxPopCurrent) \
     X(cuCtxPopCurrent_v2) X(cuCtxPushCurrent) X(cuCtxPushCurrent_v2) X(cuCtxSetCurrent) \
+    X(cuCtxSynchronize_v2) \
     X(cuCtxSetLimit) X(cuCtxSynchronize) X(cuDevResourceGenerateDesc) X(cuDeviceGet) \
     X(cuDeviceGetAttribute) X(cuDeviceGetCount) X(cuDeviceGetDefaultMemPool) \
     X(cuDeviceGetDevResource) X(cuDeviceGetGraphMemAttribute) X(cuDeviceGetMemPool) \
@@ -27,7 +28,7 @@
     X(cuDeviceGraphMemTrim) X(cuDevicePrimaryCtxGetState) X(cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxSetFlags) X(cuDevicePrimaryCtxSetFlags_v2) \
-    X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
+    X(cuDeviceSetGraphMemAttribute) X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
     X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
@@ -50,15 +51,30 @@
     X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) X(cuLaunchKernel_ptsz) X(cuMemAddressFree) \
     X(cuMemAddressReserve) X(cuMemAlloc) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) X(cuMemAllocManaged) \
+    X(cuMemAdvise) X(cuMemAdvise_v2) \
     X(cuMemAllocPitch) X(cuMemAllocPitch_v2) X(cuMemAlloc_v2) X(cuMemCreate) X(cuMemFree) X(cuMemGetDefaultMemPool) X(cuMemGetMemPool) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) X(cuMemFree_v2) X(cuMemGetAllocationGranularity) \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) \
     X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAddressRange) X(cuMemGetAddressRange_v2) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuMemMap) X(cuMemPoolCreate) X(cuMemPoolDestroy) \
-    X(cuMemPoolExportPointer) X(cuMemPoolGetAttribute) X(cuMemPoolImportPointer) \
+    X(cuMemPoolExportPointer) X(cuMemPoolExportToShareableHandle) X(cuMemPoolGetAttribute) \
+    X(cuMemPoolImportFromShareableHandle) X(cuMemPoolImportPointer) \
     X(cuMemPoolSetAttribute) X(cuMemPoolTrimTo) X(cuMemRelease) X(cuMemRetainAllocationHandle) \
+    X(cuMemPrefetchAsync) X(cuMemPrefetchAsync_ptsz) X(cuMemPrefetchAsync_v2) \
+    X(cuMemPrefetchAsync_v2_ptsz) X(cuMemPrefetchBatchAsync) X(cuMemPrefetchBatchAsync_ptsz) \
+    X(cuMemDiscardBatchAsync) X(cuMemDiscardBatchAsync_ptsz) \
+    X(cuMemDiscardAndPrefetchBatchAsync) X(cuMemDiscardAndPrefetchBatchAsync_ptsz) \
+    X(cuMemRangeGetAttribute) X(cuMemRangeGetAttributes) \
     X(cuMemSetAccess) X(cuMemUnmap) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetLevel) X(cuModuleGetFunction) X(cuModuleLoadData) X(cuModuleUnload) \
+    X(cuModuleLoad) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary) X(cuModuleGetGlobal_v2) \
+    X(cuModuleGetLoadingMode) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload) \
+    X(cuLibraryGetModule) X(cuLibraryGetKernel) X(cuLibraryGetKernelCount) \
+    X(cuLibraryEnumerateKernels) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) \
+    X(cuKernelGetFunction) X(cuKernelGetLibrary) X(cuLinkCreate) X(cuLinkCreate_v2) \
+    X(cuLinkAddData) X(cuLinkAddData_v2) X(cuLinkAddFile) X(cuLinkAddFile_v2) X(cuLinkComplete) \
+    X(cuLinkDestroy) X(cuStreamGetCtx) X(cuStreamGetCtx_ptsz) X(cuStreamGetCtx_v2) \
+    X(cuStreamGetCtx_v2_ptsz) \
     X(cuParamSetSize) X(cuParamSeti) X(cuParamSetv) X(cuStreamBeginCapture) \
     X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) X(cuStreamBeginCapture_v2_ptsz) \
     X(cuStreamBeginCaptureToGraph) X(cuStreamBeginCaptureToGraph_ptsz) \

@@ -10,7 +10,12 @@
  *  - memory opened through a legacy IPC handle (cuIpcOpenMemHandle): freeing it in the
  *    exporter before every importer closed it is undefined behaviour; the simulator does what
  *    is worst for a memory cap and a driver may do: it keeps the memory until the last
- *    importer closes it (or dies), and so when the exporter dies.
+ *    importer closes it (or dies), and so when the exporter dies;
+ *  - a memory pool exported to a POSIX file descriptor (cuMemPoolExportToShareableHandle):
+ *    its memory (what the pool reserves, which follows the exporter's pool while it has it)
+ *    stays while the exporter's pool, a descriptor, a pool imported from one
+ *    (cuMemPoolImportFromShareableHandle) or a pointer imported into one
+ *    (cuMemPoolImportPointer) exists, in any process (pool.c).
  *
  * Descriptors: the first export of an entry creates a file named after it next to the GPU's
  * state file (`<state>.shared/<id>-<token>`); each export opens it anew and holds an
@@ -173,6 +178,36 @@ void sim_shared_ref(sim_gpu_state_t *st, int idx, int delta) {
     }
 }
 
+int sim_shared_held_elsewhere(sim_gpu_state_t *st, int idx) {
+    const sim_proc_t *me = sim_state_proc_slot(st, 0);
+    for (int j = 0; j < SIM_MAX_PROCS; j++)
+        if (st->shared[idx].refs[j] > 0 && &st->procs[j] != me && st->procs[j].pid) return 1;
+    return 0;
+}
+
+CUresult sim_shared_resize(sim_gpu_state_t *st, int idx, int64_t delta) {
+    sim_shared_t *e = &st->shared[idx];
+    uint64_t n = delta < 0 ? (uint64_t)-delta : (uint64_t)delta;
+    uint64_t *holder = e->charged >= 0 ? &st->procs[e->charged].mem_used
+                       : e->charged == SIM_CHARGED_NONE ? &st->unowned
+                                                        : NULL;
+    if (delta > 0) {
+        if (n > st->mem_total || st->mem_used > st->mem_total - n) {
+            sim_state_reclaim_dead(st);
+            if (n > st->mem_total || st->mem_used > st->mem_total - n) return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        st->mem_used += n;
+        e->size += n;
+        if (holder) *holder += n;
+        return CUDA_SUCCESS;
+    }
+    if (n > e->size) n = e->size;
+    st->mem_used = st->mem_used >= n ? st->mem_used - n : 0;
+    e->size -= n;
+    if (holder) *holder = *holder >= n ? *holder - n : 0;
+    return CUDA_SUCCESS;
+}
+
 /* locked: the entry's file, created on its first export */
 static int ensure_file(sim_gpu_state_t *st, sim_shared_t *e, int gidx, int idx) {
     if (e->has_file) return 0;
@@ -223,10 +258,11 @@ int sim_shared_read_fd(int fd, int ngpus, int *gidx, int *idx, uint64_t *id, uin
     return 0;
 }
 
-int sim_shared_fd_is(const sim_gpu_state_t *st, int idx, uint64_t id, uint64_t token, int fd) {
+int sim_shared_fd_is(const sim_gpu_state_t *st, int idx, uint64_t id, uint64_t token, int fd,
+                     uint32_t kind) {
     if (!sim_shared_alive(st, idx, id)) return 0;
     const sim_shared_t *e = &st->shared[idx];
-    if (e->token != token || !e->has_file || e->kind != SIM_SHARE_VMM) return 0;
+    if (e->token != token || !e->has_file || e->kind != kind) return 0;
     char path[4200];
     entry_path(st, e, path, sizeof path);
     struct stat a, b;

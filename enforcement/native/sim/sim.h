@@ -43,6 +43,11 @@ typedef struct {
     uint64_t memory;
     uint64_t context_memory; /* device memory a context costs */
     int context_memory_set;
+    /* device runtime reservations (cuCtxSetLimit): per pending launch above the default
+     * 2048, and per resident thread per sync-depth level above the default 2 */
+    uint64_t devrt_launch_bytes;
+    uint64_t devrt_sync_thread_bytes;
+    int devrt_launch_set, devrt_sync_set;
     int sms;
     int threads_per_sm;
     int cc_major, cc_minor;
@@ -89,13 +94,14 @@ typedef struct {
 #define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS)
 
 /* An allocation that more than one process may keep alive (shared.c): a VMM allocation
- * exported to a file descriptor, or a cuMemAlloc'ed allocation with a legacy IPC handle. Its
+ * exported to a file descriptor, a cuMemAlloc'ed allocation with a legacy IPC handle, or the
+ * memory of a pool exported to a file descriptor. Its
  * memory is charged to one process that holds a reference (`charged`); when that process
  * lets go or dies, the charge moves to another holder; when only open file descriptors keep
  * it, to no process (the header's `unowned`). It is freed when no process holds a reference
  * and no descriptor is open. */
 #define SIM_MAX_SHARED 256
-enum { SIM_SHARE_VMM = 1, SIM_SHARE_IPC = 2 };
+enum { SIM_SHARE_VMM = 1, SIM_SHARE_IPC = 2, SIM_SHARE_POOL = 3 };
 enum { SIM_CHARGED_NONE = -1, SIM_CHARGED_PENDING = -2 };
 
 typedef struct {
@@ -192,8 +198,13 @@ QGPU_HIDDEN int sim_shared_open_fd(sim_gpu_state_t *st, int gidx, int idx, uint6
 /* Not locked: reads what a descriptor says it names (its GPU, entry, id, token). */
 QGPU_HIDDEN int sim_shared_read_fd(int fd, int ngpus, int *gidx, int *idx, uint64_t *id,
                                    uint64_t *token);
-/* 1 if `fd` is a descriptor of live entry idx (its file, not a copy of its contents) */
+/* 1 if `fd` is a descriptor of live entry idx of `kind` (its file, not a copy of its contents) */
 QGPU_HIDDEN int sim_shared_fd_is(const sim_gpu_state_t *st, int idx, uint64_t id, uint64_t token,
-                                 int fd);
+                                 int fd, uint32_t kind);
+/* Entry idx grows (delta > 0; CUDA_ERROR_OUT_OF_MEMORY when the GPU has no room) or shrinks;
+ * whoever holds its charge (a process or `unowned`) holds the difference. */
+QGPU_HIDDEN CUresult sim_shared_resize(sim_gpu_state_t *st, int idx, int64_t delta);
+/* 1 when a live process other than this one holds a reference to entry idx */
+QGPU_HIDDEN int sim_shared_held_elsewhere(sim_gpu_state_t *st, int idx);
 
 #endif

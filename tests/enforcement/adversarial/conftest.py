@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -251,13 +252,14 @@ class Arena:
         self.victim_gets_its_promise()
 
 
-@pytest.fixture
-def arena(short_tmp: Path) -> Iterator[Arena]:
+def make_arena(short_tmp: Path, **sim_options: Any) -> Iterator[Arena]:
+    """The arena on a simulated T4; `sim_options` go to write_sim_config."""
     cfg = write_sim_config(
         short_tmp / "sim.conf",
         "T4-16GB",
         node=f"adv-{short_tmp.name}",
         procaddr=os.environ.get(PROCADDR_OVERRIDE, "internal"),
+        **sim_options,
     )
     sim = Sim(cfg, short_tmp / "ledgers")
     victim = Worker(sim.slice_env("victim", memory=VICTIM_CAP))
@@ -271,6 +273,11 @@ def arena(short_tmp: Path) -> Iterator[Arena]:
                 h.proc.kill()
                 h.proc.wait()
         victim.kill()
+
+
+@pytest.fixture
+def arena(short_tmp: Path) -> Iterator[Arena]:
+    yield from make_arena(short_tmp)
 
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -51,8 +51,9 @@ def test_pool_growth_is_capped(arena: Arena) -> None:
 
 
 def test_pool_import_takes_no_memory_of_its_own(arena: Arena) -> None:
-    """An imported pointer maps memory another process allocated (and is charged for); the
-    simulated driver does not model sharing between processes and refuses the import."""
+    """cuMemPoolImportPointer into a pool of the process's own: only a pool imported from
+    another process's descriptor takes imported pointers, and the driver refuses this one
+    (pools shared between processes: test_shared_pools.py)."""
     h = arena.python("pools.py", "import")
     assert h.one("import") != 0
     assert h.all("grab") == [0]

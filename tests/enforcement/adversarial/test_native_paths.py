@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ..test_config import build_hook_with_default
-from .conftest import CTX, GIB, HOSTILE_CAP, MIB, OOM, Arena, Programs
+from .conftest import CTX, GIB, HOSTILE_CAP, MIB, OOM, Arena, Programs, make_arena
 
 NOT_FOUND = -1
 
@@ -194,6 +195,45 @@ def test_context_limits_that_reserve_memory_are_capped(
     assert h.all("limit") == [OOM]
     assert h.all("grab") == [0, 0, 0, OOM]
     arena.contained(h)
+
+
+@pytest.mark.parametrize("limit", ["pending", "sync_depth"])
+def test_device_runtime_limits_that_reserve_memory_are_capped(
+    arena: Arena, programs: Programs, limit: str
+) -> None:
+    """The pending launch count raised by 65536 launches at a time, or the sync depth a
+    level at a time (the simulated T4: 160 MiB a level), until refused: the driver reserves
+    device memory for them (cuda.h), so the slice's cap must hold it."""
+    h = arena.start([programs.c("contexts"), limit])
+    arena.contained(h)
+    refused = h.all("limit")
+    assert refused[-1] == OOM and set(refused[:-1]) <= {0}, h.lines
+
+
+def test_device_runtime_limits_given_back_when_lowered(arena: Arena, programs: Programs) -> None:
+    """Raised a little and lowered back to their defaults: all of the slice comes back."""
+    h = arena.start([programs.c("contexts"), "devrt_fits"])
+    assert h.all("limit") == [0, 0] and h.all("back") == [0, 0]
+    room = (HOSTILE_CAP - CTX) // (512 * MIB)
+    assert h.all("grab") == [0] * room + [OOM]
+    arena.contained(h)
+
+
+@pytest.fixture
+def costly_arena(short_tmp: Path) -> Iterator[Arena]:
+    """A driver whose pending launches cost 64 KiB each: more than the hook's own bound."""
+    yield from make_arena(short_tmp, devrt_launch_bytes=64 << 10)
+
+
+def test_device_runtime_reservation_learned_from_the_driver(
+    costly_arena: Arena, programs: Programs
+) -> None:
+    """The hook cannot know what a real driver reserves per pending launch; where the driver
+    takes more than the hook's bound, the free memory it reports across the call shows it,
+    and the slice is charged that."""
+    h = costly_arena.start([programs.c("contexts"), "pending"])
+    costly_arena.contained(h)
+    assert h.all("limit")[-1] == OOM, h.lines
 
 
 def test_threads_racing_the_cap(arena: Arena, programs: Programs) -> None:

@@ -4,7 +4,12 @@
  * cap seven fit. v1/v2/v3/v4: cuCtxCreate (v1 by name, the others as cuda.h maps them);
  * green: green contexts; primary: ten rounds of reset + retain of the primary context, then
  * 3 GiB and 1 GiB allocations; heap / stack: cuCtxSetLimit of the malloc heap (6 GiB) or the
- * per-thread stack (128 KiB x every thread the device holds). */
+ * per-thread stack (128 KiB x every thread the device holds). The device runtime's
+ * reservations, raised step by step until refused ("limit"), then 512 MiB chunks ("grab"):
+ * pending: CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT by 65536 launches a step; sync_depth:
+ * CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH by one level a step (3..24; compute capability < 9.0);
+ * devrt_fits: both raised a little (16384 pending launches more, depth 4), then lowered back
+ * to their defaults ("back"), then grab. */
 #include "hostile.h"
 
 typedef CUresult (*create_v1_t)(CUcontext *, unsigned int, CUdevice);
@@ -18,7 +23,23 @@ int main(int argc, char **argv) {
     CUdevice dev;
     cuDeviceGet(&dev, 0);
     void *lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!strcmp(mode, "heap")) {
+    if (!strcmp(mode, "pending") || !strcmp(mode, "sync_depth")) {
+        int pending = !strcmp(mode, "pending");
+        for (int i = 1; i <= (pending ? 64 : 22); i++) {
+            size_t v = pending ? 2048 + (size_t)i * 65536 : 2 + (size_t)i;
+            CUresult r = cuCtxSetLimit(pending ? CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT
+                                               : CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, v);
+            say("limit", r);
+            if (r != CUDA_SUCCESS) break;
+        }
+        grab(512 * MIB, 8);
+    } else if (!strcmp(mode, "devrt_fits")) {
+        say("limit", cuCtxSetLimit(CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, 2048 + 16384));
+        say("limit", cuCtxSetLimit(CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, 4));
+        say("back", cuCtxSetLimit(CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, 2048));
+        say("back", cuCtxSetLimit(CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, 2));
+        grab(512 * MIB, 8);
+    } else if (!strcmp(mode, "heap")) {
         say("limit", cuCtxSetLimit(CU_LIMIT_MALLOC_HEAP_SIZE, 6 * GIB));
         grab(GIB, 4);
     } else if (!strcmp(mode, "stack")) {

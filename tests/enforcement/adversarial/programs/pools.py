@@ -6,7 +6,7 @@ it. Modes (argv[1]):
   setpool    a new pool (cuMemPoolCreate) made the device's current pool (cuDeviceSetMemPool)
   frompool   a new pool used through cuMemAllocFromPoolAsync
   grow       a pool grown twice without frees
-  import     cuMemPoolImportPointer (maps memory another process allocated)
+  import     cuMemPoolImportPointer into a pool of its own (refused: not an imported pool)
 Each mode takes 3 GiB through the pool, gives it back to the pool, then asks for 3 GiB with
 cuMemAlloc: the pool still holds the first 3 GiB, so that must be refused."""
 
