@@ -41,6 +41,7 @@ LIBRARIES = {
                 "ledger.c",
                 "roster.c",
                 "region.c",
+                "busy.c",
                 "init.c",
                 "mem.c",
                 "vmm.c",

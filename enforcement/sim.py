@@ -394,6 +394,7 @@ class SimProcess:
     launches: int
     contexts: int = 0
     sm_util: int = 0  # percent of the last sampling period (~100 ms) spent on its work (NVML)
+    sm_util_at_ns: int = 0  # when that period ended (CLOCK_MONOTONIC; 0: no sample yet)
 
 
 @dataclass(frozen=True)
@@ -421,17 +422,18 @@ class SimGpuState:
         return next((p for p in self.processes if p.pid == pid), None)
 
 
-def _sm_util(data: bytes, offset: int) -> int:
-    """A process's latest utilisation sample, computed as the simulated NVML does
-    (nvmlDeviceGetProcessUtilization): busy time between its two newest samples."""
+def _sm_util(data: bytes, offset: int) -> tuple[int, int]:
+    """A process's latest utilisation sample and when its period ended, computed as the
+    simulated NVML does (nvmlDeviceGetProcessUtilization): busy time between its two newest
+    samples; (0, 0) before it has two."""
     *vals, head = _USNAP.unpack_from(data, offset + 592)
     times, done = vals[:_USNAPS], vals[_USNAPS:]
     h = head % _USNAPS
     prev = (h + _USNAPS - 1) % _USNAPS
     span = times[h] - times[prev]
     if not times[h] or not times[prev] or span <= 0:
-        return 0
-    return min(100, (100 * (done[h] - done[prev]) + span // 2) // span)
+        return 0, 0
+    return min(100, (100 * (done[h] - done[prev]) + span // 2) // span), times[h]
 
 
 _advance_lib: ctypes.CDLL | None = None
@@ -469,7 +471,8 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         offset = _PROCS_OFFSET + i * _PROC_SIZE
         pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(data, offset)
         if pid:
-            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, _sm_util(data, offset)))
+            util, util_at = _sm_util(data, offset)
+            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, util, util_at))
     return SimGpuState(
         now,
         total,

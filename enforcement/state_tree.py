@@ -15,6 +15,8 @@ interposer (enforcement/native/hook/ledger.c, roster.c, region.c) and
                                                               its policy and share
     slices/.gpu-<uuid>/<id>.activity        <uid>:<wgid> 0640 when the slice last launched,
                                                               until when it has work queued
+    slices/.gpu-<uuid>/busy                 root:<wgid> 0640  the slices the agent's
+                                                              watchdog saw run (NVML)
 
 ``<uid>:<gid>`` is the slice's workload identity (`Identity`): the user its processes run
 as; ``<wgid>`` the workload group (``--workload-gid``) every tenant of the GPUs is in. The
@@ -23,10 +25,13 @@ opens a file nobody else can open, and no other user can create it first. A work
 replace its limits file (its directory is not writable by it). A GPU's roster is written
 only here (`enforcement.gpu_roster`), so no tenant can say what another slice's policy or
 share is; each slice writes only its own activity file, so a tenant can lie only about
-itself. ``.gpu-<uuid>`` starts with a dot so that no slice id can name it. Nothing in the
-tree is writable by "other". In Kubernetes a container receives its slice's ``ledger/``
-directory, its ``limits.conf`` (read-only), its GPU's directory read-only and its own
-activity file in it writable — nothing else of another slice.
+itself; the busy list is written only by the node agent (`ensure_busy` makes it, its
+watchdog fills it: `enforcement.busy_view`), so what the driver saw run counts whatever an
+activity file says. ``.gpu-<uuid>`` starts with a dot so that no slice id can name it.
+Nothing in the tree is writable by "other". In Kubernetes a container receives its slice's
+``ledger/`` directory, its ``limits.conf`` (read-only), its GPU's directory read-only (the
+busy list with it) and its own activity file in it writable — nothing else of another
+slice.
 
 Without root (tests, laptops, ``--test-mode``) nothing is chowned: every file belongs to
 the process that runs the agent, with the same modes.
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from enforcement.busy_view import BUSY_MODE, BUSY_NAME, BusyView
 from enforcement.gpu_roster import RosterEdit, RosterEntry, edit_roster, init_roster, read_roster
 from enforcement.limits import SliceLimits, write_limits_file
 from qgpu.model import IsolationPolicy, check_slice_id, is_slice_id
@@ -93,6 +99,7 @@ def process_identity(pid: int) -> Identity | None:
         return None
     return Identity(ids["Uid"], ids["Gid"])
 
+
 FILES_KEPT = 4096  # slices whose paths StateTree.files keeps built
 
 
@@ -134,6 +141,11 @@ def gpu_dir(root: Path, uuid: str) -> Path:
     """What the slices of one GPU share (a name no slice id can take: ids never start with
     a dot)."""
     return Path(root) / f".gpu-{uuid}"
+
+
+def busy_file(root: Path, uuid: str) -> Path:
+    """The GPU's busy list (`enforcement.busy_view`), written only by the node agent."""
+    return gpu_dir(root, uuid) / BUSY_NAME
 
 
 def activity_file(root: Path, uuid: str, slice_id: str) -> Path:
@@ -284,6 +296,26 @@ class StateTree:
         self._edit(d, lambda r: r.put(RosterEntry.of(slice_id, isolation, core, writer)))
         return path
 
+    def ensure_busy(self, uuid: str) -> Path:
+        """The GPU's busy list (`enforcement.busy_view`) in its directory, root:<workload
+        gid> 0640, emptied: only the node agent makes it (its watchdog writes it each scan);
+        the GPU's workloads read it."""
+        d = gpu_dir(self.root, uuid)
+        if not (d / ROSTER_NAME).is_file():
+            self.ensure_gpu(uuid)
+        path = busy_file(self.root, uuid)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            self._own_fd(fd, 0, self.workload_gid, BUSY_MODE)
+        finally:
+            os.close(fd)
+        view = BusyView(path)
+        try:
+            view.clear()
+        finally:
+            view.close()
+        return path
+
     def leave_gpu(self, uuid: str, slice_id: str) -> None:
         """Take a slice off its GPU (its processes, if any still run, count for nobody)."""
         d = gpu_dir(self.root, uuid)
@@ -332,11 +364,12 @@ class StateTree:
         finally:
             os.close(fd)
 
-    def legacy_regions(self) -> list[Path]:
-        """The per-GPU region files of older versions (``gpu-<uuid>.region``), one writable
-        file shared by every tenant of a GPU: replaced by ``.gpu-<uuid>/``."""
+    def legacy_gpu_files(self) -> list[Path]:
+        """The per-GPU files of older versions, replaced by ``.gpu-<uuid>/``: region files
+        (``gpu-<uuid>.region``, one writable file shared by every tenant of a GPU) and the
+        agent's busy lists (``gpu-<uuid>.busy``)."""
         try:
-            return sorted(self.root.glob("gpu-*.region"))
+            return sorted([*self.root.glob("gpu-*.region"), *self.root.glob("gpu-*.busy")])
         except OSError:
             return []
 
@@ -417,6 +450,7 @@ __all__ = [
     "SliceFiles",
     "StateTree",
     "activity_file",
+    "busy_file",
     "gpu_dir",
     "process_identity",
     "slice_files",

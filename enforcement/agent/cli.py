@@ -270,8 +270,10 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         const="all",
         default="share",
         choices=("off", "share", "all"),
-        help="kill processes of slices over their memory cap: off, share (fixed-share and "
-        "burst-share slices; the default) or all (best-effort too; the bare flag)",
+        help="what the watchdog kills: off (report only), share (the default: fixed- and "
+        "burst-share slices over their memory cap or core, and any slice over its compute "
+        "allowance beside busy neighbours) or all (also best-effort slices over their memory "
+        "cap; the bare flag)",
     )
     p.add_argument(
         "--watchdog-grace",
@@ -285,8 +287,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=15,
         metavar="POINTS",
-        help="percentage points a fixed-share slice's measured SM use (NVML) may exceed its "
-        "core before it counts as over its cap (a bypass of the compute gate); 1..100",
+        help="percentage points a slice's measured SM use (NVML) may exceed its compute "
+        "allowance before it counts as over (a bypass of the compute gate, or one very long "
+        "kernel); 1..100",
     )
     p.add_argument(
         "--watchdog-unowned",

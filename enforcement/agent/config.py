@@ -30,8 +30,9 @@ SOCKET_ENV = "QGPU_AGENT_SOCKET"
 MAX_UNIX_PATH = 100
 
 Enforcement = Literal["interposer", "mps"]
-# Which slices' over-cap processes the watchdog kills: none, fixed-share and burst-share
-# slices (the default), or every share slice (best-effort too).
+# What the watchdog kills: nothing; what breaks a share slice's promise (the default:
+# fixed- and burst-share slices over their memory cap or core, and any slice over its compute
+# allowance beside busy neighbours); or also best-effort slices over their memory cap.
 WatchdogKill = Literal["off", "share", "all"]
 # What the watchdog does with a GPU process of no slice on a GPU that holds a slice it kills
 # for: kill it (after the grace), or only report it.
@@ -81,8 +82,8 @@ class AgentConfig(BaseModel):
         default=15,
         ge=1,
         le=100,
-        description="percentage points a fixed-share slice's measured SM use may exceed its "
-        "core before the watchdog counts it over (100: never)",
+        description="percentage points a slice's measured SM use may exceed its compute "
+        "allowance before the watchdog counts it over (100: never)",
     )
     watchdog_unowned: WatchdogUnowned = Field(
         default="kill",

@@ -170,8 +170,9 @@ class AgentCollector(Collector):
         )
         over_core = CounterMetricFamily(
             "qgpu_watchdog_over_core",
-            "Processes found in a fixed-share slice over its core plus the margin for the "
-            "grace (launches that bypassed the compute gate), one per process and episode",
+            "Processes found in a slice over its compute allowance (its core; for burst-share "
+            "while a neighbour is busy; for best-effort what busy guaranteed slices leave) plus "
+            "the margin for the grace, one per process and episode",
             labels=["node", "device_uuid", "slice"],
         )
         kills = CounterMetricFamily(

@@ -168,6 +168,7 @@ def build_agent(config: AgentConfig, backend: GpuBackend | None = None) -> Agent
         kill=config.watchdog_kill,
         grace_s=config.watchdog_grace_s,
         core_margin=config.watchdog_core_margin,
+        interval_s=config.watchdog_interval_s,
         unowned=config.watchdog_unowned,
     )
     return agent

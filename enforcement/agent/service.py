@@ -217,6 +217,7 @@ class Agent:
         self.ledger.put_node(self.inventory)
         for gpu in self.inventory.gpus:
             self.tree.ensure_gpu(gpu.uuid)
+            self.tree.ensure_busy(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
         self.restore()
@@ -245,8 +246,11 @@ class Agent:
             if fresh == self.inventory:
                 return False
             self.ledger.put_node(fresh)
+            known = {g.uuid for g in self.inventory.gpus}
             for gpu in fresh.gpus:
                 self.tree.ensure_gpu(gpu.uuid)
+                if gpu.uuid not in known:  # a known GPU's list is the watchdog's to renew
+                    self.tree.ensure_busy(gpu.uuid)
             self.inventory = fresh
             log.info("inventory of %s changed: %s", self.node, fresh.model_dump_json())
             return True
@@ -293,10 +297,10 @@ class Agent:
     def _drop_legacy(self) -> None:
         """Files of the flat layout of older versions: limits/<id>.limits (their slices now
         have limits.conf in their own directory), slices/gpu-<uuid>.region (every tenant of
-        a GPU could write it: now .gpu-<uuid>/) and slices/slice-<id>.ledger once no
-        process maps it."""
+        a GPU could write it) and slices/gpu-<uuid>.busy (both now in .gpu-<uuid>/), and
+        slices/slice-<id>.ledger once no process maps it."""
         shutil.rmtree(self.config.legacy_limits_dir, ignore_errors=True)
-        for path in self.tree.legacy_regions():  # running processes keep their mapping
+        for path in self.tree.legacy_gpu_files():  # running processes keep their mapping
             path.unlink(missing_ok=True)
         for path in self.tree.legacy_files():
             led = read_ledger_file(path)

@@ -21,16 +21,33 @@ seen for the grace (``qgpu_watchdog_unowned_kills_total``). Processes the agent 
 see in its own pid namespace are only reported; NVIDIA's MPS server is never unowned.
 
 Compute has the same backstop. The interposer's compute gate runs inside the tenant's own
-process, so a process that launches through the raw driver (found in libcuda's symbol
-table) is never gated. Each scan also reads every process's newest NVML SM-utilisation
-sample; a fixed-share slice (interposer enforcement) whose processes together use more
-than its core plus ``core_margin`` percentage points in every new sample for at least the
-grace (and at least two samples) is over its core: reported as
-``qgpu.watchdog.over_core`` (``qgpu_watchdog_over_core_total``) and, where the kill
-policy covers the slice, its busiest processes are killed until the rest fit. Burst-share
-slices may legitimately run above their share when the GPU is otherwise idle, best-effort
-slices have no share, and under MPS the cap is a share of SMs, not of time: none of
-those is checked.
+process and debits a kernel only once it has ended, so a process that launches through the
+raw driver (found in libcuda's symbol table), or one kernel that runs for many seconds,
+holds its time slices of the GPU whatever the gate says. Each scan also reads every
+process's newest NVML SM-utilisation sample and judges each interposer slice against its
+allowance (`allowance`), in every new sample, plus ``core_margin`` percentage points:
+
+* fixed-share: its core, always;
+* burst-share: its core, while another slice on its GPU is busy (it may borrow only idle
+  compute);
+* best-effort: what the busy guaranteed (fixed- or burst-share) slices leave, 100 minus
+  their cores, split between the busy best-effort slices, while a guaranteed slice is busy.
+
+A slice is *busy* when NVML's fresh samples of its processes add up to at least
+``BUSY_PERCENT``; a neighbour counts only when it was busy at this scan and the one before,
+so a well-behaved slice has had a scan's time to see it (below). A slice over its allowance
+for at least the grace (and at least two samples) is reported as ``qgpu.watchdog.over_core``
+(``qgpu_watchdog_over_core_total``) and, where the kill policy covers it, its busiest
+processes are killed until the rest fit. Under MPS the cap is a share of SMs, not of time:
+not checked.
+
+The interposer decides for itself when a burst-share slice may burst and what a best-effort
+slice may take, from the activity files the slices of the GPU write about themselves; a
+neighbour whose work bypasses the hook, sits in one long kernel, or that hides its file, is
+missing there. So each scan also writes the slices it saw busy to the GPU's busy list
+(``.gpu-<uuid>/busy``, `enforcement.busy_view`), which the interposer counts as active
+neighbours: a well-behaved slice falls back before the watchdog could judge it, and a
+tenant that hides its work cannot get its neighbour killed nor take its neighbour's share.
 """
 
 from __future__ import annotations
@@ -46,7 +63,9 @@ from typing import TYPE_CHECKING
 
 from enforcement.agent.config import WatchdogKill, WatchdogUnowned
 from enforcement.agent.reconcile import proc_start_time
+from enforcement.busy_view import BusySlice, BusyView
 from enforcement.discovery import GpuProcess, UtilSample
+from enforcement.state_tree import busy_file
 from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
 
@@ -54,6 +73,12 @@ if TYPE_CHECKING:
     from enforcement.agent.service import Agent
 
 log = logging.getLogger("qgpu.agent.watchdog")
+
+# A slice is busy when its processes' fresh NVML samples add up to at least this many
+# percent of the GPU (any measured use; NVML reports whole percents).
+BUSY_PERCENT = 1
+# Samples older than this before the GPU's newest one are stale for telling who is busy.
+BUSY_FRESH_US = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -76,6 +101,70 @@ class OverCore:
     slice_util_percent: int
     core_percent: int
     action: str  # reported | killed | kill-failed
+    allowed_percent: float = 0.0  # what the slice was judged against (before the margin)
+    isolation: str = "fixed-share"
+    busy_slices: tuple[str, ...] = ()  # the busy neighbours that made it an allowance
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a slice may use of its GPU right now (percent), and the busy neighbours that
+    make it so."""
+
+    percent: float
+    busy: tuple[str, ...] = ()
+
+
+def busy_slices(
+    group: list[Allocation], samples: dict[str, list[tuple[int, UtilSample]]]
+) -> dict[str, int]:
+    """The slices of one GPU that NVML's fresh samples show busy, with their use."""
+    stamps = [s.at_us for a in group for _pid, s in samples.get(a.slice_id, [])]
+    if not stamps:
+        return {}
+    fresh_from = max(stamps) - BUSY_FRESH_US
+    out = {}
+    for alloc in group:
+        mine = samples.get(alloc.slice_id, [])
+        used = sum(s.sm_util for _pid, s in mine if s.at_us >= fresh_from)
+        if used >= BUSY_PERCENT:
+            out[alloc.slice_id] = min(100, used)
+    return out
+
+
+def allowance(
+    alloc: Allocation,
+    group: list[Allocation],
+    busy_now: dict[str, int] | set[str],
+    busy_before: set[str],
+) -> Allowance | None:
+    """What `alloc` may use of its GPU (see the module docstring); None: anything (its
+    neighbours are idle). `group` is every slice on the GPU; a neighbour counts as busy
+    when it is busy now and was at the previous scan."""
+    others = [
+        a
+        for a in group
+        if a.slice_id != alloc.slice_id and a.slice_id in busy_now and a.slice_id in busy_before
+    ]
+    names = tuple(sorted(a.slice_id for a in others))
+    if alloc.isolation is IsolationPolicy.FIXED_SHARE:
+        return Allowance(alloc.core, names)
+    if not others:
+        return None
+    if alloc.isolation is IsolationPolicy.BURST_SHARE:
+        return Allowance(alloc.core, names)
+    guaranteed = [a for a in others if a.isolation is not IsolationPolicy.BEST_EFFORT]
+    if not guaranteed:
+        return None
+    rest = max(0, 100 - sum(a.core for a in guaranteed))
+    peers = 1 + sum(
+        1
+        for a in group
+        if a.slice_id != alloc.slice_id
+        and a.isolation is IsolationPolicy.BEST_EFFORT
+        and a.slice_id in busy_now
+    )
+    return Allowance(rest / peers, tuple(sorted(a.slice_id for a in guaranteed)))
 
 
 @dataclass
@@ -114,6 +203,7 @@ class Watchdog:
         kill: WatchdogKill = "off",
         grace_s: float = 0.0,
         core_margin: int = 15,
+        interval_s: float = 5.0,
         unowned: WatchdogUnowned = "report",
         killer: Callable[[int, int], None] = os.kill,
         clock: Callable[[], float] = time.monotonic,
@@ -124,6 +214,10 @@ class Watchdog:
         self.core_margin = core_margin
         self.unowned = unowned
         self._core: dict[str, _CoreWatch] = {}  # slice -> its compute check
+        self._busy_before: dict[str, set[str]] = {}  # GPU -> slices busy at the last scan
+        self._views: dict[str, BusyView] = {}  # GPU -> its busy list
+        # how long a published busy list holds if no scan replaces it (the agent stalled)
+        self.publish_for_s = 3 * interval_s + 1.0
         self._killer = killer
         self._clock = clock
         self._seen_unowned: set[tuple[str, int]] = set()
@@ -210,6 +304,13 @@ class Watchdog:
         self.last = report
         return report
 
+    def kills_compute_for(self, alloc: Allocation) -> bool:
+        """Whether this node kills processes of `alloc` for compute. Every compute rule
+        protects a guaranteed (fixed- or burst-share) slice's promise: a share slice over its
+        own core, or a best-effort slice taking what busy guaranteed slices were promised.
+        So `share` (the default) and `all` kill for all three policies; `off` reports."""
+        return self.kill != "off"
+
     def _check_unowned(
         self,
         allocs: list[Allocation],
@@ -270,27 +371,32 @@ class Watchdog:
     ) -> None:
         agent = self.agent
         watched = [
-            a
-            for a in allocs
-            if a.isolation is IsolationPolicy.FIXED_SHARE
-            and agent.enforcement_of(a) == "interposer"
+            a for a in allocs if not a.is_whole_gpu and agent.enforcement_of(a) == "interposer"
         ]
         if not watched:
             self._core.clear()
+            self._busy_before.clear()
+            self._publish_busy({})
             return
         try:
             utils = agent.backend.process_utilization()
         except Exception as exc:  # NVML can fail in many ways: judge again at the next scan
             log.warning("watchdog could not read process utilisation: %s", exc)
             return
-        live: set[str] = set()
+        on_gpu: dict[str, list[Allocation]] = {}
+        samples: dict[str, list[tuple[int, UtilSample]]] = {}
         for alloc in watched:
             uuid = alloc.gpu_uuids[0]
-            mine = [
+            on_gpu.setdefault(uuid, []).append(alloc)
+            samples[alloc.slice_id] = [
                 (p.pid, utils[(uuid, p.pid)])
                 for p in by_slice.get(alloc.slice_id, [])
                 if p.device_uuid == uuid and (uuid, p.pid) in utils
             ]
+        busy = {uuid: busy_slices(group, samples) for uuid, group in on_gpu.items()}
+        live: set[str] = set()
+        for alloc in watched:
+            mine = samples[alloc.slice_id]
             if not mine:
                 continue
             live.add(alloc.slice_id)
@@ -301,8 +407,10 @@ class Watchdog:
             if watch is None:
                 watch = self._core[alloc.slice_id] = _CoreWatch(newest)
             watch.last_sample_us = newest
+            uuid = alloc.gpu_uuids[0]
             used = min(100, sum(sample.sm_util for _pid, sample in mine))
-            if used <= alloc.core + self.core_margin:
+            judged = allowance(alloc, on_gpu[uuid], busy[uuid], self._busy_before.get(uuid, set()))
+            if judged is None or used <= judged.percent + self.core_margin:
                 watch.over_since, watch.samples_over = None, 0
                 watch.reported.clear()
                 continue
@@ -310,38 +418,58 @@ class Watchdog:
                 watch.over_since = now
             watch.samples_over += 1
             kill = (
-                self.kills_for(alloc)
+                self.kills_compute_for(alloc)
                 and watch.samples_over >= 2
                 and now - watch.over_since >= self.grace_s
             )
-            self._report_over_core(alloc, mine, used, kill, watch, report)
+            self._report_over_core(alloc, mine, used, judged, kill, watch, report)
             if kill:
                 watch.over_since, watch.samples_over = None, 0
                 watch.reported.clear()
         self._core = {k: v for k, v in self._core.items() if k in live}
+        self._busy_before = {uuid: set(b) for uuid, b in busy.items()}
+        self._publish_busy(
+            {
+                uuid: [(a, busy[uuid][a.slice_id]) for a in group if a.slice_id in busy[uuid]]
+                for uuid, group in on_gpu.items()
+            }
+        )
 
     def _report_over_core(
         self,
         alloc: Allocation,
         mine: list[tuple[int, UtilSample]],
         used: int,
+        judged: Allowance,
         kill: bool,
         watch: _CoreWatch,
         report: WatchdogReport,
     ) -> None:
-        """Report (and with `kill`, end) a slice over its core: its busiest processes
-        first, until what is left fits the core plus the margin."""
+        """Report (and with `kill`, end) a slice over its allowance: its busiest processes
+        first, until what is left fits the allowance plus the margin."""
         agent = self.agent
         uuid = alloc.gpu_uuids[0]
+        limit = judged.percent + self.core_margin
         remaining = used
         for pid, sample in sorted(mine, key=lambda m: m[1].sm_util, reverse=True):
             action = "reported"
-            if kill and remaining > alloc.core + self.core_margin and sample.sm_util > 0:
+            if kill and remaining > limit and sample.sm_util > 0:
                 action = self._kill(pid)
                 if action == "killed":
                     remaining -= sample.sm_util
                     agent.counters.add("watchdog_kills", (uuid, alloc.slice_id))
-            event = OverCore(uuid, alloc.slice_id, pid, sample.sm_util, used, alloc.core, action)
+            event = OverCore(
+                uuid,
+                alloc.slice_id,
+                pid,
+                sample.sm_util,
+                used,
+                alloc.core,
+                action,
+                allowed_percent=judged.percent,
+                isolation=alloc.isolation.value,
+                busy_slices=judged.busy,
+            )
             report.over_core.append(event)
             if action == "reported" and pid in watch.reported:
                 continue  # logged at an earlier scan of this episode: no new event
@@ -355,16 +483,34 @@ class Watchdog:
                         "device_uuid": uuid,
                         "slice": alloc.slice_id,
                         "owner": f"{alloc.owner.kind.value}:{alloc.owner.id}",
+                        "isolation": alloc.isolation.value,
                         "pid": pid,
                         "util_percent": sample.sm_util,
                         "slice_util_percent": used,
                         "core_percent": alloc.core,
+                        "allowed_percent": round(judged.percent, 1),
                         "margin_percent": self.core_margin,
+                        "busy_slices": list(judged.busy),
                         "action": action,
                     },
                     sort_keys=True,
                 )
             )
+
+    def _publish_busy(self, busy: dict[str, list[tuple[Allocation, int]]]) -> None:
+        """Tell the interposers of every GPU which slices NVML shows busy."""
+        for gpu in self.agent.inventory.gpus:
+            try:
+                view = self._views.get(gpu.uuid)
+                if view is None:
+                    path = busy_file(self.agent.tree.root, gpu.uuid)
+                    if not path.exists():
+                        continue  # not made by this agent (ensure_busy): nobody reads it
+                    view = self._views[gpu.uuid] = BusyView(path)
+                listed = [BusySlice(a.slice_id, used) for a, used in busy.get(gpu.uuid, [])]
+                view.write(listed, self.publish_for_s)
+            except (OSError, ValueError) as exc:
+                log.warning("watchdog could not publish the busy slices of %s: %s", gpu.uuid, exc)
 
     def _kill(self, pid: int, started: int | None = None) -> str:
         if pid <= 1 or pid == os.getpid():
@@ -379,4 +525,14 @@ class Watchdog:
         return "killed"
 
 
-__all__ = ["OverCap", "OverCore", "Unowned", "Watchdog", "WatchdogReport"]
+__all__ = [
+    "BUSY_PERCENT",
+    "Allowance",
+    "OverCap",
+    "OverCore",
+    "Unowned",
+    "Watchdog",
+    "WatchdogReport",
+    "allowance",
+    "busy_slices",
+]

@@ -16,9 +16,10 @@ needs:
 - of the state tree only the container's own slice's ``ledger/`` directory (read-write,
   owned by the container's user: ``runAsUser``/``runAsGroup`` of the container, else of the
   pod, else root), its GPU's directory ``.gpu-<uuid>/`` read-only (the roster: every
-  slice's policy and share; the other slices' activity files) and, inside it, its own
-  activity file read-write (mounted after the directory): it can say what it does itself,
-  nothing about another slice;
+  slice's policy and share; the other slices' activity files; with an agent, its busy list
+  of the slices its watchdog saw run) and, inside it, its own activity file read-write
+  (mounted after the directory): it can say what it does itself, nothing about another
+  slice;
 - device selection: ``CUDA_VISIBLE_DEVICES`` / ``NVIDIA_VISIBLE_DEVICES`` = GPU UUID(s) and
   the ``/dev/nvidia*`` device nodes that exist on the host.
 
@@ -228,9 +229,10 @@ def _state_mounts(
     ledger_in: Path, ledger_host: Path, roots: tuple[Path, Path], uuid: str, slice_id: str
 ) -> list[pb.Mount]:
     """Of the node's state tree: the container's own slice ledger directory (read-write),
-    its GPU's directory read-only (the roster, the other slices' activity) and its own
-    activity file in it read-write, listed after the directory it lies in (runtimes mount
-    in order). `roots`: the slices root inside the container and on the host."""
+    its GPU's directory read-only (the roster, the other slices' activity, the agent's busy
+    list) and its own activity file in it read-write, listed after the directory it lies in
+    (runtimes mount in order). `roots`: the slices root inside the container and on the
+    host."""
     inside, host = roots
     return [
         pb.Mount(container_path=str(ledger_in), host_path=str(ledger_host), read_only=False),

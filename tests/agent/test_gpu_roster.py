@@ -1,16 +1,20 @@
 """Each GPU's roster (``slices/.gpu-<uuid>/roster``) lists exactly the slices placed on it,
 with their policy and share, through reservations, releases and restarts; each listed slice
-has its activity file; the layout of older versions (one writable ``gpu-<uuid>.region``
-per GPU) is removed."""
+has its activity file; the agent's busy list (``.gpu-<uuid>/busy``) is made with the
+directory and emptied at each start; the layout of older versions (one writable
+``gpu-<uuid>.region`` per GPU, a ``gpu-<uuid>.busy`` beside it) is removed."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from enforcement.agent.models import ReserveRequest
 from enforcement.agent.service import Agent
+from enforcement.busy_view import BusySlice, BusyView
 from enforcement.gpu_roster import (
     ROSTER_MAX,
     WRITER_AGENT,
@@ -19,7 +23,7 @@ from enforcement.gpu_roster import (
     RosterFull,
     read_roster,
 )
-from enforcement.state_tree import Identity, StateTree, activity_file, gpu_dir
+from enforcement.state_tree import Identity, StateTree, activity_file, busy_file, gpu_dir
 from qgpu.model import IsolationPolicy, SliceRequest
 from tests.agent.conftest import FakeBackend, h100, make_agent
 
@@ -61,16 +65,44 @@ def test_a_restart_lists_exactly_the_agent_s_slices(state_dir: Path, backend: Fa
     uuid = h100(0).uuid
     tree = StateTree(root, privileged=False)
     # a crash left an entry of the agent's for a slice it no longer holds, the device
-    # plugin listed a pod's slice, and an older version left its region file
+    # plugin listed a pod's slice, and an older version left its region and busy files
     tree.join_gpu(uuid, "gone", Identity.current(), FS, 10, WRITER_AGENT)
     tree.join_gpu(uuid, "pod.c0", Identity.current(), FS, 10, WRITER_PLUGIN)
     (root / f"gpu-{uuid}.region").write_bytes(b"\0" * 64)
+    (root / f"gpu-{uuid}.busy").write_bytes(b"\0" * 64)
     again = make_agent(state_dir, backend)
     try:
         assert listed(again) == {"a": (1, 30, WRITER_AGENT), "pod.c0": (1, 10, WRITER_PLUGIN)}
         assert not activity_file(root, uuid, "gone").exists()
         assert activity_file(root, uuid, "pod.c0").exists()
         assert not (root / f"gpu-{uuid}.region").exists()
+        assert not (root / f"gpu-{uuid}.busy").exists()
+    finally:
+        again.close()
+
+
+def test_the_busy_list_is_made_with_the_gpu_s_directory_and_emptied_at_start(
+    state_dir: Path, backend: FakeBackend
+) -> None:
+    """Every GPU gets .gpu-<uuid>/busy (0640: only the agent writes it, the GPU's workloads
+    read it with the directory they are given); a list left by an earlier run (or from
+    before a reboot, whose monotonic clock started again) names nobody after a start."""
+    agent = make_agent(state_dir, backend)
+    root = state_dir / "slices"
+    agent.close()
+    for gpu in (0, 1):
+        path = busy_file(root, h100(gpu).uuid)
+        assert path.parent == gpu_dir(root, h100(gpu).uuid)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+        view = BusyView(path)
+        view.write([BusySlice("stale", 50)], 3600.0)
+        view.close()
+    again = make_agent(state_dir, backend)
+    try:
+        for gpu in (0, 1):
+            view = BusyView(busy_file(root, h100(gpu).uuid))
+            assert view.read() == ([], 0)
+            view.close()
     finally:
         again.close()
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +19,9 @@ from enforcement.agent.app import create_app
 from enforcement.agent.models import ReserveRequest
 from enforcement.agent.service import Agent
 from enforcement.agent.watchdog import Watchdog
+from enforcement.busy_view import BusySlice, BusyView
 from enforcement.discovery import GpuProcess, UtilSample
+from enforcement.state_tree import busy_file
 from qgpu.model import Owner, OwnerKind, SliceRequest
 from tests.agent.conftest import FakeBackend
 
@@ -275,34 +279,143 @@ def test_a_fixed_share_slice_over_its_core_is_killed_after_the_grace(
     assert value(found, "qgpu_watchdog_kills_total", slice=sid) == 1
 
 
-def test_the_core_check_restarts_under_the_margin_and_skips_shares_that_may_burst(
+def reserve(agent: Agent, iso: str, core: int = 20) -> str:
+    req = ReserveRequest(request=SliceRequest(core=core, memory_gib=4, isolation=iso))
+    return agent.reserve(req).slice_id
+
+
+def scan_core(
+    wd: Watchdog, backend: FakeBackend, now: list[float], uuid: str, at: float, use: dict[int, int]
+) -> list[tuple[str, str]]:
+    """One scan at `at` with a new NVML sample per pid; the compute events it produced."""
+    now[0] = at
+    backend.util = {(uuid, pid): UtilSample(u, int(at * 10) + 1) for pid, u in use.items()}
+    return [(e.slice_id, e.action) for e in wd.scan().over_core]
+
+
+def test_the_fixed_share_check_restarts_under_the_margin(
     agent: Agent, backend: FakeBackend, children: list
 ) -> None:
-    fixed, burst, best = (
-        agent.reserve(
-            ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation=iso))
-        ).slice_id
-        for iso in ("fs", "bs", "be")
-    )
+    fixed, burst, best = (reserve(agent, iso) for iso in ("fs", "bs", "be"))
     uuid = agent.ledger.get(fixed).gpu_uuids[0]
     pids = {sid: spawn(children, sid) for sid in (fixed, burst, best)}
     backend.procs = [GpuProcess(uuid, pid, GIB) for pid in pids.values()]
     now = [0.0]
     wd = Watchdog(agent, kill="all", grace_s=2, core_margin=10, clock=lambda: now[0])
     seen = []
-    # the fixed-share slice at 31 (over 20 + 10), 30 (within), then over again from t=3
+    # the fixed-share slice at 31 (over 20 + 10), 30 (within), then over again from t=3;
+    # its neighbours idle: a fixed-share slice is held to its core whatever they do
     for at, util in ((0.0, 31), (1.0, 30), (3.0, 31), (4.0, 31), (5.0, 31)):
-        now[0] = at
-        backend.util = {(uuid, pid): UtilSample(util, int(at) + 1) for pid in pids.values()}
-        seen.append([(e.slice_id, e.action) for e in wd.scan().over_core])
+        use = {pids[fixed]: util, pids[burst]: 0, pids[best]: 0}
+        seen.append(scan_core(wd, backend, now, uuid, at, use))
     assert seen == [
         [(fixed, "reported")],
         [],
         [(fixed, "reported")],
         [(fixed, "reported")],
         [(fixed, "killed")],
-    ]  # burst-share and best-effort at 31 of 20: never checked, even with kill=all
+    ]
     assert all(children[i].poll() is None for i in (1, 2))
+
+
+def test_a_burst_share_slice_is_held_to_its_share_only_while_a_neighbour_is_busy(
+    agent: Agent, backend: FakeBackend, children: list, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 20 % burst-share slice at 60 %: nothing while its neighbour idles (it may borrow
+    idle compute), nothing at the first scan that sees the neighbour busy (the interposer
+    learns of it from that scan), then over 20 + 10 until the grace ends it. Under the
+    default policy (share)."""
+    burst, fixed = reserve(agent, "bs"), reserve(agent, "fs")
+    uuid = agent.ledger.get(burst).gpu_uuids[0]
+    b, f = spawn(children, burst), spawn(children, fixed)
+    backend.procs = [GpuProcess(uuid, b, GIB), GpuProcess(uuid, f, GIB)]
+    now = [0.0]
+    wd = Watchdog(agent, kill="share", grace_s=2, core_margin=10, clock=lambda: now[0])
+    plan = [(0.0, 0), (1.0, 0), (2.0, 10), (3.0, 10), (4.0, 0), (5.0, 10), (6.0, 10), (7.0, 10),
+            (8.0, 10)]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        seen = [scan_core(wd, backend, now, uuid, at, {b: 60, f: n}) for at, n in plan]
+    assert seen == [
+        [], [], [],  # neighbour idle, idle, busy for the first time
+        [(burst, "reported")],
+        [],  # the neighbour idles again: the episode ends
+        [], [(burst, "reported")], [(burst, "reported")],
+        [(burst, "killed")],  # 2 s over since t=6
+    ]  # fmt: skip
+    children[0].wait(timeout=10)
+    assert children[0].returncode == -9 and children[1].poll() is None
+    events = [json.loads(r.getMessage()) for r in caplog.records]
+    over = [e for e in events if e["event"] == "qgpu.watchdog.over_core"]
+    assert over[-1]["action"] == "killed"
+    assert over[-1]["isolation"] == "burst-share"
+    assert over[-1]["allowed_percent"] == 20 and over[-1]["busy_slices"] == [fixed]
+    assert value(samples(agent), "qgpu_watchdog_kills_total", slice=burst) == 1
+
+
+def test_best_effort_slices_take_only_what_the_busy_guaranteed_slices_leave(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    """A busy 30 % fixed-share slice leaves 70 %, split between the busy best-effort slices:
+    one alone may use 70 + 10, two 35 + 10 each. Best-effort slices alone on the GPU are
+    never judged. The default policy (share) kills them: they took a share slice's promise."""
+    fixed = reserve(agent, "fs", core=30)
+    be1, be2 = reserve(agent, "be"), reserve(agent, "be")
+    uuid = agent.ledger.get(fixed).gpu_uuids[0]
+    f, e1, e2 = spawn(children, fixed), spawn(children, be1), spawn(children, be2)
+    backend.procs = [GpuProcess(uuid, pid, GIB) for pid in (f, e1, e2)]
+    now = [0.0]
+    wd = Watchdog(agent, kill="share", grace_s=2, core_margin=10, clock=lambda: now[0])
+    plan = [
+        (0.0, {f: 0, e1: 100, e2: 0}),  # nobody guaranteed busy: a best-effort slice may burst
+        (1.0, {f: 20, e1: 80, e2: 0}),  # busy now, not before: not judged yet
+        (2.0, {f: 20, e1: 80, e2: 0}),  # 80 <= 70 + 10
+        (3.0, {f: 20, e1: 81, e2: 0}),  # over
+        (4.0, {f: 20, e1: 45, e2: 45}),  # two busy best-effort slices: 35 + 10 each
+        (5.0, {f: 20, e1: 46, e2: 46}),
+        (6.0, {f: 20, e1: 46, e2: 46}),
+        (7.0, {f: 20, e1: 46, e2: 46}),
+    ]
+    seen = [scan_core(wd, backend, now, uuid, at, use) for at, use in plan]
+    assert seen == [
+        [], [], [],
+        [(be1, "reported")],
+        [],
+        [(be1, "reported"), (be2, "reported")],
+        [(be1, "reported"), (be2, "reported")],
+        [(be1, "killed"), (be2, "killed")],
+    ]  # fmt: skip
+    assert children[0].poll() is None
+
+
+def test_the_watchdog_publishes_the_busy_slices_for_the_interposer(
+    agent: Agent, backend: FakeBackend, children: list
+) -> None:
+    burst, fixed, idle = reserve(agent, "bs"), reserve(agent, "fs", core=30), reserve(agent, "be")
+    uuid = agent.ledger.get(burst).gpu_uuids[0]
+    assert {agent.ledger.get(s).gpu_uuids[0] for s in (fixed, idle)} == {uuid}
+    pids = [spawn(children, sid) for sid in (burst, fixed, idle)]
+    backend.procs = [GpuProcess(uuid, pid, GIB) for pid in pids]
+    backend.util = {(uuid, pid): UtilSample(u, 5) for pid, u in zip(pids, (40, 25, 0), strict=True)}
+    wd = Watchdog(agent, kill="share", interval_s=2)
+    wd.scan()
+    views = {g.uuid: BusyView(busy_file(agent.tree.root, g.uuid)) for g in agent.inventory.gpus}
+    try:
+        listed, until = views[uuid].read()
+        assert sorted(listed, key=lambda b: b.slice_id) == sorted(
+            [BusySlice(burst, 40), BusySlice(fixed, 25)], key=lambda b: b.slice_id
+        )
+        assert 0 < until - time.monotonic_ns() <= int(7e9)  # 3 intervals + 1 s
+        other = next(u for u in views if u != uuid)
+        assert views[other].read()[0] == []
+        st = os.stat(busy_file(agent.tree.root, uuid))
+        assert stat.S_IMODE(st.st_mode) == 0o640  # only the agent writes it
+        backend.util = {}
+        backend.procs = []
+        wd.scan()
+        assert views[uuid].read()[0] == []  # nobody busy any more
+    finally:
+        for v in views.values():
+            v.close()
 
 
 def test_kill_off_reports_a_slice_over_its_core_without_killing(

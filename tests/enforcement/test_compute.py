@@ -6,13 +6,18 @@ work rides out CPU starvation when other tests load the machine)."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from enforcement.agent.slice_stats import read_slice_ledger
+from enforcement.busy_view import BusySlice, BusyView
+from enforcement.gpu_roster import WRITER_AGENT
 from enforcement.sim import write_sim_config
+from enforcement.state_tree import Identity, StateTree
+from qgpu.model import IsolationPolicy
 
 from .conftest import Sim, finish, measure_shares, start_burn, wait_ready
 
@@ -82,6 +87,42 @@ def test_burst_share_keeps_its_guarantee_against_a_fixed_share_neighbour(sim: Si
     finish(procs)
     assert abs(bs - 40) <= TOLERANCE, (bs, fs)
     assert abs(fs - 60) <= TOLERANCE, (bs, fs)
+
+
+def test_burst_share_yields_to_a_slice_the_agent_saw_busy(sim: Sim) -> None:
+    """A 60 % fixed-share slice is placed on the GPU (in its roster) and launches nothing
+    through the hook (the raw driver, one long kernel, a hidden activity file), but the node
+    agent's busy list (.gpu-<uuid>/busy, enforcement.busy_view) names it: a 30 % burst-share
+    slice counts it as active and stays at its share. A list another user could have written
+    (group-writable), one the agent stopped renewing, or one naming a slice the roster does
+    not list (policy and share come from the roster only) is no reason to yield: the slice
+    bursts."""
+    tree = StateTree(sim.state_dir, privileged=False)
+    tree.prepare()
+    variants = [("trusted", 0o640, 60.0), ("writable", 0o660, 60.0), ("stale", 0o640, -1.0)]
+    variants.append(("unlisted", 0o640, 60.0))
+    for gpu, (name, mode, valid_for) in enumerate(variants):
+        uuid = sim.uuid(gpu)
+        tree.ensure_gpu(uuid)
+        if name != "unlisted":
+            tree.join_gpu(
+                uuid, "hidden", Identity.current(), IsolationPolicy.FIXED_SHARE, 60, WRITER_AGENT
+            )
+        path = tree.ensure_busy(uuid)
+        os.chmod(path, mode)
+        view = BusyView(path)
+        view.write([BusySlice("hidden", 50)], valid_for)
+        view.close()
+    procs = [
+        start_burn(sim.slice_env(f"bs-busy-{g}", gpu=g, core=30, policy="bs"), depth=20)
+        for g in range(len(variants))
+    ]
+    wait_ready(procs)
+    shares = measure_shares(sim, list(enumerate(procs)), warmup=0.3)
+    finish(procs)
+    trusted, *ignored = shares
+    assert abs(trusted - 30) <= TOLERANCE, shares
+    assert all(share > 90 for share in ignored), shares
 
 
 def test_best_effort_two_slices_share_evenly(sim: Sim) -> None:

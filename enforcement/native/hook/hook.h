@@ -2,7 +2,7 @@
  *
  * Load-time work is nil: nothing runs until the first CUDA/NVML entry point is called
  * through the hook. Then the limits are read (config.c), the slice ledger is mapped
- * (ledger.c), the GPU's shared state is opened (roster.c, region.c), and the wrappers
+ * (ledger.c), the GPU's shared state is opened (roster.c, busy.c, region.c), and the wrappers
  * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
  * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
  * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
@@ -195,6 +195,24 @@ QGPU_HIDDEN int region_contenders(int64_t now); /* other processes with work on 
 QGPU_HIDDEN region_summary_t region_summary(void); /* cached for 1 ms */
 /* 0 and *alive (a process named in the slice's activity file lives), -1 when unreadable */
 QGPU_HIDDEN int activity_any_alive(const char *path, int *alive);
+
+/* busy.c: the slices the node agent's watchdog saw run on this GPU (NVML), <dir>/busy */
+#define BUSY_MAX 64
+typedef struct busy busy_t;
+typedef struct {
+    uint64_t seq;           /* the file's seq when copied */
+    int64_t valid_until_ns; /* CLOCK_MONOTONIC; the list says nothing after it */
+    int count;
+    char slice_id[BUSY_MAX][72];
+} busy_list_t;
+/* Maps <dir>/busy read-only (NULL when missing or not trusted, as the roster). */
+QGPU_HIDDEN busy_t *busy_open(const char *dir);
+QGPU_HIDDEN uint64_t busy_seq(const busy_t *b);
+/* A consistent copy of the list into `out` (0), or -1 while the agent is writing it (`out`
+ * is then scratch). */
+QGPU_HIDDEN int busy_read(const busy_t *b, busy_list_t *out);
+/* 1 if the list names `slice_id` (whether it is still valid: valid_until_ns). */
+QGPU_HIDDEN int busy_lists(const busy_list_t *l, const char *slice_id);
 
 /* mem.c */
 QGPU_HIDDEN void mem_track(uint64_t key, uint64_t size);

@@ -5,14 +5,18 @@
  *  - <slice>.activity: what the slice's processes do, written only by them (the file is
  *    the slice user's; in Kubernetes it is the one file of the directory mounted writable
  *    into the slice's container), read by the GPU's other workloads:
- *      - when it last launched work: a slice is *active* if one of its processes launched in
- *        the last 100 ms. Burst-share looks at the active slices besides its own;
- *        best-effort slices take only what the active guaranteed slices leave (launch.c);
+ *      - when it last launched work (through the hook);
  *      - until when it expects work queued on the device (`pending_until`): how many others
  *        contend for the device right now, which is how the compute gate turns a measured
  *        event interval into the device time it really had on a time-sliced GPU (launch.c).
  *    A slice can lie only about itself: claiming to be active is what being active costs
- *    its neighbours, and it counts as one contender at most whatever it writes.
+ *    its neighbours, and it counts as one contender at most whatever it writes;
+ *  - busy: the slices the node agent's watchdog saw run in NVML's samples (busy.c), written
+ *    only by the agent: what a slice hides from its activity file, or runs past the hook.
+ * A slice is *active* if one of its processes launched in the last 100 ms OR the agent's
+ * busy list names it (region_summary, the one place that decides). Burst-share looks at the
+ * active slices besides its own; best-effort slices take only what the active guaranteed
+ * slices leave (launch.c).
  * The other slices' files are read with pread (never mapped: a file its owner truncates
  * must not crash its readers), at most every SNAPSHOT_NS, into a process-local snapshot.
  *
@@ -77,12 +81,14 @@ typedef struct {
     int64_t retry_at;
     int64_t last_launch_ns, pending_until;
     int gated;
+    int busy; /* the agent's busy list names it */
 } neighbour_t;
 
 static const hook_limits_t *lim;
 static char gpu_dir[1200];
 static int gpu_known; /* the GPU's directory and roster are usable */
 static roster_t *roster;
+static busy_t *busy; /* the agent's busy list (NULL: no agent) */
 static activity_t *A; /* this slice's activity (its file, or private memory) */
 static act_proc_t *mine;
 static int mine_pid;
@@ -92,6 +98,8 @@ static neighbour_t nb[ROSTER_MAX];
 static int nnb;
 static uint64_t nb_seq = UINT64_MAX; /* no roster's seq: the first refresh loads it */
 static int64_t nb_at;
+static busy_list_t busy_list = {UINT64_MAX, 0, 0, {{0}}}; /* as last copied (nb_lock) */
+static int own_busy;                                     /* the list names this slice */
 
 /* -- this slice's own file ------------------------------------------------------------- */
 
@@ -183,6 +191,7 @@ int region_open(const char *state_dir, const char *uuid, const hook_limits_t *li
     pthread_atfork(NULL, NULL, region_forget_entry);
     act_proc_t *p = entry(); /* before listing the slice: a listed slice has a live process */
     if (dir_ok) roster = roster_open(gpu_dir, limits);
+    if (roster) busy = busy_open(gpu_dir);
     __atomic_store_n(&gpu_known, roster != NULL, __ATOMIC_RELEASE);
     return p ? 0 : -1;
 }
@@ -262,7 +271,7 @@ static void reload_roster(void) {
     int m = 0;
     for (int i = 0; i < n; i++) {
         if (strncmp(listed[i].slice_id, lim->slice_id, sizeof listed[i].slice_id) == 0) continue;
-        neighbour_t x = {listed[i], -1, 0, 0, 0, 0};
+        neighbour_t x = {listed[i], -1, 0, 0, 0, 0, 0};
         for (int k = 0; k < nnb; k++) {
             if (nb[k].fd >= 0 && strcmp(nb[k].who.slice_id, x.who.slice_id) == 0) {
                 x.fd = nb[k].fd;
@@ -304,13 +313,30 @@ static void read_neighbour(neighbour_t *x, int64_t now) {
     x->gated = gated != 0;
 }
 
-/* nb_lock held: re-read the roster when it changed and the others' files at most every
- * SNAPSHOT_NS. */
+/* nb_lock held: which slices the agent's busy list names, re-read when it changed (each
+ * watchdog scan) or the roster did. */
+static void mark_busy(int reloaded) {
+    static busy_list_t next;
+    if (!busy || (!reloaded && busy_seq(busy) == busy_list.seq)) return;
+    if (busy_read(busy, &next) != 0) return; /* being written: the list read before */
+    memcpy(&busy_list, &next, sizeof next);
+    for (int i = 0; i < nnb; i++) nb[i].busy = busy_lists(&busy_list, nb[i].who.slice_id);
+    own_busy = busy_lists(&busy_list, lim->slice_id);
+}
+
+static int busy_now(int listed, int64_t now) {
+    return listed && now < busy_list.valid_until_ns;
+}
+
+/* nb_lock held: re-read the roster when it changed, the others' files at most every
+ * SNAPSHOT_NS, and the busy list when it changed. */
 static void refresh_locked(int64_t coarse) {
     if (nb_at && coarse - nb_at < SNAPSHOT_NS && coarse >= nb_at) return;
     nb_at = coarse;
-    if (roster_seq(roster) != nb_seq) reload_roster();
+    int reloaded = roster_seq(roster) != nb_seq;
+    if (reloaded) reload_roster();
     for (int i = 0; i < nnb; i++) read_neighbour(&nb[i], coarse);
+    mark_busy(reloaded);
 }
 
 static int guaranteed(int policy, int core) { return policy != POLICY_BEST_EFFORT && core < 100; }
@@ -379,12 +405,16 @@ region_summary_t region_summary(void) {
         s.other_slices = s.guaranteed_slices = 1;
         return s;
     }
-    if (A && __atomic_load_n(&A->last_launch_ns, __ATOMIC_RELAXED) > now - ACTIVE_WINDOW_NS)
-        count(&s, 1, lim->policy, lim->core);
+    int64_t since = now - ACTIVE_WINDOW_NS;
     pthread_mutex_lock(&nb_lock);
     refresh_locked(now);
+    /* active: launched through the hook lately (what the slice says) or seen running by the
+     * agent (what the driver says); the others' policy and share from the roster only */
+    if ((A && __atomic_load_n(&A->last_launch_ns, __ATOMIC_RELAXED) > since) ||
+        busy_now(own_busy, now))
+        count(&s, 1, lim->policy, lim->core);
     for (int i = 0; i < nnb; i++) /* (never `now - t`: t is whatever its slice wrote) */
-        if (nb[i].last_launch_ns > now - ACTIVE_WINDOW_NS)
+        if (nb[i].last_launch_ns > since || busy_now(nb[i].busy, now))
             count(&s, 0, nb[i].who.policy, nb[i].who.core);
     pthread_mutex_unlock(&nb_lock);
     if (s.guaranteed_share > 0xffff) s.guaranteed_share = 0xffff;
