@@ -219,9 +219,10 @@ def write_sim_config(
     context costs on the device, for every GPU, or per GPU model (``{"T4": 300 << 20}``);
     models not named cost their model's default (GpuModel.context_memory: CONTEXT_MEMORY, more
     on Hopper). ``green_context_memory``: what a green context costs itself beyond the primary
-    context it retains, likewise (default GREEN_CONTEXT_MEMORY). ``devrt_launch_bytes`` / ``devrt_sync_thread_bytes``: what the device
-    runtime reserves per pending launch above 2048 and per resident thread per sync-depth
-    level above 2 (cuCtxSetLimit), on every GPU."""
+    context it retains, likewise (default GREEN_CONTEXT_MEMORY). ``devrt_launch_bytes`` /
+    ``devrt_sync_thread_bytes``: what the device runtime reserves per pending launch above
+    2048 and per resident thread per sync-depth level above 2 (cuCtxSetLimit), on every
+    GPU."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:

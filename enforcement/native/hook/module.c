@@ -4,8 +4,9 @@
  * is loaded into a context (cuLibraryLoadData / LoadFromFile under eager loading; under
  * lazy loading, NVIDIA's default, at cuLibraryGetModule / GetGlobal / GetManaged,
  * cuKernelGetFunction or the first launch or graph node of one of its CUkernels in that
- * context), and when a context is created while libraries are loaded (eager loading
- * brings them all in). No allocation call the hook sees is made for it.
+ * context, a graph kernel node changed to one of them). No allocation call the hook sees is
+ * made for it. The same measurement serves ctx.c for what a context's creation takes (the
+ * context itself, and the libraries eager loading brings into it).
  *
  * The hook does not read the image (a cubin, a fatbin, compressed or not, PTX the driver
  * compiles): it measures what the driver took. Around each such call it holds the process's
@@ -19,7 +20,7 @@
  * call can make smaller. Memory that pools give back at a synchronisation (which is not
  * locked) is taken out: pool reserved memory is read before and after in an order that can
  * only make the charge larger. Over the cap the call is undone (the module or library
- * unloaded, the context destroyed) and CUDA_ERROR_OUT_OF_MEMORY returned: the driver held
+ * unloaded) and CUDA_ERROR_OUT_OF_MEMORY returned: the driver held
  * the memory between the call and the undo. The charge is given back at cuModuleUnload,
  * cuLibraryUnload (every charge of the library) or the context's destruction (what was
  * loaded into it). */
@@ -155,7 +156,6 @@ typedef struct {
 
 static charge_t *charges;
 static size_t ncharges, cap_charges;
-static int libraries_live;
 static pthread_mutex_t charge_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* 0, or -1 when `bytes` do not fit under the cap (nothing charged then) */
@@ -239,9 +239,6 @@ static void library_gone(CUlibrary lib) {
     while (qgpu_table_take_if(&kernels, kernel_of_gone, out, 64) == 64) {
     }
     pthread_mutex_unlock(&lock);
-    pthread_mutex_lock(&charge_lock);
-    if (libraries_live > 0) libraries_live--;
-    pthread_mutex_unlock(&charge_lock);
 }
 
 static CUlibrary library_of(CUkernel k) {
@@ -296,16 +293,10 @@ QGPU_EXPORT CUresult cuModuleUnload(CUmodule mod) {
 
 static CUresult library_loaded(CUresult r, measure_t *m, CUlibrary *lib) {
     uint64_t took = measure_took(m, r);
-    if (r == CUDA_SUCCESS && lib) {
-        if (charge(*lib, NULL, took) != 0) {
-            if (HAVE_REAL(cuLibraryUnload)) REAL(cuLibraryUnload)(*lib);
-            *lib = NULL;
-            r = CUDA_ERROR_OUT_OF_MEMORY;
-        } else {
-            pthread_mutex_lock(&charge_lock);
-            libraries_live++;
-            pthread_mutex_unlock(&charge_lock);
-        }
+    if (r == CUDA_SUCCESS && lib && charge(*lib, NULL, took) != 0) {
+        if (HAVE_REAL(cuLibraryUnload)) REAL(cuLibraryUnload)(*lib);
+        *lib = NULL;
+        r = CUDA_ERROR_OUT_OF_MEMORY;
     }
     memop_release();
     return r;
@@ -488,25 +479,10 @@ QGPU_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const
     return r ? r : REAL(cuGraphAddKernelNode_v2)(node, g, deps, ndeps, p);
 }
 
-/* ---- contexts created while libraries are loaded ---- */
+/* ---- calls other files measure (context creation, ctx.c) ---- */
 
-void module_ctx_begin(measure_t *m) {
-    pthread_mutex_lock(&charge_lock);
-    m->measuring = libraries_live > 0;
-    pthread_mutex_unlock(&charge_lock);
-    if (m->measuring) measure_begin(m);
-    else m->shared = memop_begin();
-}
+void measure_call_begin(measure_t *m) { measure_begin(m); }
 
-int module_ctx_end(measure_t *m, CUresult r, CUcontext ctx, uint64_t own_cost) {
-    if (!m->measuring) {
-        memop_end(&m->shared);
-        return 0;
-    }
-    uint64_t took = measure_took(m, r);
-    int over = 0;
-    if (r == CUDA_SUCCESS && ctx && took > own_cost)
-        over = charge(NULL, ctx, took - own_cost) != 0;
-    memop_release();
-    return over ? -1 : 0;
-}
+uint64_t measure_call_took(measure_t *m, CUresult r) { return measure_took(m, r); }
+
+void measure_call_done(void) { memop_release(); }

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from enforcement.native import sim_library_dir
 from enforcement.sim import MODELS
 
 from ..test_config import build_hook_with_default
@@ -258,6 +259,38 @@ def test_many_processes_each_with_a_context_that_costs_more(
     assert held <= HOSTILE_CAP, f"the slice's processes hold {held / GIB:.2f} GiB"
     assert len(started) == HOSTILE_CAP // HOPPER_CTX and refused == 10 - len(started)
     a.victim_gets_its_promise()
+
+
+def test_without_nvml_contexts_are_measured_by_the_devices_free_memory(
+    hopper_ctx_arena: Arena, programs: Programs, short_tmp: Path
+) -> None:
+    """No NVML in the process (the hook falls back to the device's used memory, here the
+    driver's cuMemGetInfo): the first context cannot be measured (cuMemGetInfo needs a
+    context) and is charged the configured 512 MiB; every later one what the device's free
+    memory shows it took, so the tenant stays under its cap."""
+    a = hopper_ctx_arena
+    bare = short_tmp / "no-nvml"
+    bare.mkdir()
+    (bare / "libcuda.so.1").symlink_to(sim_library_dir() / "libcuda.so.1")
+    env = a.hostile_env()
+    env["LD_LIBRARY_PATH"] = str(bare)
+    h = a.start([programs.c("contexts"), "v2"], env)
+    fit = (HOSTILE_CAP - 512 * MIB) // HOPPER_CTX  # the primary context charged the floor
+    assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+    a.contained(h)
+
+
+def test_contexts_cheaper_than_the_charge_are_charged_the_configured_size(
+    short_tmp: Path, programs: Programs
+) -> None:
+    """Where the driver takes less than QGPU_CONTEXT_MEMORY for a context (256 MiB here),
+    the configured size is charged: it is a floor, charged before the driver is called."""
+    for a in make_arena(short_tmp, context_memory=256 * MIB):
+        h = a.start([programs.c("contexts"), "v2"])
+        fit = (HOSTILE_CAP - 512 * MIB) // (512 * MIB)
+        assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+        assert a.held(h.pid) == (fit + 1) * 256 * MIB
+        a.contained(h)
 
 
 @pytest.mark.parametrize("limit", ["heap", "stack"])
