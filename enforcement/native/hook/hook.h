@@ -42,6 +42,8 @@
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
     X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
     X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
+    X(cuGraphNodeSetParams) X(cuGraphKernelNodeSetParams) X(cuGraphKernelNodeSetParams_v2)     \
+    X(cuGraphExecKernelNodeSetParams) X(cuGraphExecKernelNodeSetParams_v2)                   \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -229,6 +231,8 @@ QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is
 /* Before a CUkernel is launched or put in a graph node on stream `s`: its library is loaded
  * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
 QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
+/* The same for a kernel node's kernel: func, or (func NULL) kern in ctx (NULL: current). */
+QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx);
 
 /* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
  * room made by trimming when they do not fit (-1: they still do not, refuse) */
