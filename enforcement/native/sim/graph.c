@@ -24,7 +24,10 @@
  * change the copy. Its allocation nodes take memory from the device's graph pool at upload
  * or launch, and live by the rules graphmem.c keeps (a free node must name an allocation
  * node's address, once per graph, and not in both its own and another graph: refused here).
- * Graph objects are not thread-safe, as in CUDA. */
+ * Graph objects are not thread-safe, as in CUDA. A kernel node's kernel is a CUfunction, a
+ * CUkernel cast to one, or (func NULL) the parameters' `kern` in their `ctx`, when added and
+ * when changed (the kernel node setters, the generic ones); resolving a CUkernel loads its
+ * library into that context (module.c). */
 #include <stdlib.h>
 #include <string.h>
 
