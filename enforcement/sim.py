@@ -36,6 +36,7 @@ class GpuModel:
     sms: int
     cc: str
     threads_per_sm: int = 2048
+    context_memory: int = 512 << 20  # what a context costs by default (see CONTEXT_MEMORY)
 
 
 MODELS: dict[str, GpuModel] = {
@@ -51,8 +52,8 @@ MODELS: dict[str, GpuModel] = {
         GpuModel("L4-24GB", "NVIDIA L4", 24, 58, "8.9", 1536),
         GpuModel("L40S-48GB", "NVIDIA L40S", 48, 142, "8.9", 1536),
         GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9", 1536),
-        GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 80, 132, "9.0"),
-        GpuModel("H200-141GB", "NVIDIA H200", 141, 132, "9.0"),
+        GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 80, 132, "9.0", 2048, 640 << 20),
+        GpuModel("H200-141GB", "NVIDIA H200", 141, 132, "9.0", 2048, 640 << 20),
     )
 }
 # short aliases: the model without its memory, when that is unambiguous
@@ -73,8 +74,19 @@ _ITEM_RE = re.compile(r"^(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9._-]+)$")
 
 SCHEDULERS = ("timesliced", "fifo")
 PROCADDR_MODES = ("internal", "exported")
-# what one context costs on a simulated GPU (the interposer charges the same by default)
+# What one context costs on a simulated GPU unless its model says otherwise: the interposer's
+# default charge (QGPU_CONTEXT_MEMORY), which it charges at least for every context. NVIDIA
+# publishes no figure; real contexts take a few hundred MiB, more on GPUs that hold more
+# threads: the default stack alone is reserved for every thread the device can hold at once.
+# Hopper (H100, H200: 132 SMs x 2048 threads) reserves 264 MiB for the default 1 KiB stack,
+# so its contexts cost more here (640 MiB: the stack, the default heap and printf FIFO, the
+# device runtime's default reservations and the driver's own state) than the interposer's
+# default charge, which it must then measure. Chosen, not measured on a real card.
 CONTEXT_MEMORY = 512 << 20
+# What a green context costs itself (its default stream's work queues and its own state): it
+# also retains the device's primary context, which costs the model's context_memory when the
+# green context creates it. NVIDIA publishes no figure; configuration.
+GREEN_CONTEXT_MEMORY = 32 << 20
 # what the device runtime reserves (cuCtxSetLimit; NVIDIA does not publish the sizes): per
 # pending device-side launch above the default 2048, and per thread the device can hold at
 # once per device-side sync depth level above the default 2
@@ -116,6 +128,7 @@ class SimGpu:
     context_memory: int = CONTEXT_MEMORY
     devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES
     devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES
+    green_context_memory: int = GREEN_CONTEXT_MEMORY
 
     @property
     def memory_gib(self) -> int:
@@ -189,9 +202,10 @@ def write_sim_config(
     cuda_version: int = 13000,
     driver_version: str | None = None,
     procaddr: str = "internal",
-    context_memory: int | Mapping[str, int] = CONTEXT_MEMORY,
+    context_memory: int | Mapping[str, int] | None = None,
     devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES,
     devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES,
+    green_context_memory: int | Mapping[str, int] = GREEN_CONTEXT_MEMORY,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -201,11 +215,14 @@ def write_sim_config(
     also decides which entry points cuGetProcAddress serves); ``driver_version``: the driver
     release NVML reports (default: the one that CUDA version shipped with). ``procaddr``:
     ``internal`` (cuGetProcAddress hands out entry points that are not the exported symbols,
-    as a real driver may) or ``exported``. ``context_memory``: bytes each context costs on the
-    device, for every GPU, or per GPU model (``{"T4": 300 << 20}``; models not named cost
-    CONTEXT_MEMORY). ``devrt_launch_bytes`` / ``devrt_sync_thread_bytes``: what the device
-    runtime reserves per pending launch above 2048 and per resident thread per sync-depth
-    level above 2 (cuCtxSetLimit), on every GPU."""
+    as a real driver may) or ``exported``. ``context_memory``: bytes each regular or primary
+    context costs on the device, for every GPU, or per GPU model (``{"T4": 300 << 20}``);
+    models not named cost their model's default (GpuModel.context_memory: CONTEXT_MEMORY, more
+    on Hopper). ``green_context_memory``: what a green context costs itself beyond the primary
+    context it retains, likewise (default GREEN_CONTEXT_MEMORY). ``devrt_launch_bytes`` /
+    ``devrt_sync_thread_bytes``: what the device runtime reserves per pending launch above
+    2048 and per resident thread per sync-depth level above 2 (cuCtxSetLimit), on every
+    GPU."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -224,7 +241,8 @@ def write_sim_config(
         driver_version = DRIVER_OF_CUDA[max(known)] if known else _OLDEST_DRIVER
     if not re.fullmatch(r"\d+(\.\d+)+", driver_version):
         raise SimSpecError(f"driver_version {driver_version!r}: must look like 580.65.06")
-    ctx_cost = _context_costs(models, context_memory)
+    ctx_cost = _context_costs(models, context_memory, "context_memory")
+    green_cost = _context_costs(models, green_context_memory, "green_context_memory")
     for name, value in (
         ("devrt_launch_bytes", devrt_launch_bytes),
         ("devrt_sync_thread_bytes", devrt_sync_thread_bytes),
@@ -256,6 +274,7 @@ def write_sim_config(
             ctx_cost[m.key],
             devrt_launch_bytes,
             devrt_sync_thread_bytes,
+            green_cost[m.key],
         )
         gpus.append(g)
         lines += [
@@ -269,6 +288,7 @@ def write_sim_config(
             f"gpu{i}.context_memory={g.context_memory}",
             f"gpu{i}.devrt_launch_bytes={g.devrt_launch_bytes}",
             f"gpu{i}.devrt_sync_thread_bytes={g.devrt_sync_thread_bytes}",
+            f"gpu{i}.green_context_memory={g.green_context_memory}",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -288,23 +308,28 @@ def write_sim_config(
 
 
 def _context_costs(
-    models: list[GpuModel], context_memory: int | Mapping[str, int]
+    models: list[GpuModel], cost: int | Mapping[str, int] | None, what: str
 ) -> dict[str, int]:
-    """Bytes a context costs on each model of ``models``: one number for all, or per model
-    (by model key or alias, case-insensitive)."""
-    if isinstance(context_memory, Mapping):
+    """Bytes a context (``what``: context_memory or green_context_memory) costs on each model
+    of ``models``: one number for all, or per model (by model key or alias,
+    case-insensitive); ``None`` or a model not named: the model's default."""
+
+    def default(m: GpuModel) -> int:
+        return m.context_memory if what == "context_memory" else GREEN_CONTEXT_MEMORY
+
+    if cost is None or isinstance(cost, Mapping):
         per_model: dict[str, int] = {}
-        for name, cost in context_memory.items():
+        for name, value in (cost or {}).items():
             key = _ALIASES.get(name.lower(), name.lower())
             if key not in MODELS:
-                raise SimSpecError(f"context_memory model {name!r}: unknown model")
-            per_model[MODELS[key].key] = cost
-        costs = {m.key: per_model.get(m.key, CONTEXT_MEMORY) for m in models}
+                raise SimSpecError(f"{what} model {name!r}: unknown model")
+            per_model[MODELS[key].key] = value
+        costs = {m.key: per_model.get(m.key, default(m)) for m in models}
     else:
-        costs = {m.key: context_memory for m in models}
-    for key, cost in costs.items():
-        if not isinstance(cost, int) or cost < 0:
-            raise SimSpecError(f"context_memory for {key} {cost!r}: must be >= 0 bytes")
+        costs = {m.key: cost for m in models}
+    for key, value in costs.items():
+        if not isinstance(value, int) or value < 0:
+            raise SimSpecError(f"{what} for {key} {value!r}: must be >= 0 bytes")
     return costs
 
 
@@ -334,6 +359,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
                 int(values.get(p + "context_memory", str(CONTEXT_MEMORY))),
                 int(values.get(p + "devrt_launch_bytes", str(DEVRT_LAUNCH_BYTES))),
                 int(values.get(p + "devrt_sync_thread_bytes", str(DEVRT_SYNC_THREAD_BYTES))),
+                int(values.get(p + "green_context_memory", str(GREEN_CONTEXT_MEMORY))),
             )
         )
         i += 1

@@ -202,7 +202,7 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
         before = {s.slice_id: s for s in client.slices().slices}
         limits = {r.slice_id: Path(r.limits_file).read_text() for r in res if r.limits_file}
     capped = res[0]
-    # 2 GiB and the process's 512 MiB context of the 4 GiB slice
+    # 2 GiB and the process's context (640 MiB on the simulated H100) of the 4 GiB slice
     running = workload(capped.env, 2)
     assert running.stdout is not None and running.stdout.readline().split() == ["ok"]
     proc.send_signal(signal.SIGKILL)
@@ -228,7 +228,7 @@ def test_kill_9_and_restart_loses_nothing(state_dir: Path) -> None:
             running.stdin.flush()
             assert running.stdout.readline().split() == ["oom"]
             # ... shared with a new process of the same slice
-            second = workload(capped.env, 1, 1)
+            second = workload(capped.env, 0.5, 1)
             assert second.stdout is not None
             assert second.stdout.readline().split() == ["ok", "oom"]
             # read while both hold their memory: a killed process's share is reaped
@@ -491,8 +491,8 @@ def test_oom_refusals_come_from_the_interposer_ledger(state_dir: Path) -> None:
     try:
         with AgentClient(state_dir / "agent.sock") as client:
             res = client.reserve({"core": 20, "memory": 4, "isolation": "be"})
-            # the 512 MiB context, 3 GiB, 2 GiB refused, then the last 0.5 GiB
-            running = workload(res.env, 3, 2, 0.5)
+            # the context (640 MiB on the simulated H100), 3 GiB, 2 GiB refused, then 0.25 GiB
+            running = workload(res.env, 3, 2, 0.25)
             assert running.stdout is not None
             assert running.stdout.readline().split() == ["ok", "oom", "ok"]
             assert running.stdin is not None

@@ -21,7 +21,7 @@ import pytest
 import enforcement.native
 from enforcement.native import hook_library_path, sim_library_dir
 from enforcement.sim import (
-    CONTEXT_MEMORY,
+    MODELS,
     SimConfig,
     busy_share,
     read_gpu_state,
@@ -35,7 +35,9 @@ if os.environ.get("QGPU_TEST_SIM_LIB_DIR"):
     enforcement.native.SIM_DIR = Path(os.environ["QGPU_TEST_SIM_LIB_DIR"]).resolve()
 
 GIB = 1 << 30
-CTX = CONTEXT_MEMORY  # what each process's CUDA context costs on a simulated GPU
+# what each process's CUDA context costs on the simulated H100s of the `sim` fixture (more
+# than the interposer's default charge: it must measure them)
+CTX = MODELS["h100-80gb"].context_memory
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ import pytest
 
 import enforcement.native
 from enforcement.native import sim_library_dir
-from enforcement.sim import write_sim_config
+from enforcement.sim import GREEN_CONTEXT_MEMORY, write_sim_config
 
 from .conftest import CTX, GIB, Sim, run_json
 
@@ -366,15 +366,17 @@ print(json.dumps(out))
 
 def test_strict_green_contexts(sim: Sim) -> None:
     """CUDA 12.4 green contexts: CU_GREEN_CTX_DEFAULT_STREAM is required; creating one
-    retains the device's primary context (which costs a context's memory), destroying it
-    releases that and frees what was allocated in it."""
+    retains the device's primary context (which costs a context's memory) and costs its own
+    (green_context_memory), destroying it releases both and frees what was allocated in it."""
     out = run_json(sim.base_env(), GREEN)
     assert (out["res"], out["sms"], out["desc"]) == (SUCCESS, 132, SUCCESS)
     assert out["no_stream_flag"] == INVALID_VALUE
     assert (out["create"], out["from"], out["set"], out["alloc"]) == (SUCCESS,) * 4
     assert out["primary_active"] == 1
-    assert out["used_with_green"] == CTX
-    assert out["used_alloc"] == CTX + (256 << 20)
+    green = sim.config.gpus[0].green_context_memory
+    assert green == GREEN_CONTEXT_MEMORY > 0
+    assert out["used_with_green"] == CTX + green
+    assert out["used_alloc"] == CTX + green + (256 << 20)
     assert (out["destroy"], out["primary_after"]) == (SUCCESS, 0)
     assert out["used_after"] == CTX  # the primary retained again; the green one's memory gone
 

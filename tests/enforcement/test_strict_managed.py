@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from enforcement.sim import process_memory, write_sim_config
+from enforcement.sim import MODELS, process_memory, write_sim_config
 
-from .conftest import CTX, GIB, Sim, run_json
+from .conftest import GIB, Sim, run_json
 
 MIB = 1 << 20
 SUCCESS, INVALID_VALUE, INVALID_DEVICE = 0, 1, 101
@@ -83,6 +83,9 @@ def launch():
     assert lib.cuLaunchKernel(kern, 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
 out = {}
 """
+
+# a context on the T4s these tests run on (the H100 fixture's costs more)
+CTX = MODELS["t4-16gb"].context_memory
 
 
 @pytest.fixture

@@ -205,7 +205,8 @@ def test_strict_contexts_cost_memory_per_gpu_model(short_tmp: Path, gpu: int) ->
     cfg = write_sim_config(
         short_tmp / "c.conf", "H100-80GB,T4", node="ctxmem", context_memory={"T4": 300 * MIB}
     )
-    assert cfg.gpus[0].context_memory == CTX  # the default: a few hundred MiB
+    assert cfg.gpus[0].context_memory == CTX  # Hopper's default: more than 512 MiB
+    assert CTX > 512 * MIB
     cost = cfg.gpus[gpu].context_memory
     assert cost == (CTX, 300 * MIB)[gpu]
     env = Sim(cfg, short_tmp / "l").base_env(gpu)

@@ -1,17 +1,30 @@
-/* Context memory: a CUDA context costs device memory (hundreds of MiB on real cards), so each
- * context a slice's process creates is charged QGPU_CONTEXT_MEMORY (default 512 MiB):
- * cuCtxCreate (v1..v4) and green contexts when created, a primary context when it is first
- * retained (again after a reset). Raising a context's limits reserves more: the malloc heap
+/* Context memory: a CUDA context costs device memory (hundreds of MiB on real cards, more on
+ * GPUs that hold more threads, depending on driver and limits), and the driver takes it
+ * through no allocation call. Each context a slice's process creates (cuCtxCreate v1..v4, a
+ * green context, a primary context when it is first retained and again after a reset) is
+ * charged the larger of QGPU_CONTEXT_MEMORY (default 512 MiB) and what the driver took for
+ * it, measured like a load of device code (module.c: this process's memory in NVML's
+ * per-process list before and after, under the process's memory lock held exclusively; the
+ * libraries eager loading brings into the new context are in it too):
+ *  - the configured size is a floor, charged before the driver is called: a slice without
+ *    room for it never reaches the driver (no window in which the driver holds a context the
+ *    slice cannot pay for), and where nothing can be measured (no NVML and no context yet to
+ *    ask cuMemGetInfo) or the fallback measurement (the device's used memory) is made
+ *    smaller by other processes' frees, the charge is still that;
+ *  - what the driver took beyond it is charged after the call; when that does not fit, the
+ *    context is destroyed again (released, for a primary context) and the call returns
+ *    CUDA_ERROR_OUT_OF_MEMORY.
+ * A green context is measured on its own: the hook retains the device's primary context first
+ * (measured and charged as a primary context when that creates it), so the green context's
+ * measurement is its own cost, and releases that retain when the green context is destroyed.
+ * Raising a context's limits reserves more: the malloc heap
  * and printf FIFO by their growth, the stack by its growth times every thread the device can
  * hold at once (SMs x threads per SM), and the device runtime's pending launches and sync
  * depth by what the driver reserves for them (devrt_* below: a bound, or what the driver's
- * free memory shows it took, whichever is larger). All of it is charged before the driver
- * call (refused with CUDA_ERROR_OUT_OF_MEMORY over the cap) and given back when the context
- * is destroyed
- * (cuCtxDestroy, the last primary release, a primary reset, cuGreenCtxDestroy), together with
- * the allocations the driver frees with it. A context created while libraries are loaded is
- * measured as well (module.c: eager loading brings them into it). A context on a device other
- * than the slice's GPU is refused (CUDA_ERROR_INVALID_DEVICE). */
+ * free memory shows it took, whichever is larger). All of it is given back when the context
+ * is destroyed (cuCtxDestroy, the last primary release, a primary reset, cuGreenCtxDestroy),
+ * together with the allocations the driver frees with it. A context on a device other than
+ * the slice's GPU is refused (CUDA_ERROR_INVALID_DEVICE). */
 #include "hook.h"
 
 #define MAX_DEVICES 64
@@ -24,15 +37,32 @@
 static qgpu_table_t ctx_charge = QGPU_TABLE_INIT; /* context -> bytes charged for it */
 /* context | limit (3, 4) -> bytes charged for that device runtime limit (in ctx_charge too) */
 static qgpu_table_t devrt_charge = QGPU_TABLE_INIT;
-static qgpu_table_t green_ctx = QGPU_TABLE_INIT;  /* green context -> its CUcontext */
+/* green context -> its CUcontext (tag: 1 + the device whose primary context the hook
+ * retained for it, 0 when none) */
+static qgpu_table_t green_ctx = QGPU_TABLE_INIT;
 static struct {
     int refs, active;
     CUcontext ctx;
 } primary[MAX_DEVICES];
 static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int take_context_charge(void) {
-    return ledger_reserve(g_lim.context_memory) == 0 ? 0 : -1;
+/* ---- a creation's charge: the configured floor before, what the driver took after ---- */
+
+static int take_floor(void) { return ledger_reserve(g_lim.context_memory) == 0 ? 0 : -1; }
+
+static void give_floor(void) { ledger_release(g_lim.context_memory); }
+
+/* After the driver's call (the floor charged, the measurement begun): the context's charge
+ * in *bytes, the larger of the floor and what the call took. 0, or -1 when what it took
+ * beyond the floor does not fit (only the floor is charged then: undo the creation). The
+ * memory lock stays held (measure_call_done). */
+static int settle_created(measure_t *m, CUresult r, uint64_t *bytes) {
+    uint64_t took = measure_call_took(m, r);
+    *bytes = g_lim.context_memory;
+    if (r != CUDA_SUCCESS || took <= *bytes) return 0;
+    if (ledger_reserve(took - *bytes) != 0) return -1;
+    *bytes = took;
+    return 0;
 }
 
 static void note_context(CUcontext ctx, uint64_t bytes) {
@@ -52,31 +82,27 @@ static void context_gone(CUcontext ctx) {
     module_forget_ctx(ctx);
 }
 
-/* A created context that module.c found over the cap (the libraries eager loading brought
- * into it do not fit) is destroyed again. */
-static CUresult refuse_created(CUcontext ctx) {
-    if (HAVE_REAL(cuCtxDestroy_v2)) REAL(cuCtxDestroy_v2)(ctx);
-    module_forget_ctx(ctx);
-    ledger_release(g_lim.context_memory);
-    return CUDA_ERROR_OUT_OF_MEMORY;
-}
-
 #define CTX_CREATE(name, params, args)                                                       \
     QGPU_EXPORT CUresult name params {                                                       \
         HOOK_ENTER(name, args);                                                              \
         if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;                      \
-        if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;                     \
+        if (take_floor() != 0) return CUDA_ERROR_OUT_OF_MEMORY;                              \
         measure_t m;                                                                         \
-        module_ctx_begin(&m);                                                                \
+        measure_call_begin(&m);                                                              \
         CUresult r = REAL(name)(args);                                                       \
-        int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,           \
-                                  g_lim.context_memory);                                     \
+        uint64_t bytes;                                                                      \
+        int over = settle_created(&m, r, &bytes);                                            \
+        if (r == CUDA_SUCCESS && pctx && over) { /* it took more than the slice has */       \
+            if (HAVE_REAL(cuCtxDestroy_v2)) REAL(cuCtxDestroy_v2)(*pctx);                    \
+            module_forget_ctx(*pctx);                                                        \
+            r = CUDA_ERROR_OUT_OF_MEMORY;                                                    \
+        }                                                                                    \
+        measure_call_done();                                                                 \
         if (r != CUDA_SUCCESS || !pctx) {                                                    \
-            ledger_release(g_lim.context_memory);                                            \
+            give_floor();                                                                    \
             return r;                                                                        \
         }                                                                                    \
-        if (over) return refuse_created(*pctx);                                              \
-        note_context(*pctx, g_lim.context_memory);                                           \
+        note_context(*pctx, bytes);                                                          \
         return r;                                                                            \
     }
 #define ARGS(...) __VA_ARGS__
@@ -100,57 +126,87 @@ CTX_CREATE(cuCtxCreate_v4, (CUcontext * pctx, CUctxCreateParams *params, unsigne
 CTX_DESTROY(cuCtxDestroy)
 CTX_DESTROY(cuCtxDestroy_v2)
 
+/* ---- primary contexts ----
+ *
+ * primary_lock is held around the driver's retain, release and reset, so the hook's view
+ * (active, refs) changes together with the driver's. The memory lock is always taken first:
+ * shared for a retain of an active primary context, a release or a reset; exclusively (a
+ * measurement) for a retain that creates it. */
+
+static CUresult primary_retain(CUcontext *pctx, CUdevice dev) {
+    if (dev < 0 || dev >= MAX_DEVICES) return REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    for (;;) {
+        int measured = !__atomic_load_n(&primary[dev].active, __ATOMIC_ACQUIRE), shared = 0;
+        measure_t m;
+        if (measured) measure_call_begin(&m);
+        else shared = memop_begin();
+        pthread_mutex_lock(&primary_lock);
+        int creates = !primary[dev].active;
+        if (creates && !measured) { /* reset meanwhile: measure this one */
+            pthread_mutex_unlock(&primary_lock);
+            memop_end(&shared);
+            continue;
+        }
+        if (creates && take_floor() != 0) {
+            pthread_mutex_unlock(&primary_lock);
+            measure_call_done();
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        CUresult r = REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+        uint64_t bytes = 0;
+        int over = 0;
+        if (creates) over = settle_created(&m, r, &bytes);
+        if (r == CUDA_SUCCESS && pctx && over) { /* it took more than the slice has */
+            if (HAVE_REAL(cuDevicePrimaryCtxRelease_v2)) REAL(cuDevicePrimaryCtxRelease_v2)(dev);
+            module_forget_ctx(*pctx);
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        if (r != CUDA_SUCCESS || !pctx) {
+            if (creates) give_floor();
+        } else {
+            primary[dev].refs++;
+            if (creates) {
+                __atomic_store_n(&primary[dev].active, 1, __ATOMIC_RELEASE);
+                primary[dev].ctx = *pctx;
+                note_context(*pctx, bytes);
+            }
+        }
+        pthread_mutex_unlock(&primary_lock);
+        if (measured) measure_call_done();
+        else memop_end(&shared);
+        return r;
+    }
+}
+
 QGPU_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     HOOK_ENTER(cuDevicePrimaryCtxRetain, pctx, dev);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    if (dev < 0 || dev >= MAX_DEVICES) return REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
-    measure_t m;
-    module_ctx_begin(&m); /* before primary_lock: the memory lock is always taken first */
-    pthread_mutex_lock(&primary_lock);
-    int creates = !primary[dev].active;
-    if (creates && take_context_charge() != 0) {
-        pthread_mutex_unlock(&primary_lock);
-        module_ctx_end(&m, CUDA_ERROR_OUT_OF_MEMORY, NULL, 0);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    CUresult r = REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
-    int over = module_ctx_end(&m, r, r == CUDA_SUCCESS && pctx ? *pctx : NULL,
-                              creates ? g_lim.context_memory : 0);
-    if (r == CUDA_SUCCESS && pctx && over) { /* the libraries it brought in do not fit */
-        if (HAVE_REAL(cuDevicePrimaryCtxRelease_v2)) REAL(cuDevicePrimaryCtxRelease_v2)(dev);
-        module_forget_ctx(*pctx);
-        r = CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    if (r != CUDA_SUCCESS || !pctx) {
-        if (creates) ledger_release(g_lim.context_memory);
-    } else {
-        primary[dev].refs++;
-        if (creates) {
-            primary[dev].active = 1;
-            primary[dev].ctx = *pctx;
-            note_context(*pctx, g_lim.context_memory);
-        }
-    }
-    pthread_mutex_unlock(&primary_lock);
-    return r;
+    return primary_retain(pctx, dev);
 }
 
 static void primary_gone_locked(CUdevice dev) {
     if (!primary[dev].active) return;
-    primary[dev].active = 0;
+    __atomic_store_n(&primary[dev].active, 0, __ATOMIC_RELEASE);
     context_gone(primary[dev].ctx);
+}
+
+typedef CUresult (*device_fn)(CUdevice);
+
+static CUresult primary_release(device_fn real, CUdevice dev) {
+    HOOK_MEM_OP();
+    if (dev < 0 || dev >= MAX_DEVICES) return real(dev);
+    pthread_mutex_lock(&primary_lock);
+    CUresult r = real(dev);
+    if (r == CUDA_SUCCESS && primary[dev].refs > 0 && --primary[dev].refs == 0)
+        primary_gone_locked(dev);
+    pthread_mutex_unlock(&primary_lock);
+    return r;
 }
 
 #define PRIMARY_RELEASE(name)                                                                \
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
-        HOOK_MEM_OP();                                                                       \
-        CUresult r = REAL(name)(dev);                                                        \
-        if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
-        pthread_mutex_lock(&primary_lock);                                                   \
-        if (primary[dev].refs > 0 && --primary[dev].refs == 0) primary_gone_locked(dev);     \
-        pthread_mutex_unlock(&primary_lock);                                                 \
-        return r;                                                                            \
+        return primary_release(REAL(name), dev);                                             \
     }
 PRIMARY_RELEASE(cuDevicePrimaryCtxRelease)
 PRIMARY_RELEASE(cuDevicePrimaryCtxRelease_v2)
@@ -161,41 +217,62 @@ PRIMARY_RELEASE(cuDevicePrimaryCtxRelease_v2)
     QGPU_EXPORT CUresult name(CUdevice dev) {                                                \
         HOOK_ENTER(name, dev);                                                               \
         HOOK_MEM_OP();                                                                       \
-        CUresult r = REAL(name)(dev);                                                        \
-        if (r != CUDA_SUCCESS || dev < 0 || dev >= MAX_DEVICES) return r;                    \
+        if (dev < 0 || dev >= MAX_DEVICES) return REAL(name)(dev);                           \
         pthread_mutex_lock(&primary_lock);                                                   \
-        primary_gone_locked(dev);                                                            \
+        CUresult r = REAL(name)(dev);                                                        \
+        if (r == CUDA_SUCCESS) primary_gone_locked(dev);                                     \
         pthread_mutex_unlock(&primary_lock);                                                 \
         return r;                                                                            \
     }
 PRIMARY_RESET(cuDevicePrimaryCtxReset)
 PRIMARY_RESET(cuDevicePrimaryCtxReset_v2)
 
+/* ---- green contexts ---- */
+
+/* the hook's own retain of `dev`'s primary context for a green context, given back */
+static void green_release_primary(CUdevice dev) {
+    if (HAVE_REAL(cuDevicePrimaryCtxRelease_v2))
+        primary_release(REAL(cuDevicePrimaryCtxRelease_v2), dev);
+}
+
 QGPU_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, CUdevice dev,
                                       unsigned int flags) {
     HOOK_ENTER(cuGreenCtxCreate, out, desc, dev, flags);
     if (hook_foreign_device(dev)) return CUDA_ERROR_INVALID_DEVICE;
-    if (take_context_charge() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    /* the primary context it retains, first: charged as a primary context if it creates it */
+    CUcontext prim;
+    int retained = dev >= 0 && dev < MAX_DEVICES && HAVE_REAL(cuDevicePrimaryCtxRetain);
+    if (retained) {
+        CUresult p = primary_retain(&prim, dev);
+        if (p != CUDA_SUCCESS) return p;
+    }
+    if (take_floor() != 0) {
+        if (retained) green_release_primary(dev);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     measure_t m;
-    module_ctx_begin(&m);
+    measure_call_begin(&m);
     CUresult r = REAL(cuGreenCtxCreate)(out, desc, dev, flags);
     CUcontext as_ctx = NULL;
     if (r == CUDA_SUCCESS && out && HAVE_REAL(cuCtxFromGreenCtx))
         REAL(cuCtxFromGreenCtx)(&as_ctx, *out);
-    /* the primary context it may have created is measured too: nothing is taken off */
-    int over = module_ctx_end(&m, r, as_ctx, 0);
-    if (r != CUDA_SUCCESS || !out) {
-        ledger_release(g_lim.context_memory);
-        return r;
-    }
-    if (over) {
+    uint64_t bytes;
+    int over = settle_created(&m, r, &bytes);
+    if (r == CUDA_SUCCESS && out && over) { /* it took more than the slice has */
         if (HAVE_REAL(cuGreenCtxDestroy)) REAL(cuGreenCtxDestroy)(*out);
         module_forget_ctx(as_ctx);
-        ledger_release(g_lim.context_memory);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        r = CUDA_ERROR_OUT_OF_MEMORY;
     }
-    note_context((CUcontext)(void *)*out, g_lim.context_memory);
-    if (as_ctx) qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx, 0);
+    measure_call_done();
+    if (r != CUDA_SUCCESS || !out) {
+        give_floor();
+        if (retained) green_release_primary(dev);
+        return r;
+    }
+    note_context((CUcontext)(void *)*out, bytes);
+    /* not remembered (no room in the table): the retain and the charge are kept for good */
+    qgpu_table_put(&green_ctx, (uintptr_t)*out, (uint64_t)(uintptr_t)as_ctx,
+                   retained ? (int64_t)dev + 1 : 0);
     return r;
 }
 
@@ -205,9 +282,11 @@ QGPU_EXPORT CUresult cuGreenCtxDestroy(CUgreenCtx g) {
     CUresult r = REAL(cuGreenCtxDestroy)(g);
     if (r != CUDA_SUCCESS) return r;
     uint64_t as_ctx = 0;
-    if (qgpu_table_take(&green_ctx, (uintptr_t)g, &as_ctx, NULL) == 0 && as_ctx)
+    int64_t dev1 = 0;
+    if (qgpu_table_take(&green_ctx, (uintptr_t)g, &as_ctx, &dev1) == 0 && as_ctx)
         context_gone((CUcontext)(uintptr_t)as_ctx);
     context_gone((CUcontext)(void *)g);
+    if (dev1 > 0) green_release_primary((CUdevice)(dev1 - 1));
     return r;
 }
 

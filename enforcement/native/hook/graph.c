@@ -262,11 +262,18 @@ static int generic_alloc_refused(const CUgraphNodeParams *p) {
            hook_foreign_location(&p->alloc.poolProps.location);
 }
 
-/* A kernel node of a CUkernel: its library is loaded into the current context first,
- * measured (module.c), as for cuGraphAddKernelNode. */
+/* A kernel node of a CUkernel (as func, or as kern in its ctx): its library is loaded into
+ * that context first, measured (module.c), as for cuGraphAddKernelNode. */
 static CUresult generic_kernel_loaded(const CUgraphNodeParams *p) {
     if (!p || p->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_SUCCESS;
-    return module_kernel_use((void *)p->kernel.func, NULL);
+    return module_node_kernel_use((void *)p->kernel.func, p->kernel.kern, p->kernel.ctx);
+}
+
+/* A node's parameters changed: a kernel node may name a CUkernel now. */
+QGPU_EXPORT CUresult cuGraphNodeSetParams(CUgraphNode node, CUgraphNodeParams *p) {
+    HOOK_ENTER(cuGraphNodeSetParams, node, p);
+    CUresult k = generic_kernel_loaded(p);
+    return k != CUDA_SUCCESS ? k : REAL(cuGraphNodeSetParams)(node, p);
 }
 
 QGPU_EXPORT CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
@@ -476,6 +483,8 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
     HOOK_ENTER(cuGraphExecNodeSetParams, e, node, p);
     if (p && (p->type == CU_GRAPH_NODE_TYPE_MEM_ALLOC || p->type == CU_GRAPH_NODE_TYPE_MEM_FREE))
         return CUDA_ERROR_NOT_SUPPORTED; /* "API unsupported" (cuda.h) */
+    CUresult k = generic_kernel_loaded(p);
+    if (k != CUDA_SUCCESS) return k;
     if (!p || p->type != CU_GRAPH_NODE_TYPE_GRAPH) return REAL(cuGraphExecNodeSetParams)(e, node, p);
     child_args_t a = {e, node, p->graph.graph, p};
     return child_updated(e, node, p->graph.graph, call_node_set, &a);

@@ -50,6 +50,8 @@
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphExecDestroy) X(cuGraphUpload)              \
     X(cuGraphUpload_ptsz) X(cuDeviceGraphMemTrim) X(cuGraphExecUpdate)                       \
     X(cuGraphExecUpdate_v2) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
+    X(cuGraphNodeSetParams) X(cuGraphKernelNodeSetParams) X(cuGraphKernelNodeSetParams_v2)     \
+    X(cuGraphExecKernelNodeSetParams) X(cuGraphExecKernelNodeSetParams_v2)                   \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) X(cuCtxDestroy)     \
     X(cuCtxDestroy_v2) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease)              \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) X(cuDevicePrimaryCtxReset_v2) \
@@ -247,17 +249,20 @@ QGPU_HIDDEN void memop_end(int *held);
 typedef struct {
     int own_ok, dev_ok;
     uint64_t own, dev, pools; /* before the call: this pid's, the device's, the pools' */
-    int measuring;            /* a context creation measured (libraries are loaded) */
-    int shared;               /* otherwise: the lock held shared */
 } measure_t;
-/* Around a context creation: measured while libraries are loaded (eager loading brings them
- * into the new context). -1 when what it took beyond `own_cost` does not fit (undo it). */
-QGPU_HIDDEN void module_ctx_begin(measure_t *m);
-QGPU_HIDDEN int module_ctx_end(measure_t *m, CUresult r, CUcontext ctx, uint64_t own_cost);
+/* Around a driver call that takes device memory no allocation call shows (a context's
+ * creation, ctx.c): begin takes the process's memory lock exclusively and reads what the
+ * process holds; took reads it again and returns what the call took (0 when it failed or
+ * nothing could be measured); done, after the charge or the undo, releases the lock. */
+QGPU_HIDDEN void measure_call_begin(measure_t *m);
+QGPU_HIDDEN uint64_t measure_call_took(measure_t *m, CUresult r);
+QGPU_HIDDEN void measure_call_done(void);
 QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is gone */
 /* Before a CUkernel is launched or put in a graph node on stream `s`: its library is loaded
  * into that context first, measured. CUDA_ERROR_OUT_OF_MEMORY over the cap. */
 QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
+/* The same for a kernel node's kernel: func, or (func NULL) kern in ctx (NULL: current). */
+QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx);
 
 /* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
  * room made by trimming when they do not fit (-1: they still do not, refuse) */

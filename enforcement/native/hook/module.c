@@ -4,8 +4,9 @@
  * is loaded into a context (cuLibraryLoadData / LoadFromFile under eager loading; under
  * lazy loading, NVIDIA's default, at cuLibraryGetModule / GetGlobal / GetManaged,
  * cuKernelGetFunction or the first launch or graph node of one of its CUkernels in that
- * context), and when a context is created while libraries are loaded (eager loading
- * brings them all in). No allocation call the hook sees is made for it.
+ * context, a graph kernel node changed to one of them). No allocation call the hook sees is
+ * made for it. The same measurement serves ctx.c for what a context's creation takes (the
+ * context itself, and the libraries eager loading brings into it).
  *
  * The hook does not read the image (a cubin, a fatbin, compressed or not, PTX the driver
  * compiles): it measures what the driver took. Around each such call it holds the process's
@@ -19,7 +20,7 @@
  * call can make smaller. Memory that pools give back at a synchronisation (which is not
  * locked) is taken out: pool reserved memory is read before and after in an order that can
  * only make the charge larger. Over the cap the call is undone (the module or library
- * unloaded, the context destroyed) and CUDA_ERROR_OUT_OF_MEMORY returned: the driver held
+ * unloaded) and CUDA_ERROR_OUT_OF_MEMORY returned: the driver held
  * the memory between the call and the undo. The charge is given back at cuModuleUnload,
  * cuLibraryUnload (every charge of the library) or the context's destruction (what was
  * loaded into it). */
@@ -155,7 +156,6 @@ typedef struct {
 
 static charge_t *charges;
 static size_t ncharges, cap_charges;
-static int libraries_live;
 static pthread_mutex_t charge_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* 0, or -1 when `bytes` do not fit under the cap (nothing charged then) */
@@ -239,9 +239,6 @@ static void library_gone(CUlibrary lib) {
     while (qgpu_table_take_if(&kernels, kernel_of_gone, out, 64) == 64) {
     }
     pthread_mutex_unlock(&lock);
-    pthread_mutex_lock(&charge_lock);
-    if (libraries_live > 0) libraries_live--;
-    pthread_mutex_unlock(&charge_lock);
 }
 
 static CUlibrary library_of(CUkernel k) {
@@ -296,16 +293,10 @@ QGPU_EXPORT CUresult cuModuleUnload(CUmodule mod) {
 
 static CUresult library_loaded(CUresult r, measure_t *m, CUlibrary *lib) {
     uint64_t took = measure_took(m, r);
-    if (r == CUDA_SUCCESS && lib) {
-        if (charge(*lib, NULL, took) != 0) {
-            if (HAVE_REAL(cuLibraryUnload)) REAL(cuLibraryUnload)(*lib);
-            *lib = NULL;
-            r = CUDA_ERROR_OUT_OF_MEMORY;
-        } else {
-            pthread_mutex_lock(&charge_lock);
-            libraries_live++;
-            pthread_mutex_unlock(&charge_lock);
-        }
+    if (r == CUDA_SUCCESS && lib && charge(*lib, NULL, took) != 0) {
+        if (HAVE_REAL(cuLibraryUnload)) REAL(cuLibraryUnload)(*lib);
+        *lib = NULL;
+        r = CUDA_ERROR_OUT_OF_MEMORY;
     }
     memop_release();
     return r;
@@ -454,59 +445,91 @@ static int64_t seen_tag(CUcontext ctx) {
     return (int64_t)((gen << 48) ^ (uint64_t)(uintptr_t)ctx);
 }
 
-/* On every launch once CUkernels are known: one table look-up, and only the first use of a
- * kernel in a context (or after a context or library went) goes further. */
-CUresult module_kernel_use(void *f, CUstream s) {
+/* `f` used in context `ctx` (NULL: the current one) when it is a CUkernel: one table
+ * look-up, and only the first use of a kernel in a context (or after a context or library
+ * went) goes further. */
+static CUresult kernel_use_in(void *f, CUcontext ctx) {
     if (!f || !__atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
     uint64_t lib = 0;
     int64_t seen = 0;
     if (qgpu_table_get(&kernels, (uintptr_t)f, &lib, &seen) != 0) return CUDA_SUCCESS;
     preload_t a = {.k = (CUkernel)f, .cur = mem_current_ctx()};
-    a.ctx = a.cur;
-    if ((uintptr_t)s > 2 && HAVE_REAL(cuStreamGetCtx)) { /* not a default stream: its context */
-        CUcontext c = NULL;
-        if (REAL(cuStreamGetCtx)(s, &c) == CUDA_SUCCESS && c) a.ctx = c;
-    }
+    a.ctx = ctx ? ctx : a.cur;
     int64_t tag = seen_tag(a.ctx);
     if (a.ctx && seen == tag) return CUDA_SUCCESS;
     CUresult r = library_use((CUlibrary)(uintptr_t)lib, a.ctx, call_preload, &a);
     if (r == CUDA_SUCCESS) qgpu_table_put(&kernels, (uintptr_t)f, lib, tag);
-    return r == CUDA_ERROR_OUT_OF_MEMORY ? r : CUDA_SUCCESS; /* the launch reports the rest */
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? r : CUDA_SUCCESS; /* the call reports the rest */
 }
+
+/* On every launch once CUkernels are known; a stream other than a default one names the
+ * context the kernel runs (and its library loads) in. */
+CUresult module_kernel_use(void *f, CUstream s) {
+    if (!f || !__atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
+    CUcontext c = NULL;
+    if ((uintptr_t)s > 2 && HAVE_REAL(cuStreamGetCtx) && REAL(cuStreamGetCtx)(s, &c) != CUDA_SUCCESS)
+        c = NULL;
+    return kernel_use_in(f, c);
+}
+
+/* A kernel node's kernel, as cuda.h's CUDA_KERNEL_NODE_PARAMS (v2, and the generic node's v3)
+ * names it: `func` (a CUfunction, or a CUkernel cast to one, in the current context), or,
+ * when func is NULL, `kern` in `ctx` (the current context when NULL). */
+CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx) {
+    return func ? kernel_use_in(func, NULL) : kernel_use_in(kern, ctx);
+}
+
+/* the kernel of CUDA 11's CUDA_KERNEL_NODE_PARAMS (func only) and of the v2 form */
+#define NODE_KERNEL_V1(p) ((p) ? module_node_kernel_use((void *)(p)->func, NULL, NULL) : 0)
+#define NODE_KERNEL_V2(p) ((p) ? module_node_kernel_use((void *)(p)->func, (p)->kern, (p)->ctx) : 0)
 
 QGPU_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                           size_t ndeps, const CUDA_KERNEL_NODE_PARAMS *p) {
     HOOK_ENTER(cuGraphAddKernelNode, node, g, deps, ndeps, p);
-    CUresult r = module_kernel_use(p ? (void *)p->func : NULL, NULL);
+    CUresult r = NODE_KERNEL_V1(p);
     return r ? r : REAL(cuGraphAddKernelNode)(node, g, deps, ndeps, p);
 }
 
 QGPU_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
                                              size_t ndeps, const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
     HOOK_ENTER(cuGraphAddKernelNode_v2, node, g, deps, ndeps, p);
-    CUresult r = module_kernel_use(p ? (void *)p->func : NULL, NULL);
+    CUresult r = NODE_KERNEL_V2(p);
     return r ? r : REAL(cuGraphAddKernelNode_v2)(node, g, deps, ndeps, p);
 }
 
-/* ---- contexts created while libraries are loaded ---- */
-
-void module_ctx_begin(measure_t *m) {
-    pthread_mutex_lock(&charge_lock);
-    m->measuring = libraries_live > 0;
-    pthread_mutex_unlock(&charge_lock);
-    if (m->measuring) measure_begin(m);
-    else m->shared = memop_begin();
+/* A kernel node changed to a CUkernel (of a graph, or of an executable graph's copy): its
+ * library is loaded into the node's context first, measured, as for a new node. */
+QGPU_EXPORT CUresult cuGraphKernelNodeSetParams(CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *p) {
+    HOOK_ENTER(cuGraphKernelNodeSetParams, node, p);
+    CUresult r = NODE_KERNEL_V1(p);
+    return r ? r : REAL(cuGraphKernelNodeSetParams)(node, p);
 }
 
-int module_ctx_end(measure_t *m, CUresult r, CUcontext ctx, uint64_t own_cost) {
-    if (!m->measuring) {
-        memop_end(&m->shared);
-        return 0;
-    }
-    uint64_t took = measure_took(m, r);
-    int over = 0;
-    if (r == CUDA_SUCCESS && ctx && took > own_cost)
-        over = charge(NULL, ctx, took - own_cost) != 0;
-    memop_release();
-    return over ? -1 : 0;
+QGPU_EXPORT CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode node,
+                                                   const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
+    HOOK_ENTER(cuGraphKernelNodeSetParams_v2, node, p);
+    CUresult r = NODE_KERNEL_V2(p);
+    return r ? r : REAL(cuGraphKernelNodeSetParams_v2)(node, p);
 }
+
+QGPU_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode node,
+                                                    const CUDA_KERNEL_NODE_PARAMS *p) {
+    HOOK_ENTER(cuGraphExecKernelNodeSetParams, e, node, p);
+    CUresult r = NODE_KERNEL_V1(p);
+    return r ? r : REAL(cuGraphExecKernelNodeSetParams)(e, node, p);
+}
+
+QGPU_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode node,
+                                                       const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
+    HOOK_ENTER(cuGraphExecKernelNodeSetParams_v2, e, node, p);
+    CUresult r = NODE_KERNEL_V2(p);
+    return r ? r : REAL(cuGraphExecKernelNodeSetParams_v2)(e, node, p);
+}
+
+/* ---- calls other files measure (context creation, ctx.c) ---- */
+
+void measure_call_begin(measure_t *m) { measure_begin(m); }
+
+uint64_t measure_call_took(measure_t *m, CUresult r) { return measure_took(m, r); }
+
+void measure_call_done(void) { memop_release(); }

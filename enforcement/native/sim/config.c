@@ -9,6 +9,7 @@
 #include "sim.h"
 
 #define DEFAULT_CONTEXT_MEMORY (512ULL << 20)
+#define DEFAULT_GREEN_CONTEXT_MEMORY (32ULL << 20)
 #define DEFAULT_DEVRT_LAUNCH_BYTES (8ULL << 10)
 #define DEFAULT_DEVRT_SYNC_THREAD_BYTES (4ULL << 10)
 
@@ -117,6 +118,10 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
             } else if (strcmp(field, "context_memory") == 0) {
                 if (parse_u64(val, &g->context_memory) != 0) BAD("must be an integer number of bytes");
                 g->context_memory_set = 1;
+            } else if (strcmp(field, "green_context_memory") == 0) {
+                if (parse_u64(val, &g->green_context_memory) != 0)
+                    BAD("must be an integer number of bytes");
+                g->green_context_memory_set = 1;
             } else if (strcmp(field, "devrt_launch_bytes") == 0) {
                 if (parse_u64(val, &g->devrt_launch_bytes) != 0) BAD("must be an integer number of bytes");
                 g->devrt_launch_set = 1;
@@ -161,6 +166,7 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
         }
         if (g->pci_bus <= 0) g->pci_bus = 0x10 + i;
         if (!g->context_memory_set) g->context_memory = DEFAULT_CONTEXT_MEMORY;
+        if (!g->green_context_memory_set) g->green_context_memory = DEFAULT_GREEN_CONTEXT_MEMORY;
         if (!g->devrt_launch_set) g->devrt_launch_bytes = DEFAULT_DEVRT_LAUNCH_BYTES;
         if (!g->devrt_sync_set) g->devrt_sync_thread_bytes = DEFAULT_DEVRT_SYNC_THREAD_BYTES;
         snprintf(g->state_path, sizeof g->state_path, "%s/%s.gpu", state_dir, g->uuid);

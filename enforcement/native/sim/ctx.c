@@ -1,6 +1,9 @@
 /* Simulated contexts: regular (cuCtxCreate v1..v4), primary (retain/release/reset) and green
- * contexts. Like a real driver, every context costs device memory (the GPU's
- * `context_memory`), charged when it is created and given back when it is destroyed, and a
+ * contexts. Like a real driver, every context costs device memory, charged when it is created
+ * and given back when it is destroyed: a regular or primary context the GPU's
+ * `context_memory` (per model: more than the interposer's default charge on Hopper), a green
+ * context its own `green_context_memory` plus the primary context it retains (created, and
+ * costing context_memory, when it was not active; destroyed with the last release). A
  * context's limits reserve device memory too: the stack (for every thread the device can hold
  * at once), the printf FIFO and malloc heap, and the device runtime's reservations for
  * pending device-side launches and for the nesting levels a device-side synchronize may
@@ -166,7 +169,8 @@ static CUresult limit_supported(const struct CUctx_st *c, int which) {
 }
 
 /* `cost`: the device memory the context itself takes (a regular or primary context the GPU's
- * context_memory; a green context nothing beyond the primary context it retains) */
+ * context_memory; a green context its green_context_memory, beyond the primary context it
+ * retains) */
 static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags,
                          uint64_t cost) {
     memset(c, 0, sizeof *c);
@@ -527,7 +531,7 @@ SIM_EXPORT CUresult cuGreenCtxCreate(CUgreenCtx *out, CUdevResourceDesc desc, CU
         free(gc);
         return r;
     }
-    r = ctx_init(&gc->ctx, dev, g, flags, 0);
+    r = ctx_init(&gc->ctx, dev, g, flags, g_sim_cfg.gpus[g].green_context_memory);
     if (r) {
         cuDevicePrimaryCtxRelease_v2(dev);
         free(gc);

@@ -24,7 +24,10 @@
  * change the copy. Its allocation nodes take memory from the device's graph pool at upload
  * or launch, and live by the rules graphmem.c keeps (a free node must name an allocation
  * node's address, once per graph, and not in both its own and another graph: refused here).
- * Graph objects are not thread-safe, as in CUDA. */
+ * Graph objects are not thread-safe, as in CUDA. A kernel node's kernel is a CUfunction, a
+ * CUkernel cast to one, or (func NULL) the parameters' `kern` in their `ctx`, when added and
+ * when changed (the kernel node setters, the generic ones); resolving a CUkernel loads its
+ * library into that context (module.c). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -212,18 +215,51 @@ static CUresult add_kernel(CUgraphNode *out, struct CUgraph_st *g, int64_t ns) {
     return CUDA_SUCCESS;
 }
 
-static CUresult kernel_node(CUgraphNode *out, CUgraph g, CUfunction f, unsigned gx, unsigned gy,
-                            unsigned gz, void **params, void **extra) {
-    if (!out || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
-    if (f && f->magic == KERNEL_MAGIC) { /* a CUkernel: resolved in the current context */
-        struct CUctx_st *c = sim_current_ctx();
+/* What a kernel node runs, as cuda.h describes CUDA_KERNEL_NODE_PARAMS(_v2/_v3): `f`, a
+ * CUfunction or a CUkernel cast to one (resolved in the current context); when `f` is NULL,
+ * `kern` ("will only be referenced if func is NULL") in `ctx` (the current context when
+ * NULL; only the v2 and v3 parameters have these two fields). Resolving a CUkernel loads its
+ * library into that context (lazy loading, module.c). */
+typedef struct {
+    CUfunction f;
+    void *kern;
+    CUcontext ctx;
+    unsigned gx, gy, gz;
+    void **params, **extra;
+} kernel_args_t;
+
+#define KERNEL_ARGS_V1(p)                                                                        ((kernel_args_t){(p)->func, NULL, NULL, (p)->gridDimX, (p)->gridDimY, (p)->gridDimZ,                           (p)->kernelParams, (p)->extra})
+#define KERNEL_ARGS_V2(p)                                                                        ((kernel_args_t){(p)->func, (p)->kern, (p)->ctx, (p)->gridDimX, (p)->gridDimY,                                 (p)->gridDimZ, (p)->kernelParams, (p)->extra})
+
+/* The node's duration, its kernel resolved to a function first. */
+static CUresult kernel_ns(const kernel_args_t *a, int64_t *ns) {
+    CUfunction f = a->f;
+    struct CUkern_st *k = NULL;
+    struct CUctx_st *c = sim_current_ctx();
+    if (f && f->magic == KERNEL_MAGIC) {
+        k = (struct CUkern_st *)(void *)f;
+    } else if (!f && a->kern) {
+        k = a->kern;
+        if (a->ctx) {
+            if (a->ctx->magic != CTX_MAGIC) return CUDA_ERROR_INVALID_CONTEXT;
+            c = a->ctx;
+        }
+    }
+    if (k) {
         if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-        CUresult r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
+        CUresult r = sim_kernel_function(k, c, &f);
         if (r) return r;
     }
     if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    /* node parameters are captured when added: the duration is fixed now */
-    return add_kernel(out, g, sim_kernel_duration(f, gx, gy, gz, params, extra));
+    *ns = sim_kernel_duration(f, a->gx, a->gy, a->gz, a->params, a->extra);
+    return CUDA_SUCCESS;
+}
+
+static CUresult kernel_node(CUgraphNode *out, CUgraph g, kernel_args_t a) {
+    if (!out || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    int64_t ns;
+    CUresult r = kernel_ns(&a, &ns); /* node parameters are captured when added */
+    return r ? r : add_kernel(out, g, ns);
 }
 
 /* Allocation and free nodes go only into a graph no node owns. */
@@ -416,8 +452,7 @@ SIM_EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const 
     (void)deps;
     (void)ndeps;
     if (!p) return CUDA_ERROR_INVALID_VALUE;
-    return kernel_node(node, g, p->func, p->gridDimX, p->gridDimY, p->gridDimZ, p->kernelParams,
-                       p->extra);
+    return kernel_node(node, g, KERNEL_ARGS_V2(p));
 }
 
 SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
@@ -425,8 +460,7 @@ SIM_EXPORT CUresult cuGraphAddKernelNode(CUgraphNode *node, CUgraph g, const CUg
     (void)deps;
     (void)ndeps;
     if (!p) return CUDA_ERROR_INVALID_VALUE;
-    return kernel_node(node, g, p->func, p->gridDimX, p->gridDimY, p->gridDimZ, p->kernelParams,
-                       p->extra);
+    return kernel_node(node, g, KERNEL_ARGS_V1(p));
 }
 
 SIM_EXPORT CUresult cuGraphAddEmptyNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
@@ -466,8 +500,7 @@ static CUresult add_generic_node(CUgraphNode *node, CUgraph g, CUgraphNodeParams
         return CUDA_ERROR_INVALID_VALUE;
     switch (p->type) {
     case CU_GRAPH_NODE_TYPE_KERNEL:
-        return kernel_node(node, g, p->kernel.func, p->kernel.gridDimX, p->kernel.gridDimY,
-                           p->kernel.gridDimZ, p->kernel.kernelParams, p->kernel.extra);
+        return kernel_node(node, g, KERNEL_ARGS_V2(&p->kernel));
     case CU_GRAPH_NODE_TYPE_EMPTY: return add_empty(node, g);
     case CU_GRAPH_NODE_TYPE_GRAPH: return add_child(node, g, p->graph.graph, p->graph.ownership);
     case CU_GRAPH_NODE_TYPE_MEM_ALLOC: return alloc_node(node, g, &p->alloc);
@@ -572,12 +605,18 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph g) {
     return CUDA_SUCCESS;
 }
 
-static CUresult kernel_params_ns(const CUgraphNodeParams *p, int64_t *ns) {
-    CUfunction f = p->kernel.func;
-    if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
-    *ns = sim_kernel_duration(f, p->kernel.gridDimX, p->kernel.gridDimY, p->kernel.gridDimZ,
-                              p->kernel.kernelParams, p->kernel.extra);
-    return CUDA_SUCCESS;
+/* A kernel node's parameters changed (its kernel may be a CUkernel now). */
+static CUresult kernel_set(CUgraphNode n, kernel_args_t a) {
+    if (!node_ok(n) || n->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_ERROR_INVALID_VALUE;
+    return kernel_ns(&a, &n->ns);
+}
+
+SIM_EXPORT CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode n, const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
+    return p ? kernel_set(n, KERNEL_ARGS_V2(p)) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuGraphKernelNodeSetParams(CUgraphNode n, const CUDA_KERNEL_NODE_PARAMS *p) {
+    return p ? kernel_set(n, KERNEL_ARGS_V1(p)) : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* Allocation and free nodes cannot be changed. A child graph node takes a copy of a graph
@@ -585,7 +624,7 @@ static CUresult kernel_params_ns(const CUgraphNodeParams *p, int64_t *ns) {
 SIM_EXPORT CUresult cuGraphNodeSetParams(CUgraphNode n, CUgraphNodeParams *p) {
     if (!node_ok(n) || !p || p->type != n->type) return CUDA_ERROR_INVALID_VALUE;
     switch (n->type) {
-    case CU_GRAPH_NODE_TYPE_KERNEL: return kernel_params_ns(p, &n->ns);
+    case CU_GRAPH_NODE_TYPE_KERNEL: return kernel_set(n, KERNEL_ARGS_V2(&p->kernel));
     case CU_GRAPH_NODE_TYPE_EMPTY: return CUDA_SUCCESS;
     case CU_GRAPH_NODE_TYPE_GRAPH: {
         if (p->graph.ownership == CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE) return CUDA_ERROR_NOT_SUPPORTED;
@@ -931,16 +970,32 @@ SIM_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec e, CUgraphNod
     return exec_child_set(e, n, child);
 }
 
+/* A kernel node's parameters changed in the executable graph's copy. cuda.h's rule that
+ * the function's owning context cannot change is not checked (nodes do not record it). */
+static CUresult exec_kernel_set(CUgraphExec e, CUgraphNode n, kernel_args_t a) {
+    struct CUgraphNode_st *t = exec_twin(e, n);
+    if (!t || t->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = kernel_ns(&a, &t->ns);
+    if (!r) (void)refresh(e);
+    return r;
+}
+
+SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode n,
+                                                      const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
+    return p ? exec_kernel_set(e, n, KERNEL_ARGS_V2(p)) : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode n,
+                                                   const CUDA_KERNEL_NODE_PARAMS *p) {
+    return p ? exec_kernel_set(e, n, KERNEL_ARGS_V1(p)) : CUDA_ERROR_INVALID_VALUE;
+}
+
 /* Allocation and free nodes: "API unsupported" (cuda.h). */
 SIM_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode n, CUgraphNodeParams *p) {
     struct CUgraphNode_st *t = exec_twin(e, n);
     if (!t || !p || p->type != t->type) return CUDA_ERROR_INVALID_VALUE;
     switch (t->type) {
-    case CU_GRAPH_NODE_TYPE_KERNEL: {
-        CUresult r = kernel_params_ns(p, &t->ns);
-        if (!r) (void)refresh(e);
-        return r;
-    }
+    case CU_GRAPH_NODE_TYPE_KERNEL: return exec_kernel_set(e, n, KERNEL_ARGS_V2(&p->kernel));
     case CU_GRAPH_NODE_TYPE_EMPTY: return CUDA_SUCCESS;
     case CU_GRAPH_NODE_TYPE_GRAPH: return exec_child_set(e, n, p->graph.graph);
     default: return CUDA_ERROR_NOT_SUPPORTED;

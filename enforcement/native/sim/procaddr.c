@@ -39,7 +39,8 @@
     X(cuGraphDestroyNode) X(cuGraphExecChildGraphNodeSetParams) X(cuGraphExecNodeSetParams) \
     X(cuGraphExecUpdate) X(cuGraphExecUpdate_v2) X(cuGraphGetNodes) \
     X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuGraphNodeGetType) \
-    X(cuGraphNodeSetParams) \
+    X(cuGraphNodeSetParams) X(cuGraphKernelNodeSetParams) X(cuGraphKernelNodeSetParams_v2) \
+    X(cuGraphExecKernelNodeSetParams) X(cuGraphExecKernelNodeSetParams_v2) \
     X(cuGraphExecDestroy) X(cuGraphInstantiate) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphInstantiate_v2) X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) \

@@ -41,8 +41,10 @@ typedef struct {
     char uuid[48];
     char name[96];
     uint64_t memory;
-    uint64_t context_memory; /* device memory a context costs */
+    uint64_t context_memory; /* device memory a regular or primary context costs */
     int context_memory_set;
+    uint64_t green_context_memory; /* what a green context costs beyond its primary context */
+    int green_context_memory_set;
     /* device runtime reservations (cuCtxSetLimit): per pending launch above the default
      * 2048, and per resident thread per sync-depth level above the default 2 */
     uint64_t devrt_launch_bytes;

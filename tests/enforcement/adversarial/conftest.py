@@ -31,11 +31,13 @@ from typing import Any
 import pytest
 
 from enforcement.native import sim_library_dir
-from enforcement.sim import process_memory, write_sim_config
+from enforcement.sim import MODELS, process_memory, write_sim_config
 
-from ..conftest import CTX, GIB, Sim, Worker
+from ..conftest import GIB, Sim, Worker
 
 MIB = 1 << 20
+CTX = MODELS["t4-16gb"].context_memory  # what a context costs on the arena's T4 by default
+CONTEXT_CHARGE = 512 * MIB  # the hook's least charge per context (QGPU_CONTEXT_MEMORY default)
 CARD = 16 * GIB
 HOSTILE_CAP = 4 * GIB
 VICTIM_CAP = CARD - HOSTILE_CAP
@@ -239,9 +241,15 @@ class Arena:
         """What the simulated GPU says `pid` holds (its own accounting, not the hook's)."""
         return process_memory(self.sim.config).get(pid, 0)
 
+    @property
+    def context_cost(self) -> int:
+        """What a context costs on this arena's GPU (the victim's among them)."""
+        return self.sim.config.gpus[0].context_memory
+
     def victim_gets_its_promise(self) -> None:
         """The victim can still allocate everything it was promised (its context aside)."""
-        status, ident = self.victim.alloc("alloc", VICTIM_CAP - CTX)
+        own = max(self.context_cost, CONTEXT_CHARGE)  # what its context is charged
+        status, ident = self.victim.alloc("alloc", VICTIM_CAP - own)
         assert status == "ok", f"victim lost memory it was promised (CUresult {ident})"
         assert self.victim.ask(f"free {ident}") == ["ok"]
 

@@ -40,8 +40,8 @@ from enforcement.sim import process_memory
 from tests.agent.conftest import start_agent, stop_agent
 from tests.cgroups import Sandbox, cgroup_sandbox, cgroupfs_pod, own_cgroup, systemd_pod
 
-from ..conftest import CTX, GIB, WORKER, Worker
-from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs
+from ..conftest import GIB, WORKER, Worker
+from .conftest import CTX, PROGRAMS, VICTIM_CAP, Hostile, Programs
 
 pytestmark = pytest.mark.slow
 __all__ = ["cgroup_sandbox"]  # a fixture of this module

@@ -26,8 +26,8 @@ from enforcement.agent.client import AgentClient
 from enforcement.sim import busy_share, read_gpu_state
 from tests.agent.conftest import start_agent, stop_agent
 
-from ..conftest import CTX, Worker, start_burn, wait_ready
-from .conftest import PROGRAMS, VICTIM_CAP, Hostile, Programs, spawn
+from ..conftest import Worker, start_burn, wait_ready
+from .conftest import CTX, PROGRAMS, VICTIM_CAP, Hostile, Programs, spawn
 
 pytestmark = pytest.mark.slow
 

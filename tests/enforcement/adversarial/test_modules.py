@@ -65,8 +65,26 @@ WAYS = {
     "lazy-graph": ("lazy-graph", "cubin", {}),
     "lazy-graph-node": ("lazy-graph-node", "cubin", {}),
     "lazy-stream": ("lazy-stream", "cubin", {}),
+    "lazy-graph-kern": ("lazy-graph-kern", "cubin", {}),
+    "lazy-graph-kern-ctx": ("lazy-graph-kern-ctx", "cubin", {}),
+    "lazy-node-set": ("lazy-node-set", "cubin", {}),
+    "lazy-node-set-kern": ("lazy-node-set-kern", "cubin", {}),
+    "lazy-exec-node-set": ("lazy-exec-node-set", "cubin", {}),
+    "lazy-generic-set": ("lazy-generic-set", "cubin", {}),
+    "lazy-exec-generic-set": ("lazy-exec-generic-set", "cubin", {}),
+    "lazy-update": ("lazy-update", "cubin", {}),
     "contexts": ("contexts", "fatbin", EAGER),
 }
+
+
+SECOND_CONTEXT = ("lazy-stream", "lazy-graph-kern-ctx")
+# a CUkernel reaching a graph other than by a kernel node's func at creation (cuda.h allows
+# each: the kern field, the node parameter setters, an update)
+GRAPH_NODE_WAYS = [
+    w
+    for w in WAYS
+    if w.startswith(("lazy-graph-kern", "lazy-node", "lazy-exec", "lazy-generic", "lazy-update"))
+]
 
 
 @pytest.mark.parametrize("way", list(WAYS))
@@ -79,7 +97,7 @@ def test_what_loading_device_code_takes_is_charged(
     h = arena.start([programs.c("modules"), mode, getattr(device_code, image)], env)
     loads = h.all("load")
     assert len(loads) == 2, h.lines
-    if way == "lazy-stream":  # its second context (512 MiB) leaves no room for even one
+    if way in SECOND_CONTEXT:  # its second context (512 MiB) leaves no room for even one
         assert loads[-1] == OOM, h.lines
     else:
         assert loads == [0, OOM], h.lines
@@ -110,6 +128,20 @@ def test_the_simulator_allocates_what_a_cubin_declares(
     loads = h.all("load")  # two contexts (victim's, its own) leave room for four
     assert loads[:4] == [0] * 4 and loads[-1] == OOM, h.lines
     assert arena.held(h.pid) >= 4 * BIG
+    h.finish()
+
+
+@pytest.mark.parametrize("way", GRAPH_NODE_WAYS)
+def test_the_simulator_loads_a_library_where_a_kernel_node_names_its_kernel(
+    arena: Arena, programs: Programs, device_code: DeviceCode, way: str
+) -> None:
+    """Without the hook: a CUkernel named by a kernel node's `kern` field, or set into a node
+    (of a graph or an executable graph) by the parameter setters, is accepted as cuda.h
+    documents, and its library is loaded into the node's context then (3 GiB each time)."""
+    env = arena.sim.base_env()
+    h = arena.start([programs.c("modules"), way, device_code.cubin], env)
+    assert h.all("load") == [0, 0], h.lines
+    assert arena.held(h.pid) >= 2 * BIG
     h.finish()
 
 

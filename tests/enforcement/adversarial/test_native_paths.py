@@ -12,8 +12,22 @@ from pathlib import Path
 
 import pytest
 
+from enforcement.native import sim_library_dir
+from enforcement.sim import MODELS
+
 from ..test_config import build_hook_with_default
-from .conftest import CTX, GIB, HOSTILE_CAP, MIB, OOM, Arena, Programs, make_arena
+from .conftest import (
+    CTX,
+    GIB,
+    HOSTILE_CAP,
+    MIB,
+    OOM,
+    Arena,
+    Hostile,
+    Programs,
+    make_arena,
+    spawn,
+)
 
 NOT_FOUND = -1
 
@@ -185,6 +199,98 @@ def test_primary_context_recreated_after_reset_is_charged(arena: Arena, programs
     assert h.all("reset") == [0] * 10 and h.all("ctx") == [0] * 10
     assert h.all("grab") == [0, OOM]
     arena.contained(h)
+
+
+HOPPER_CTX = MODELS["h100-80gb"].context_memory  # more than the hook's default charge
+
+
+@pytest.fixture
+def hopper_ctx_arena(short_tmp: Path) -> Iterator[Arena]:
+    """The arena's card with contexts that cost what the simulator's H100 takes for one, green
+    contexts as much (on top of the primary context they retain): more than the hook's
+    default charge per context (QGPU_CONTEXT_MEMORY, 512 MiB)."""
+    yield from make_arena(short_tmp, context_memory=HOPPER_CTX, green_context_memory=HOPPER_CTX)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2", "v3", "v4", "green"])
+def test_contexts_that_cost_more_than_the_charge_are_measured(
+    hopper_ctx_arena: Arena, programs: Programs, mode: str
+) -> None:
+    """Charged the configured 512 MiB each, seven contexts fit beside the primary one and the
+    tenant held 8 x 640 MiB = 5 GiB of its 4 GiB (won against the hook that charged the
+    configured size). Charged what the driver took, five fit."""
+    assert HOPPER_CTX > 512 * MIB
+    h = hopper_ctx_arena.start([programs.c("contexts"), mode])
+    hopper_ctx_arena.contained(h)
+    fit = (HOSTILE_CAP - HOPPER_CTX) // HOPPER_CTX  # on top of the primary context
+    assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+
+
+def test_a_recreated_primary_context_gives_its_measured_charge_back(
+    hopper_ctx_arena: Arena, programs: Programs
+) -> None:
+    """Ten resets and retains of the primary context: each new one is charged what the
+    driver took for it and each reset gives that back, so 3 GiB still fit beside it."""
+    h = hopper_ctx_arena.start([programs.c("contexts"), "primary"])
+    assert h.all("reset") == [0] * 10 and h.all("ctx") == [0] * 10
+    assert h.all("grab") == [0, OOM]
+    hopper_ctx_arena.contained(h)
+
+
+def test_many_processes_each_with_a_context_that_costs_more(
+    hopper_ctx_arena: Arena, programs: Programs
+) -> None:
+    """Ten processes of the slice, each holding only its primary context: charged 512 MiB
+    each, eight started and held 5 GiB together under a 4 GiB cap (won against the hook that
+    charged the configured size). Measured, six fit and the rest are refused their context."""
+    a = hopper_ctx_arena
+    started: list[Hostile] = []
+    refused = 0
+    for _ in range(10):
+        h = Hostile(spawn([programs.c("contexts"), "hold"], a.hostile_env()))
+        a.hostiles.append(h)
+        try:
+            h.read_until_ready()
+            started.append(h)
+        except AssertionError:  # setup() reported the refused context and exited
+            assert ("ctx", OOM) in h.lines, h.lines
+            refused += 1
+    held = sum(a.held(h.pid) for h in started)
+    assert held <= HOSTILE_CAP, f"the slice's processes hold {held / GIB:.2f} GiB"
+    assert len(started) == HOSTILE_CAP // HOPPER_CTX and refused == 10 - len(started)
+    a.victim_gets_its_promise()
+
+
+def test_without_nvml_contexts_are_measured_by_the_devices_free_memory(
+    hopper_ctx_arena: Arena, programs: Programs, short_tmp: Path
+) -> None:
+    """No NVML in the process (the hook falls back to the device's used memory, here the
+    driver's cuMemGetInfo): the first context cannot be measured (cuMemGetInfo needs a
+    context) and is charged the configured 512 MiB; every later one what the device's free
+    memory shows it took, so the tenant stays under its cap."""
+    a = hopper_ctx_arena
+    bare = short_tmp / "no-nvml"
+    bare.mkdir()
+    (bare / "libcuda.so.1").symlink_to(sim_library_dir() / "libcuda.so.1")
+    env = a.hostile_env()
+    env["LD_LIBRARY_PATH"] = str(bare)
+    h = a.start([programs.c("contexts"), "v2"], env)
+    fit = (HOSTILE_CAP - 512 * MIB) // HOPPER_CTX  # the primary context charged the floor
+    assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+    a.contained(h)
+
+
+def test_contexts_cheaper_than_the_charge_are_charged_the_configured_size(
+    short_tmp: Path, programs: Programs
+) -> None:
+    """Where the driver takes less than QGPU_CONTEXT_MEMORY for a context (256 MiB here),
+    the configured size is charged: it is a floor, charged before the driver is called."""
+    for a in make_arena(short_tmp, context_memory=256 * MIB):
+        h = a.start([programs.c("contexts"), "v2"])
+        fit = (HOSTILE_CAP - 512 * MIB) // (512 * MIB)
+        assert h.all("ctx") == [0] * fit + [OOM] * (10 - fit)
+        assert a.held(h.pid) == (fit + 1) * 256 * MIB
+        a.contained(h)
 
 
 @pytest.mark.parametrize("limit", ["heap", "stack"])

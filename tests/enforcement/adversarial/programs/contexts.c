@@ -9,7 +9,8 @@
  * pending: CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT by 65536 launches a step; sync_depth:
  * CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH by one level a step (3..24; compute capability < 9.0);
  * devrt_fits: both raised a little (16384 pending launches more, depth 4), then lowered back
- * to their defaults ("back"), then grab. */
+ * to their defaults ("back"), then grab. hold: only the primary context ("ctx 0"), held, so
+ * that a test can start many such processes in one slice. */
 #include "hostile.h"
 
 typedef CUresult (*create_v1_t)(CUcontext *, unsigned int, CUdevice);
@@ -23,7 +24,9 @@ int main(int argc, char **argv) {
     CUdevice dev;
     cuDeviceGet(&dev, 0);
     void *lib = dlopen("libcuda.so.1", RTLD_NOW);
-    if (!strcmp(mode, "pending") || !strcmp(mode, "sync_depth")) {
+    if (!strcmp(mode, "hold")) {
+        say("ctx", 0);
+    } else if (!strcmp(mode, "pending") || !strcmp(mode, "sync_depth")) {
         int pending = !strcmp(mode, "pending");
         for (int i = 1; i <= (pending ? 64 : 22); i++) {
             size_t v = pending ? 2048 + (size_t)i * 65536 : 2 + (size_t)i;

@@ -15,6 +15,18 @@
  *                                   (cuGraphAddKernelNode / the generic cuGraphAddNode_v2)
  *   lazy-stream                     a CUkernel launched on a stream of a second context (it
  *                                   loads there, not in the current one)
+ *   lazy-graph-kern(-ctx)           a kernel node naming the CUkernel in the `kern` field of
+ *                                   CUDA_KERNEL_NODE_PARAMS (func NULL), in the current
+ *                                   context or (-ctx) in a second one named by its `ctx` field
+ *   lazy-node-set(-kern)            a kernel node of a plain function (the simulator's
+ *                                   built-in image) changed to the CUkernel by
+ *                                   cuGraphKernelNodeSetParams (as func, or -kern as kern)
+ *   lazy-exec-node-set              ... in an executable graph: cuGraphExecKernelNodeSetParams
+ *   lazy-generic-set                ... by the generic cuGraphNodeSetParams (kernel.kern)
+ *   lazy-exec-generic-set           ... by cuGraphExecNodeSetParams (kernel.func)
+ *   lazy-update                     an executable graph of a plain function node updated
+ *                                   (cuGraphExecUpdate) from a graph whose node names the
+ *                                   CUkernel by `kern`
  *   contexts                        one library, eager loading, then a new context per
  *                                   further attempt (each gets its own instance)
  * "cycle" instead loads and unloads `argv[3]` times (argv[4]: module, library or context:
@@ -58,6 +70,94 @@ static CUresult linked(const unsigned char *img, size_t len, const char *path, i
     if (!r) r = cuModuleLoadData(mod, out);
     cuLinkDestroy(st);
     return r;
+}
+
+/* a second context, made once; the current one stays current */
+static CUcontext second_context(void) {
+    static CUcontext other;
+    if (!other) {
+        CUcontext mine;
+        CUdevice dev;
+        cuCtxGetCurrent(&mine);
+        cuDeviceGet(&dev, 0);
+        if (cuCtxCreate(&other, NULL, 0, dev) != CUDA_SUCCESS) other = NULL;
+        cuCtxSetCurrent(mine);
+    }
+    return other;
+}
+
+static void one_block(CUDA_KERNEL_NODE_PARAMS *p, void **args) {
+    memset(p, 0, sizeof *p);
+    p->gridDimX = p->gridDimY = p->gridDimZ = p->blockDimX = p->blockDimY = p->blockDimZ = 1;
+    p->kernelParams = args;
+}
+
+/* A graph with one kernel node of a plain function (the simulator's built-in image, which
+ * takes no device memory), in *node; instantiated into *exec when exec is not NULL. */
+static CUresult plain_graph(CUgraph *g, CUgraphNode *node, CUgraphExec *exec, void **args) {
+    static CUmodule plain;
+    static CUfunction f;
+    CUresult r;
+    if (!plain && ((r = cuModuleLoadData(&plain, "qgpu-sim-module")) ||
+                   (r = cuModuleGetFunction(&f, plain, "touch"))))
+        return r;
+    CUDA_KERNEL_NODE_PARAMS p;
+    one_block(&p, args);
+    p.func = f;
+    if ((r = cuGraphCreate(g, 0)) || (r = cuGraphAddKernelNode(node, *g, NULL, 0, &p))) return r;
+    return exec ? cuGraphInstantiate(exec, *g, 0) : CUDA_SUCCESS;
+}
+
+/* The graph-node ways of bringing the library in (kern fields, parameter changes, update). */
+static CUresult lazy_graph_use(const char *way, CUkernel k, void **args) {
+    CUgraph g;
+    CUgraphNode node;
+    CUgraphExec exec;
+    CUDA_KERNEL_NODE_PARAMS p;
+    CUgraphNodeParams gp;
+    CUresult r;
+    one_block(&p, args);
+    memset(&gp, 0, sizeof gp);
+    gp.type = CU_GRAPH_NODE_TYPE_KERNEL;
+    gp.kernel.gridDimX = gp.kernel.gridDimY = gp.kernel.gridDimZ = 1;
+    gp.kernel.blockDimX = gp.kernel.blockDimY = gp.kernel.blockDimZ = 1;
+    gp.kernel.kernelParams = args;
+    if (!strcmp(way, "lazy-graph-kern") || !strcmp(way, "lazy-graph-kern-ctx")) {
+        p.kern = k;
+        if (!strcmp(way, "lazy-graph-kern-ctx") && !(p.ctx = second_context()))
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        cuGraphCreate(&g, 0);
+        return cuGraphAddKernelNode(&node, g, NULL, 0, &p);
+    }
+    int exec_way = !strcmp(way, "lazy-exec-node-set") || !strcmp(way, "lazy-exec-generic-set") ||
+                   !strcmp(way, "lazy-update");
+    if ((r = plain_graph(&g, &node, exec_way ? &exec : NULL, args))) return r;
+    if (!strcmp(way, "lazy-node-set") || !strcmp(way, "lazy-exec-node-set")) {
+        p.func = (CUfunction)k;
+        return exec_way ? cuGraphExecKernelNodeSetParams(exec, node, &p)
+                        : cuGraphKernelNodeSetParams(node, &p);
+    }
+    if (!strcmp(way, "lazy-node-set-kern")) {
+        p.kern = k;
+        return cuGraphKernelNodeSetParams(node, &p);
+    }
+    if (!strcmp(way, "lazy-generic-set")) {
+        gp.kernel.kern = k;
+        return cuGraphNodeSetParams(node, &gp);
+    }
+    if (!strcmp(way, "lazy-exec-generic-set")) {
+        gp.kernel.func = (CUfunction)k;
+        return cuGraphExecNodeSetParams(exec, node, &gp);
+    }
+    if (!strcmp(way, "lazy-update")) {
+        CUgraph h;
+        CUgraphNode hn;
+        CUgraphExecUpdateResultInfo info;
+        p.kern = k;
+        if ((r = cuGraphCreate(&h, 0)) || (r = cuGraphAddKernelNode(&hn, h, NULL, 0, &p))) return r;
+        return cuGraphExecUpdate(exec, h, &info);
+    }
+    return CUDA_ERROR_INVALID_VALUE;
 }
 
 /* lazy loading: what brings the library into the current context (or the stream's) */
@@ -120,7 +220,7 @@ static CUresult lazy_use(const char *way, CUlibrary lib) {
         cuGraphCreate(&g, 0);
         return cuGraphAddNode(&node, g, NULL, NULL, 0, &p); /* cuGraphAddNode_v2 */
     }
-    return CUDA_ERROR_INVALID_VALUE;
+    return lazy_graph_use(way, k, args);
 }
 
 static CUresult load_once(const char *way, const unsigned char *img, size_t len,
