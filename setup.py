@@ -53,6 +53,7 @@ LIBRARIES = {
                 "module.c",
                 "launch.c",
                 "nvml.c",
+                "nvml_activity.c",
             )
         ]
         + COMMON,
