@@ -137,6 +137,18 @@ def test_nvml_utilisation_is_the_slice_s_own_share(node: Node) -> None:
     finish([burner])
 
 
+def test_nvml_read_around_the_loader_is_not_filtered(arena: Arena, programs: Programs) -> None:
+    """The limit of an in-process view (docs/enforcement.md, Not covered yet): the real
+    NVML entry point read from libnvidia-ml's symbol table lists the victim. Everything that
+    goes through the loader (linking, dlsym, dlvsym, ctypes) is filtered."""
+    status, _ = arena.victim.alloc("alloc", 2 * GIB)
+    assert status == "ok"
+    h = arena.start([programs.c("nvml_raw")])
+    assert set(h.all("hooked")) == {h.pid}
+    assert h.one("found") == 1
+    assert arena.victim.pid in h.all("raw")  # no hook can stop it
+
+
 def required_glibc(library: Path) -> list[tuple[int, ...]]:
     """The GLIBC_x.y versions a shared library needs (its .gnu.version_r, via readelf)."""
     out = subprocess.run(
