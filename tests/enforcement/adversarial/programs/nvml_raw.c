@@ -1,7 +1,9 @@
 /* Reading NVML around the loader: the hook's NVML views live in the tenant's own process, so
  * a tenant that takes the real entry point from libnvidia-ml's ELF symbol table in memory
  * (as symwalk.c does for libcuda) calls NVML unfiltered. It lists GPU 0's compute processes
- * through dlsym ("hooked <pid>") and through the symbol table ("raw <pid>"). */
+ * through dlsym ("hooked <pid>"), dlvsym ("versioned <pid>", where the library defines the
+ * version asked for; the simulated one defines none, so it finds nothing) and the symbol table
+ * ("raw <pid>"). */
 #include "raw_driver.h"
 
 typedef int (*list_t)(void *, unsigned int *, void *);
@@ -27,6 +29,7 @@ int main(void) {
     handle(0, &dev);
     const char *name = "nvmlDeviceGetComputeRunningProcesses_v3";
     list("hooked", (list_t)dlsym(nvml, name), dev);
+    list("versioned", (list_t)dlvsym(nvml, name, "NVML_1.0"), dev);
     void *raw = raw_symbol("libnvidia-ml.so", name);
     say("found", raw != NULL);
     list("raw", (list_t)raw, dev);
