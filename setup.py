@@ -23,7 +23,7 @@ NATIVE = Path("enforcement") / "native"
 COMMON = [
     str(NATIVE / "common" / n) for n in ("clock.c", "proc.c", "shm.c", "table.c", "procaddr.c")
 ]
-SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c", "shared.c")]
+SIM_CORE = [str(NATIVE / "sim" / n) for n in ("config.c", "state.c", "shared.c", "acct.c")]
 
 # (extension name, output file relative to the package root, soname, sources, extra links,
 #  extra compiler flags)
@@ -53,6 +53,7 @@ LIBRARIES = {
                 "module.c",
                 "launch.c",
                 "nvml.c",
+                "nvml_activity.c",
             )
         ]
         + COMMON,

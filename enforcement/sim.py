@@ -28,7 +28,8 @@ _UUID_NAMESPACE = uuid.UUID("6f1d3c1e-5a0b-4c8e-9d27-2b1f0e7a9c44")
 @dataclass(frozen=True)
 class GpuModel:
     """A GPU model the simulator knows: marketing name, memory, SM count, compute capability,
-    resident threads per SM."""
+    resident threads per SM, BAR1 aperture (MiB; None: a large BAR, the memory rounded up to
+    a power of two, as data-centre GPUs have)."""
 
     key: str
     name: str
@@ -37,12 +38,22 @@ class GpuModel:
     cc: str
     threads_per_sm: int = 2048
     context_memory: int = 512 << 20  # what a context costs by default (see CONTEXT_MEMORY)
+    bar1_mib: int | None = None
+
+    @property
+    def bar1_bytes(self) -> int:
+        if self.bar1_mib is not None:
+            return self.bar1_mib << 20
+        size = 1 << 20
+        while size < self.memory_gib * GIB:
+            size <<= 1
+        return size
 
 
 MODELS: dict[str, GpuModel] = {
     m.key.lower(): m
     for m in (
-        GpuModel("T4-16GB", "Tesla T4", 16, 40, "7.5", 1024),
+        GpuModel("T4-16GB", "Tesla T4", 16, 40, "7.5", 1024, bar1_mib=256),
         GpuModel("V100-16GB", "Tesla V100-SXM2-16GB", 16, 80, "7.0"),
         GpuModel("V100-32GB", "Tesla V100-SXM2-32GB", 32, 80, "7.0"),
         GpuModel("A10-24GB", "NVIDIA A10", 24, 72, "8.6", 1536),
@@ -51,7 +62,7 @@ MODELS: dict[str, GpuModel] = {
         GpuModel("A100-80GB", "NVIDIA A100-SXM4-80GB", 80, 108, "8.0"),
         GpuModel("L4-24GB", "NVIDIA L4", 24, 58, "8.9", 1536),
         GpuModel("L40S-48GB", "NVIDIA L40S", 48, 142, "8.9", 1536),
-        GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9", 1536),
+        GpuModel("RTX4090-24GB", "NVIDIA GeForce RTX 4090", 24, 128, "8.9", 1536, bar1_mib=256),
         GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 80, 132, "9.0", 2048, 640 << 20),
         GpuModel("H200-141GB", "NVIDIA H200", 141, 132, "9.0", 2048, 640 << 20),
     )
@@ -129,6 +140,7 @@ class SimGpu:
     devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES
     devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES
     green_context_memory: int = GREEN_CONTEXT_MEMORY
+    bar1_bytes: int = 256 << 20
 
     @property
     def memory_gib(self) -> int:
@@ -146,6 +158,7 @@ class SimConfig:
     cuda_version: int = 13000
     driver_version: str = DRIVER_OF_CUDA[13000]
     procaddr: str = "internal"
+    accounting: bool = False
 
     def device_sharing_env(self) -> dict[str, str]:
         """How these GPUs share themselves between processes, in the interposer's terms
@@ -206,6 +219,7 @@ def write_sim_config(
     devrt_launch_bytes: int = DEVRT_LAUNCH_BYTES,
     devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES,
     green_context_memory: int | Mapping[str, int] = GREEN_CONTEXT_MEMORY,
+    accounting: bool = False,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -222,7 +236,8 @@ def write_sim_config(
     context it retains, likewise (default GREEN_CONTEXT_MEMORY). ``devrt_launch_bytes`` /
     ``devrt_sync_thread_bytes``: what the device runtime reserves per pending launch above
     2048 and per resident thread per sync-depth level above 2 (cuCtxSetLimit), on every
-    GPU."""
+    GPU. ``accounting``: NVML's per-process accounting mode on every GPU (an administrator's
+    ``nvidia-smi -am 1``; off by default, as on NVIDIA's driver)."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -259,6 +274,7 @@ def write_sim_config(
         f"cuda_version={cuda_version}",
         f"driver_version={driver_version}",
         f"procaddr={procaddr}",
+        f"accounting={'enabled' if accounting else 'disabled'}",
     ]
     gpus = []
     for i, m in enumerate(models):
@@ -275,6 +291,7 @@ def write_sim_config(
             devrt_launch_bytes,
             devrt_sync_thread_bytes,
             green_cost[m.key],
+            m.bar1_bytes,
         )
         gpus.append(g)
         lines += [
@@ -289,6 +306,7 @@ def write_sim_config(
             f"gpu{i}.devrt_launch_bytes={g.devrt_launch_bytes}",
             f"gpu{i}.devrt_sync_thread_bytes={g.devrt_sync_thread_bytes}",
             f"gpu{i}.green_context_memory={g.green_context_memory}",
+            f"gpu{i}.bar1={g.bar1_bytes}",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -304,6 +322,7 @@ def write_sim_config(
         cuda_version,
         driver_version,
         procaddr,
+        accounting,
     )
 
 
@@ -360,6 +379,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
                 int(values.get(p + "devrt_launch_bytes", str(DEVRT_LAUNCH_BYTES))),
                 int(values.get(p + "devrt_sync_thread_bytes", str(DEVRT_SYNC_THREAD_BYTES))),
                 int(values.get(p + "green_context_memory", str(GREEN_CONTEXT_MEMORY))),
+                int(values.get(p + "bar1", str(256 << 20))),
             )
         )
         i += 1
@@ -374,6 +394,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
         int(values.get("cuda_version", "13000")),
         values.get("driver_version", DRIVER_OF_CUDA[13000]),
         values.get("procaddr", "internal"),
+        values.get("accounting", "disabled") == "enabled",
     )
 
 

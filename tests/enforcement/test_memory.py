@@ -138,8 +138,11 @@ drv = open_driver()
 drv.mem_alloc(1 << 30)
 m = pynvml.nvmlDeviceGetMemoryInfo(h)
 m2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
-other = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
-print(m.total, m.used, m.free, m2.total, m2.used, m2.free, other.total)
+try:  # another GPU of the node is not the slice's: not its to see
+    other = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1)).total
+except pynvml.NVMLError_NoPermission:
+    other = -1
+print(m.total, m.used, m.free, m2.total, m2.used, m2.free, other)
 """
 
 
@@ -153,7 +156,7 @@ def test_nvml_memory_info_reports_the_slice(sim: Sim) -> None:
     # used: the allocation and the process's context
     assert (total, used, free) == (4 * GIB, GIB + CTX, 3 * GIB - CTX)
     assert (total2, used2, free2) == (4 * GIB, GIB + CTX, 3 * GIB - CTX)
-    assert other == 80 * GIB  # another GPU of the node is not the slice's
+    assert other == -1  # NVML_ERROR_NO_PERMISSION on a GPU that is not the slice's
 
 
 FORK_SCRIPT = """

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from enforcement.sim import (
+    MODELS,
     SimSpecError,
     gpu_uuid,
     load_sim_config,
@@ -20,7 +22,7 @@ from enforcement.sim import (
     write_sim_config,
 )
 
-from .conftest import CTX, GIB, Sim, finish, measure_shares, start_burn, wait_ready
+from .conftest import CTX, GIB, Sim, finish, measure_shares, run_json, start_burn, wait_ready
 
 
 def py(env: dict[str, str], script: str) -> str:
@@ -222,3 +224,199 @@ def test_pynvml_uses_the_simulated_nvml(sim: Sim) -> None:
     assert out["numa"] == 0 and out["ecc"] == 0
     assert out["bus"].startswith("00000000:")
     assert out["util"] > 50  # busy (an idle GPU reports 0)
+
+
+# NVML's other views of processes and activity, called through ctypes with nvml.h's layouts
+# (include/qgpu_nvml.h) so that every return code of the protocol is seen: what NVIDIA's
+# driver documents for each, including what it refuses.
+NVML_VIEWS = """
+import ctypes, json, os, sys, time
+from ctypes import POINTER, Structure, Union, byref, c_double, c_int, c_uint, c_ulonglong, c_void_p
+nvml = ctypes.CDLL("libnvidia-ml.so.1")
+assert nvml.nvmlInit_v2() == 0
+t4, h100 = c_void_p(), c_void_p()
+assert nvml.nvmlDeviceGetHandleByIndex_v2(0, byref(t4)) == 0
+assert nvml.nvmlDeviceGetHandleByIndex_v2(1, byref(h100)) == 0
+class Detail(Structure):
+    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong), ("gpuInstanceId", c_uint),
+                ("computeInstanceId", c_uint), ("usedGpuCcProtectedMemory", c_ulonglong)]
+class DetailList(Structure):
+    _fields_ = [("version", c_uint), ("mode", c_uint), ("numProcArrayEntries", c_uint),
+                ("procArray", POINTER(Detail))]
+class UtilInfo(Structure):
+    _fields_ = [("timeStamp", c_ulonglong), ("pid", c_uint), ("smUtil", c_uint),
+                ("memUtil", c_uint), ("encUtil", c_uint), ("decUtil", c_uint), ("jpgUtil", c_uint),
+                ("ofaUtil", c_uint)]
+class UtilInfos(Structure):
+    _fields_ = [("version", c_uint), ("processSamplesCount", c_uint),
+                ("lastSeenTimeStamp", c_ulonglong), ("procUtilArray", POINTER(UtilInfo))]
+class Value(Union):
+    _fields_ = [("dVal", c_double), ("uiVal", c_uint), ("ullVal", c_ulonglong)]
+class Sample(Structure):
+    _fields_ = [("timeStamp", c_ulonglong), ("sampleValue", Value)]
+class Bar1(Structure):
+    _fields_ = [("bar1Total", c_ulonglong), ("bar1Free", c_ulonglong), ("bar1Used", c_ulonglong)]
+class Stats(Structure):
+    _fields_ = [("gpuUtilization", c_uint), ("memoryUtilization", c_uint),
+                ("maxMemoryUsage", c_ulonglong), ("time", c_ulonglong), ("startTime", c_ulonglong),
+                ("isRunning", c_uint), ("reserved", c_uint * 5)]
+out = {}
+# the detail list: Hopper and newer; its version and mode are checked
+def detail(dev, version=0x1000018, mode=0, room=0):
+    arr = (Detail * max(room, 1))()
+    l = DetailList(version, mode, room, arr if room else None)
+    r = nvml.nvmlDeviceGetRunningProcessDetailList(dev, byref(l))
+    got = [[d.pid, d.usedGpuMemory] for d in arr[: l.numProcArrayEntries]] if room else []
+    return [r, l.numProcArrayEntries, got]
+out["detail_t4"] = detail(t4)
+out["detail_probe"] = detail(h100)
+out["detail"] = detail(h100, room=16)
+out["detail_v2"] = detail(h100, version=0x2000018)
+out["detail_mode"] = detail(h100, mode=3)
+out["detail_graphics"] = detail(h100, mode=1)
+# per-process utilisation, versioned
+arr = (UtilInfo * 16)()
+u = UtilInfos(0x1000018, 0, 0, None)
+r = nvml.nvmlDeviceGetProcessesUtilizationInfo(t4, byref(u))
+out["putil_probe"] = [r, u.processSamplesCount]
+u = UtilInfos(0x1000018, 16, 0, arr)
+r = nvml.nvmlDeviceGetProcessesUtilizationInfo(t4, byref(u))
+out["putil"] = [r, sorted(a.pid for a in arr[: u.processSamplesCount])]
+newest = max(a.timeStamp for a in arr[: u.processSamplesCount])
+u = UtilInfos(0x1000018, 16, newest, arr)
+out["putil_newer"] = nvml.nvmlDeviceGetProcessesUtilizationInfo(t4, byref(u))
+u = UtilInfos(0x2000018, 16, 0, arr)
+out["putil_v2"] = nvml.nvmlDeviceGetProcessesUtilizationInfo(t4, byref(u))
+# samples: GPU and memory utilisation are modelled, power and clocks are not
+def samples(kind, seen, room, buf):
+    n = c_uint(room)
+    return nvml.nvmlDeviceGetSamples(t4, kind, c_ulonglong(seen), byref(vt), byref(n), buf), n.value
+vt = c_int(-1)
+r, n = samples(1, 0, 0, None)
+out["samples_probe"] = [r, vt.value, n]
+buf = (Sample * 64)()
+r, n = samples(1, 0, 64, buf)
+out["samples"] = [r, [s.sampleValue.uiVal for s in buf[:n]]]
+stamps = [s.timeStamp for s in buf[:n]]
+out["samples_ordered"] = stamps == sorted(stamps)
+out["samples_two"] = list(samples(1, 0, 2, buf))
+out["samples_zero_room"] = samples(1, 0, 0, buf)[0]
+out["samples_newer"] = samples(1, max(stamps), 64, buf)[0]
+r, n = samples(2, 0, 64, buf)
+out["samples_memory"] = [r, max(s.sampleValue.uiVal for s in buf[:n])]
+out["samples_power"] = samples(0, 0, 64, buf)[0]
+# BAR1: the aperture and what the contexts map
+b = Bar1()
+out["bar1"] = [nvml.nvmlDeviceGetBAR1MemoryInfo(t4, byref(b)), b.bar1Total, b.bar1Used, b.bar1Free]
+# accounting: on (the config), the holder's record while it runs and after it ends
+mode, size = c_int(-1), c_uint(0)
+out["acct"] = [nvml.nvmlDeviceGetAccountingMode(t4, byref(mode)), mode.value,
+               nvml.nvmlDeviceGetAccountingBufferSize(t4, byref(size)), size.value]
+def stats(pid):
+    s = Stats()
+    r = nvml.nvmlDeviceGetAccountingStats(t4, c_uint(pid), byref(s))
+    return [r, s.isRunning, s.time, s.maxMemoryUsage, s.gpuUtilization, s.startTime > 0]
+holder = int(sys.argv[1])
+n = c_uint(0)
+pids = (c_uint * 256)()
+out["pids_probe"] = [nvml.nvmlDeviceGetAccountingPids(t4, byref(n), None), n.value]
+n = c_uint(256)
+out["pids"] = [nvml.nvmlDeviceGetAccountingPids(t4, byref(n), pids), list(pids[: n.value])]
+out["stats_running"] = stats(holder)
+os.kill(holder, 9)
+def gone(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+while not gone(holder):
+    time.sleep(0.01)
+out["stats_ended"] = stats(holder)
+out["stats_unknown"] = stats(1)
+out["set_off"] = nvml.nvmlDeviceSetAccountingMode(t4, 0) if os.geteuid() == 0 else None
+n = c_uint(256)
+out["pids_off"] = nvml.nvmlDeviceGetAccountingPids(t4, byref(n), pids)
+out["stats_off"] = stats(holder)[0]
+print(json.dumps(out))
+"""
+
+# the same library as another user: changing accounting mode is root's
+SET_ACCOUNTING = """
+import ctypes, os, sys
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+nvml = ctypes.CDLL("libnvidia-ml.so.1")
+assert nvml.nvmlInit_v2() == 0
+dev = ctypes.c_void_p()
+assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
+print(nvml.nvmlDeviceSetAccountingMode(dev, 0), nvml.nvmlDeviceClearAccountingPids(dev))
+"""
+
+NVML_NOT_SUPPORTED, NVML_NO_PERMISSION, NVML_NOT_FOUND, NVML_INSUFFICIENT_SIZE = 3, 4, 6, 7
+NVML_INVALID_ARGUMENT, NVML_VERSION_MISMATCH = 2, 25
+
+
+def test_simulated_nvml_views_of_processes_and_activity(short_tmp: Path) -> None:
+    """The detail list (Hopper only), versioned per-process utilisation, the sample history,
+    BAR1 and accounting mode, each with the protocol and refusals nvml.h documents."""
+    short_tmp.chmod(0o755)  # the unprivileged client below reads the config
+    cfg = write_sim_config(
+        short_tmp / "views.conf", "T4-16GB,H100-80GB", node=f"v-{short_tmp.name}", accounting=True
+    )
+    sim = Sim(cfg, short_tmp / "ledgers")
+    env = sim.base_env()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(GIB)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    on_h100 = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(2 * GIB)],
+        env={**env, "CUDA_VISIBLE_DEVICES": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    burn = start_burn(env, depth=4)
+    try:
+        assert holder.stdout and holder.stdout.readline()
+        assert on_h100.stdout and on_h100.stdout.readline()
+        wait_ready([burn])
+        time.sleep(0.5)  # a few 100 ms samples
+        out = run_json(env, NVML_VIEWS, str(holder.pid))
+        unprivileged = py(env, SET_ACCOUNTING).split()
+    finally:
+        for p in (holder, on_h100, burn):
+            p.kill()
+            p.wait()
+    assert out["detail_t4"][0] == NVML_NOT_SUPPORTED
+    assert out["detail_probe"] == [NVML_INSUFFICIENT_SIZE, 1, []]
+    assert out["detail"] == [0, 1, [[on_h100.pid, 2 * GIB + CTX]]]
+    assert out["detail_v2"][0] == NVML_VERSION_MISMATCH
+    assert out["detail_mode"][0] == NVML_INVALID_ARGUMENT
+    assert out["detail_graphics"] == [0, 0, []]
+    assert out["putil_probe"] == [NVML_INSUFFICIENT_SIZE, 2]
+    assert out["putil"] == [0, sorted([holder.pid, burn.pid])]
+    assert out["putil_newer"] == NVML_NOT_FOUND
+    assert out["putil_v2"] == NVML_VERSION_MISMATCH
+    r, value_type, count = out["samples_probe"]
+    assert (r, value_type) == (0, 1) and count >= 2  # unsigned int values
+    assert out["samples"][0] == 0 and len(out["samples"][1]) == count
+    assert max(out["samples"][1]) > 50 and out["samples_ordered"]  # the burner runs
+    assert out["samples_two"] == [0, 2]  # as many as fit
+    assert out["samples_zero_room"] == NVML_INVALID_ARGUMENT
+    assert out["samples_newer"] == NVML_NOT_FOUND
+    assert out["samples_memory"] == [0, 0]  # no bandwidth model
+    assert out["samples_power"] == NVML_NOT_SUPPORTED
+    assert out["bar1"] == [0, 256 << 20, 4 << 20, 252 << 20]  # two contexts, 2 MiB each
+    assert out["acct"] == [0, 1, 0, 128]
+    assert out["pids_probe"] == [NVML_INSUFFICIENT_SIZE, 2]
+    assert out["pids"][0] == 0 and sorted(out["pids"][1]) == sorted([holder.pid, burn.pid])
+    r, running, ms, max_mem, _util, started = out["stats_running"]
+    t4_ctx = MODELS["t4-16gb"].context_memory  # the holder runs on the T4
+    assert (r, running, ms, max_mem, started) == (0, 1, 0, GIB + t4_ctx, True)
+    r, running, ms, max_mem, _util, started = out["stats_ended"]
+    assert (r, running, max_mem, started) == (0, 0, GIB + t4_ctx, True) and ms > 0
+    assert out["stats_unknown"][0] == NVML_NOT_FOUND
+    if out["set_off"] is not None:  # as root: off, and every record is forgotten
+        assert out["set_off"] == 0
+        assert (out["pids_off"], out["stats_off"]) == (NVML_NOT_SUPPORTED, NVML_NOT_SUPPORTED)
+    assert unprivileged == [str(NVML_NO_PERMISSION), str(NVML_NO_PERMISSION)]

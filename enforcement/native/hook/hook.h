@@ -7,7 +7,7 @@
  * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
  * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
  * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
- * views (nvml.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * views (nvml.c: memory and processes; nvml_activity.c: utilisation). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
  * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
@@ -69,7 +69,10 @@
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)      \
     X(nvmlDeviceGetGraphicsRunningProcesses_v2) X(nvmlDeviceGetGraphicsRunningProcesses_v3)  \
     X(nvmlDeviceGetMPSComputeRunningProcesses) X(nvmlDeviceGetMPSComputeRunningProcesses_v2) \
-    X(nvmlDeviceGetMPSComputeRunningProcesses_v3) X(nvmlDeviceGetProcessUtilization)
+    X(nvmlDeviceGetMPSComputeRunningProcesses_v3) X(nvmlDeviceGetProcessUtilization)        \
+    X(nvmlDeviceGetRunningProcessDetailList) X(nvmlDeviceGetProcessesUtilizationInfo)        \
+    X(nvmlDeviceGetAccountingPids) X(nvmlDeviceGetAccountingStats)                           \
+    X(nvmlDeviceGetUtilizationRates) X(nvmlDeviceGetSamples) X(nvmlDeviceGetBAR1MemoryInfo)
 
 /* Real functions the hook calls itself without wrapping them. */
 #define HOOK_INTERNAL(X)                                                                     \
@@ -267,6 +270,20 @@ QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ct
 /* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
  * room made by trimming when they do not fit (-1: they still do not, refuse) */
 QGPU_HIDDEN int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need);
+
+/* nvml.c: the slice's NVML views. 1: `dev` is the slice's GPU, 0: another GPU, -1: no
+ * slice (NVML answers untouched). */
+QGPU_HIDDEN int nvml_slice_device(nvmlDevice_t dev);
+/* One call of a real NVML list: *count entries of room in buf (NULL: only count). */
+typedef nvmlReturn_t (*nvml_fetch_fn)(void *ctx, unsigned *count, void *buf);
+/* Everything the real list holds, then only the slice's processes (the pid at `pid_off` of
+ * each `size`-byte entry): *out (malloc'd, the caller frees) and their number. */
+QGPU_HIDDEN nvmlReturn_t nvml_fetch_own(nvml_fetch_fn fetch, void *ctx, size_t size,
+                                        size_t pid_off, void **out, unsigned *mine);
+/* Answers the caller with NVML's two-call protocol from `n` entries (frees `mine`): an
+ * empty answer is `empty` (NVML_SUCCESS for lists, NVML_ERROR_NOT_FOUND for samples). */
+QGPU_HIDDEN nvmlReturn_t nvml_answer(void *mine, unsigned n, size_t size, void *out,
+                                     unsigned *count, nvmlReturn_t empty);
 
 /* launch.c */
 typedef struct {

@@ -5,6 +5,7 @@
 #define QGPU_CUDA_API_H
 
 #include "qgpu_cuda.h"
+#include "qgpu_nvml.h"
 
 CUresult cuInit(unsigned int flags);
 CUresult cuDriverGetVersion(int *version);
@@ -258,30 +259,8 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev);
 
-/* NVML */
-typedef int nvmlReturn_t;
+/* NVML (struct layouts in qgpu_nvml.h) */
 typedef struct nvmlDevice_st *nvmlDevice_t;
-typedef struct {
-    unsigned long long total, free, used;
-} nvmlMemory_t;
-typedef struct {
-    unsigned int version;
-    unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-typedef struct {
-    unsigned int pid;
-    unsigned long long usedGpuMemory;
-} nvmlProcessInfo_v1_t;
-typedef struct {
-    unsigned int pid;
-    unsigned long long usedGpuMemory;
-    unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_t;
-typedef struct {
-    unsigned int pid;
-    unsigned long long timeStamp;
-    unsigned int smUtil, memUtil, encUtil, decUtil;
-} nvmlProcessUtilizationSample_t;
 nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory);
 nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory);
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length);
@@ -308,5 +287,15 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *d);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *d);
 nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d, nvmlProcessUtilizationSample_t *out,
                                              unsigned int *n, unsigned long long lastSeen);
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t d, nvmlProcessDetailList_t *plist);
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t d,
+                                                   nvmlProcessesUtilizationInfo_t *info);
+nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t d, unsigned int *count, unsigned int *pids);
+nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t d, unsigned int pid,
+                                          nvmlAccountingStats_t *stats);
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *utilization);
+nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, int type, unsigned long long lastSeen,
+                                  int *valueType, unsigned int *count, nvmlSample_t *samples);
+nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *bar1);
 
 #endif

@@ -99,6 +99,13 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
                 cfg->procaddr = SIM_PROCADDR_EXPORTED;
             else
                 BAD("must be internal or exported");
+        } else if (strcmp(key, "accounting") == 0) {
+            if (strcmp(val, "enabled") == 0)
+                cfg->accounting = 1;
+            else if (strcmp(val, "disabled") == 0)
+                cfg->accounting = 0;
+            else
+                BAD("must be enabled or disabled");
         } else if (strcmp(key, "state_dir") == 0) {
             snprintf(state_dir, sizeof state_dir, "%s", val);
         } else if (strncmp(key, "gpu", 3) == 0 && isdigit((unsigned char)key[3])) {
@@ -136,6 +143,9 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
                     BAD("must be an integer 32..65536");
             } else if (strcmp(field, "cc") == 0) {
                 if (sscanf(val, "%d.%d", &g->cc_major, &g->cc_minor) != 2) BAD("must be MAJOR.MINOR");
+            } else if (strcmp(field, "bar1") == 0) {
+                if (parse_u64(val, &g->bar1) != 0 || g->bar1 == 0)
+                    BAD("must be an integer number of bytes > 0");
             } else if (strcmp(field, "pci_bus") == 0) {
                 g->pci_bus = (int)strtol(val, NULL, 0);
             }
@@ -165,6 +175,8 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
             g->cc_minor = 0;
         }
         if (g->pci_bus <= 0) g->pci_bus = 0x10 + i;
+        if (!g->bar1) /* a large BAR: the memory rounded up to a power of two */
+            for (g->bar1 = 1ULL << 20; g->bar1 < g->memory && g->bar1 < (1ULL << 62);) g->bar1 <<= 1;
         if (!g->context_memory_set) g->context_memory = DEFAULT_CONTEXT_MEMORY;
         if (!g->green_context_memory_set) g->green_context_memory = DEFAULT_GREEN_CONTEXT_MEMORY;
         if (!g->devrt_launch_set) g->devrt_launch_bytes = DEFAULT_DEVRT_LAUNCH_BYTES;

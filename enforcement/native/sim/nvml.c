@@ -1,74 +1,22 @@
 /* Simulated libnvidia-ml.so.1: NVML over the simulator's shared per-GPU state. Struct
- * layouts follow nvml.h (and nvidia-ml-py's ctypes mirrors of it). NVML ignores
- * CUDA_VISIBLE_DEVICES, like the real library. */
+ * layouts follow nvml.h (include/qgpu_nvml.h, pinned against nvidia-ml-py's ctypes mirrors).
+ * NVML ignores CUDA_VISIBLE_DEVICES, like the real library. What the simulated GPUs do not
+ * have (power, clocks, video engines, MIG, confidential computing) is NVML_ERROR_NOT_SUPPORTED
+ * or not exported. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "../include/qgpu_nvml.h"
 #include "sim.h"
-
-typedef int nvmlReturn_t;
-#define NVML_SUCCESS 0
-#define NVML_ERROR_UNINITIALIZED 1
-#define NVML_ERROR_INVALID_ARGUMENT 2
-#define NVML_ERROR_NOT_SUPPORTED 3
-#define NVML_ERROR_NOT_FOUND 6
-#define NVML_ERROR_INSUFFICIENT_SIZE 7
-#define NVML_ERROR_DRIVER_NOT_LOADED 9
-#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
-#define NVML_ERROR_UNKNOWN 999
-#define NVML_VALUE_NOT_AVAILABLE_UINT 0xFFFFFFFFu
-#define NVML_MEMORY_V2 0x02000028u
 
 typedef struct {
     int index;
     sim_gpu_state_t *st;
 } sim_nvml_device_t;
 typedef sim_nvml_device_t *nvmlDevice_t;
-
-typedef struct {
-    unsigned long long total, free, used;
-} nvmlMemory_t;
-
-typedef struct {
-    unsigned int version;
-    unsigned long long total, reserved, free, used;
-} nvmlMemory_v2_t;
-
-typedef struct {
-    unsigned int gpu, memory;
-} nvmlUtilization_t;
-
-typedef struct {
-    unsigned int pid;
-    unsigned long long usedGpuMemory;
-} nvmlProcessInfo_v1_t;
-
-typedef struct {
-    unsigned int pid;
-    unsigned long long usedGpuMemory;
-    unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_t; /* v2 and v3 */
-
-typedef struct {
-    unsigned int pid;
-    unsigned long long timeStamp; /* CPU time, microseconds since the epoch */
-    unsigned int smUtil, memUtil, encUtil, decUtil;
-} nvmlProcessUtilizationSample_t;
-
-typedef struct {
-    unsigned int multiprocessorCount, sharedCopyEngineCount, sharedDecoderCount,
-        sharedEncoderCount, sharedJpegCount, sharedOfaCount, gpuInstanceSliceCount,
-        computeInstanceSliceCount;
-    unsigned long long memorySizeMB;
-} nvmlDeviceAttributes_t;
-
-typedef struct {
-    char busIdLegacy[16];
-    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
-    char busId[32];
-} nvmlPciInfo_t;
 
 static sim_config_t cfg;
 static sim_nvml_device_t devices[SIM_MAX_GPUS];
@@ -118,9 +66,11 @@ QGPU_EXPORT const char *nvmlErrorString(nvmlReturn_t r) {
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
     case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument Version Mismatch";
     default: return "Unknown Error";
     }
@@ -237,7 +187,7 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v
     nvmlReturn_t r = check(d);
     if (r) return r;
     if (!m) return NVML_ERROR_INVALID_ARGUMENT;
-    if (m->version != NVML_MEMORY_V2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (m->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     mem_numbers(d, &m->total, &m->used);
     m->reserved = 0;
     m->free = m->total > m->used ? m->total - m->used : 0;
@@ -256,13 +206,8 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtili
 }
 
 /* The processes holding memory on the device (a process with a context holds its context's
- * memory). `size` is the caller's struct size: v1 is {pid, usedGpuMemory}, v2/v3 add the
- * MIG instance ids. */
-static nvmlReturn_t running(nvmlDevice_t d, unsigned int *count, void *infos, size_t size) {
-    nvmlReturn_t r = check(d);
-    if (r) return r;
-    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlProcessInfo_t found[SIM_MAX_PROCS];
+ * memory), into found[SIM_MAX_PROCS]; returns how many. */
+static unsigned compute_procs(nvmlDevice_t d, nvmlProcessInfo_t *found) {
     unsigned n = 0;
     sim_state_lock(d->st);
     sim_state_reclaim_dead(d->st);
@@ -276,6 +221,17 @@ static nvmlReturn_t running(nvmlDevice_t d, unsigned int *count, void *infos, si
         n++;
     }
     sim_state_unlock(d->st);
+    return n;
+}
+
+/* The compute process list. `size` is the caller's struct size: v1 is {pid, usedGpuMemory},
+ * v2/v3 add the MIG instance ids. */
+static nvmlReturn_t running(nvmlDevice_t d, unsigned int *count, void *infos, size_t size) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessInfo_t found[SIM_MAX_PROCS];
+    unsigned n = compute_procs(d, found);
     if (!infos || *count < n) {
         *count = n;
         return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
@@ -372,17 +328,12 @@ static int64_t epoch_offset_us(void) {
 }
 
 /* Per-process SM utilisation, as NVML reports it: one sample per process newer than
- * `lastSeen` (CPU microseconds since the epoch), the percentage of the last sampling
- * period (~100 ms) the device spent on the process's work. NOT_FOUND when none is newer. */
-QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
-                                                         nvmlProcessUtilizationSample_t *out,
-                                                         unsigned int *count,
-                                                         unsigned long long lastSeen) {
-    nvmlReturn_t r = check(d);
-    if (r) return r;
-    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+ * `lastSeen` (CPU microseconds since the epoch), the percentage of the last sampling period
+ * (~100 ms) the device spent on the process's work. Into found[SIM_MAX_PROCS]; returns how
+ * many. Framebuffer, video and JPEG/OFA engines are not modelled: 0. */
+static unsigned process_samples(nvmlDevice_t d, unsigned long long lastSeen,
+                                nvmlProcessUtilizationSample_t *found) {
     int64_t mono = qgpu_now_ns();
-    nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
     unsigned n = 0;
     sim_state_lock(d->st);
     sim_state_reclaim_dead(d->st);
@@ -401,6 +352,19 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
         n++;
     }
     sim_state_unlock(d->st);
+    return n;
+}
+
+/* NOT_FOUND when no sample is newer than lastSeen. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
+                                                         nvmlProcessUtilizationSample_t *out,
+                                                         unsigned int *count,
+                                                         unsigned long long lastSeen) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
+    unsigned n = process_samples(d, lastSeen, found);
     if (!n) return NVML_ERROR_NOT_FOUND;
     if (!out || *count < n) {
         *count = n;
@@ -409,6 +373,243 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
     memcpy(out, found, n * sizeof *out);
     *count = n;
     return NVML_SUCCESS;
+}
+
+/* The same samples in the versioned form (R550+): every engine of each process, the
+ * timestamp first. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t d,
+                                                               nvmlProcessesUtilizationInfo_t *info) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!info) return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
+    unsigned n = process_samples(d, info->lastSeenTimeStamp, found);
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (!info->procUtilArray || info->processSamplesCount < n) {
+        info->processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned i = 0; i < n; i++)
+        info->procUtilArray[i] = (nvmlProcessUtilizationInfo_v1_t){
+            found[i].timeStamp, found[i].pid, found[i].smUtil, found[i].memUtil,
+            found[i].encUtil, found[i].decUtil, 0, 0};
+    info->processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+/* Running processes of one kind with their memory (Hopper and newer, as nvml.h says; older
+ * GPUs refuse it). Only compute work runs on simulated GPUs: the graphics and MPS lists are
+ * empty. No confidential computing: no protected memory. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(nvmlDevice_t d,
+                                                               nvmlProcessDetailList_t *plist) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!plist) return NVML_ERROR_INVALID_ARGUMENT;
+    if (plist->version != nvmlProcessDetailList_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (cfg.gpus[d->index].cc_major < 9) return NVML_ERROR_NOT_SUPPORTED;
+    if (plist->mode > NVML_PROCESS_MODE_MPS) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlProcessInfo_t found[SIM_MAX_PROCS];
+    unsigned n = plist->mode == NVML_PROCESS_MODE_COMPUTE ? compute_procs(d, found) : 0;
+    if (!plist->procArray || plist->numProcArrayEntries < n) {
+        plist->numProcArrayEntries = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    for (unsigned i = 0; i < n; i++)
+        plist->procArray[i] = (nvmlProcessDetail_v1_t){found[i].pid, found[i].usedGpuMemory,
+                                                       found[i].gpuInstanceId,
+                                                       found[i].computeInstanceId, 0};
+    plist->numProcArrayEntries = n;
+    return NVML_SUCCESS;
+}
+
+/* The device's utilisation history: one sample per ~100 ms snapshot of the device model,
+ * the share of the period since the one before that the device was busy; oldest first, as
+ * many as fit. Only GPU (SM) and memory utilisation are modelled (memory: always 0, no
+ * bandwidth model); power, clocks and the video engines are NOT_SUPPORTED. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, int type, unsigned long long lastSeen,
+                                              int *valueType, unsigned int *count,
+                                              nvmlSample_t *samples) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count || !valueType || (samples && *count == 0) || type < 0 ||
+        type >= NVML_SAMPLINGTYPE_COUNT)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (type != NVML_GPU_UTILIZATION_SAMPLES && type != NVML_MEMORY_UTILIZATION_SAMPLES)
+        return NVML_ERROR_NOT_SUPPORTED;
+    nvmlSample_t found[SIM_SNAPSHOTS];
+    unsigned n = 0;
+    sim_gpu_state_t *st = d->st;
+    sim_state_lock(st);
+    sim_state_advance(st, qgpu_now_ns());
+    uint32_t oldest = (st->snap_head + 1) % SIM_SNAPSHOTS;
+    for (uint32_t k = 1; k < SIM_SNAPSHOTS; k++) {
+        uint32_t prev = (oldest + k - 1) % SIM_SNAPSHOTS, cur = (oldest + k) % SIM_SNAPSHOTS;
+        int64_t t1 = st->snap_t[prev], t2 = st->snap_t[cur];
+        if (!t1 || t2 <= t1) continue;
+        unsigned long long ts = (unsigned long long)(epoch_offset_us() + t2 / 1000);
+        if (ts <= lastSeen) continue;
+        uint64_t span = (uint64_t)(t2 - t1), busy = st->snap_busy[cur] - st->snap_busy[prev];
+        unsigned pct = (unsigned)((busy * 100 + span / 2) / span);
+        found[n].timeStamp = ts;
+        found[n].sampleValue.ullVal = 0;
+        found[n].sampleValue.uiVal = type == NVML_GPU_UTILIZATION_SAMPLES ? (pct > 100 ? 100 : pct) : 0;
+        n++;
+    }
+    sim_state_unlock(st);
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    *valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+    if (!samples) {
+        *count = n;
+        return NVML_SUCCESS;
+    }
+    if (*count < n) n = *count;
+    memcpy(samples, found, n * sizeof *samples);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+/* BAR1: the aperture (config gpuN.bar1) and what the live contexts map of it
+ * (SIM_BAR1_PER_CONTEXT each; NVIDIA does not publish the figure). */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *bar1) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!bar1) return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t contexts = 0;
+    sim_state_lock(d->st);
+    sim_state_reclaim_dead(d->st);
+    for (int i = 0; i < SIM_MAX_PROCS; i++)
+        if (d->st->procs[i].pid) contexts += d->st->procs[i].contexts;
+    sim_state_unlock(d->st);
+    uint64_t total = cfg.gpus[d->index].bar1;
+    uint64_t used = contexts > total / SIM_BAR1_PER_CONTEXT ? total : contexts * SIM_BAR1_PER_CONTEXT;
+    bar1->bar1Total = total;
+    bar1->bar1Used = used;
+    bar1->bar1Free = total - used;
+    return NVML_SUCCESS;
+}
+
+/* ---- accounting mode (acct.c keeps the records) ---- */
+
+static nvmlReturn_t acct_check(nvmlDevice_t d) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    return __atomic_load_n(&d->st->acct_mode, __ATOMIC_ACQUIRE) ? NVML_SUCCESS
+                                                                 : NVML_ERROR_NOT_SUPPORTED;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAccountingMode(nvmlDevice_t d, int *mode) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!mode) return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = __atomic_load_n(&d->st->acct_mode, __ATOMIC_ACQUIRE) ? NVML_FEATURE_ENABLED
+                                                                  : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+/* Root only, as on NVIDIA's driver; turning it off forgets every record. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceSetAccountingMode(nvmlDevice_t d, int mode) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (mode != NVML_FEATURE_ENABLED && mode != NVML_FEATURE_DISABLED)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (geteuid() != 0) return NVML_ERROR_NO_PERMISSION;
+    sim_state_lock(d->st);
+    if (mode == NVML_FEATURE_DISABLED) sim_acct_clear(d->st, 1);
+    __atomic_store_n(&d->st->acct_mode, (uint32_t)mode, __ATOMIC_RELEASE);
+    sim_state_unlock(d->st);
+    return NVML_SUCCESS;
+}
+
+/* Root only: forgets the processes that ended. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceClearAccountingPids(nvmlDevice_t d) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (geteuid() != 0) return NVML_ERROR_NO_PERMISSION;
+    sim_state_lock(d->st);
+    sim_state_reclaim_dead(d->st);
+    sim_acct_clear(d->st, 0);
+    sim_state_unlock(d->st);
+    return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAccountingBufferSize(nvmlDevice_t d, unsigned int *size) {
+    nvmlReturn_t r = acct_check(d);
+    if (r) return r;
+    if (!size) return NVML_ERROR_INVALID_ARGUMENT;
+    *size = SIM_ACCT_RECORDS;
+    return NVML_SUCCESS;
+}
+
+/* Every process with a record, running or ended, oldest first. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t d, unsigned int *count,
+                                                     unsigned int *pids) {
+    nvmlReturn_t r = acct_check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned found[SIM_ACCT_RECORDS], n = 0;
+    sim_gpu_state_t *st = d->st;
+    sim_state_lock(st);
+    sim_state_reclaim_dead(st); /* a dead process's record ends */
+    for (uint64_t k = 0; k < SIM_ACCT_RECORDS; k++) {
+        const sim_acct_t *a = &st->acct[(st->acct_next + k) % SIM_ACCT_RECORDS];
+        if (a->pid) found[n++] = (unsigned)a->pid;
+    }
+    sim_state_unlock(st);
+    if (!pids || *count < n) {
+        *count = n;
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    memcpy(pids, found, n * sizeof *pids);
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+/* A record's numbers: over a process's life so far (running) or its whole life (ended). */
+static void acct_stats(sim_gpu_state_t *st, const sim_acct_t *a, int64_t now,
+                       nvmlAccountingStats_t *out) {
+    uint64_t done = a->done_ns, max_mem = a->max_mem;
+    int64_t end = a->end_ns;
+    if (a->running) {
+        end = now;
+        for (int i = 0; i < SIM_MAX_PROCS; i++) {
+            const sim_proc_t *p = &st->procs[i];
+            if (p->pid != a->pid || p->start_time != a->proc_start) continue;
+            done = p->done_ns;
+            if (p->mem_used > max_mem) max_mem = p->mem_used;
+        }
+    }
+    uint64_t life = end > a->start_ns ? (uint64_t)(end - a->start_ns) : 0;
+    unsigned pct = life ? (unsigned)((done * 100 + life / 2) / life) : 0;
+    memset(out, 0, sizeof *out);
+    out->gpuUtilization = pct > 100 ? 100 : pct;
+    out->memoryUtilization = 0; /* no bandwidth model */
+    out->maxMemoryUsage = max_mem;
+    out->time = a->running ? 0 : life / 1000000u;
+    out->startTime = a->start_us;
+    out->isRunning = a->running ? 1 : 0;
+}
+
+/* The newest record of `pid` (for a pid used twice, the process that came last). */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t d, unsigned int pid,
+                                                      nvmlAccountingStats_t *stats) {
+    nvmlReturn_t r = acct_check(d);
+    if (r) return r;
+    if (!stats) return NVML_ERROR_INVALID_ARGUMENT;
+    sim_gpu_state_t *st = d->st;
+    int64_t now = qgpu_now_ns();
+    r = NVML_ERROR_NOT_FOUND;
+    sim_state_lock(st);
+    sim_state_reclaim_dead(st);
+    sim_state_advance(st, now);
+    for (uint64_t k = 1; k <= SIM_ACCT_RECORDS && r != NVML_SUCCESS; k++) {
+        const sim_acct_t *a = &st->acct[(st->acct_next + SIM_ACCT_RECORDS - k) % SIM_ACCT_RECORDS];
+        if (!a->pid || (unsigned)a->pid != pid) continue;
+        acct_stats(st, a, now, stats);
+        r = NVML_SUCCESS;
+    }
+    sim_state_unlock(st);
+    return r;
 }
 
 QGPU_EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t d, nvmlDeviceAttributes_t *a) {

@@ -33,6 +33,8 @@
 #define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
 #define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
 #define SIM_USNAP_NS 100000000LL
+#define SIM_ACCT_RECORDS 128 /* NVML accounting: processes remembered per GPU */
+#define SIM_BAR1_PER_CONTEXT (2ULL << 20) /* BAR1 a context maps (NVML's bar1Used) */
 
 enum { SIM_SCHED_FIFO = 0, SIM_SCHED_TIMESLICED = 1 };
 enum { SIM_PROCADDR_INTERNAL = 0, SIM_PROCADDR_EXPORTED = 1 };
@@ -54,6 +56,7 @@ typedef struct {
     int threads_per_sm;
     int cc_major, cc_minor;
     int pci_bus;
+    uint64_t bar1; /* BAR1 aperture, bytes (NVML) */
     char state_path[4096];
 } sim_gpu_config_t;
 
@@ -65,6 +68,7 @@ typedef struct {
     int scheduler;   /* SIM_SCHED_* */
     int64_t timeslice_ns;
     int procaddr;    /* SIM_PROCADDR_* */
+    int accounting;  /* NVML accounting mode of a GPU whose state file is new */
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 
@@ -120,6 +124,18 @@ typedef struct {
 
 #define SIM_SHARED_SIZE (40 + 4 * SIM_MAX_PROCS)
 
+/* NVML accounting: one process's record, kept after it ends until the ring wraps. */
+typedef struct {
+    int32_t pid;         /* 0 = unused */
+    uint32_t running;    /* its slot is still live */
+    uint64_t proc_start; /* /proc/<pid>/stat field 22: which process of that pid */
+    int64_t start_ns;    /* CLOCK_MONOTONIC when it took its slot */
+    int64_t end_ns;      /* when its slot went */
+    uint64_t start_us;   /* CPU time, microseconds since the epoch (startTime) */
+    uint64_t max_mem;    /* most device memory it held */
+    uint64_t done_ns;    /* device time of its work, at its end */
+} sim_acct_t;
+
 typedef struct {
     uint64_t magic;          /* 0 */
     uint32_t version;        /* 8 */
@@ -143,10 +159,14 @@ typedef struct {
     uint64_t done_total_ns;  /* 424: device time run so far, all processes (both models) */
     uint64_t unowned;        /* 432: shared memory kept only by open descriptors (in mem_used) */
     uint64_t share_next_id;  /* 440: last shared-allocation id handed out */
-    char pad[64];            /* 448 .. 512 */
+    uint32_t acct_mode;      /* 448: NVML accounting mode (NVML_FEATURE_*) */
+    uint32_t pad1;           /* 452 */
+    uint64_t acct_next;      /* 456: accounting records ever begun (the ring's next slot) */
+    char pad[48];            /* 464 .. 512 */
     sim_proc_t procs[SIM_MAX_PROCS]; /* 512 */
     sim_shared_t shared[SIM_MAX_SHARED];
     char state_path[4096];   /* this file's path: shared.c names descriptor files after it */
+    sim_acct_t acct[SIM_ACCT_RECORDS]; /* NVML accounting, a ring (acct.c) */
 } sim_gpu_state_t;
 
 _Static_assert(sizeof(sim_proc_t) == SIM_PROC_SIZE, "sim_proc_t layout");
@@ -157,6 +177,7 @@ _Static_assert(sizeof(pthread_mutex_t) <= 64, "mutex fits");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, done_total_ns) == 424, "header layout");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, procs) == 512, "procs offset");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, unowned) == 432, "header layout");
+_Static_assert(__builtin_offsetof(sim_gpu_state_t, acct_mode) == 448, "header layout");
 _Static_assert(sizeof(sim_shared_t) == SIM_SHARED_SIZE, "sim_shared_t layout");
 _Static_assert(__builtin_offsetof(sim_gpu_state_t, shared) == 512 + SIM_MAX_PROCS * SIM_PROC_SIZE,
                "shared offset");
@@ -182,6 +203,15 @@ QGPU_HIDDEN void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes);
 /* Locked. Frees slot i (its process exited or died): what it held goes, shared allocations
  * it held keep their memory while others hold them. */
 QGPU_HIDDEN void sim_state_drop_slot(sim_gpu_state_t *st, int i);
+
+/* acct.c (locked): NVML accounting records, kept while accounting mode is on */
+QGPU_HIDDEN void sim_acct_begin(sim_gpu_state_t *st, const sim_proc_t *p);
+QGPU_HIDDEN void sim_acct_memory(sim_gpu_state_t *st, const sim_proc_t *p);
+QGPU_HIDDEN void sim_acct_end(sim_gpu_state_t *st, const sim_proc_t *p, int64_t now);
+/* the live process record of slot p, or NULL */
+QGPU_HIDDEN sim_acct_t *sim_acct_running(sim_gpu_state_t *st, const sim_proc_t *p);
+/* forget every record (all = 1) or those of processes that ended */
+QGPU_HIDDEN void sim_acct_clear(sim_gpu_state_t *st, int all);
 
 /* shared.c (locked unless said otherwise) */
 QGPU_HIDDEN void sim_shared_forget_slot(sim_gpu_state_t *st, int slot); /* before a slot goes */

@@ -23,6 +23,7 @@ static void init_state(void *base, void *arg) {
     st->scheduler = (uint32_t)a->cfg->scheduler;
     st->slice_ns = a->cfg->timeslice_ns;
     st->ts_cur = -1;
+    st->acct_mode = a->cfg->accounting ? 1 : 0; /* then nvmlDeviceSetAccountingMode's (root) */
 }
 
 sim_gpu_state_t *sim_state_open(const sim_gpu_config_t *gpu, const sim_config_t *cfg) {
@@ -54,6 +55,7 @@ void sim_state_unlock(sim_gpu_state_t *st) { qgpu_unlock(SIM_LOCK(st)); }
 
 void sim_state_drop_slot(sim_gpu_state_t *st, int i) {
     sim_proc_t *p = &st->procs[i];
+    sim_acct_end(st, p, qgpu_now_ns()); /* before the shared memory moves off it */
     sim_shared_forget_slot(st, i); /* what others still hold moves off this slot first */
     st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
     if (st->ts_cur == i) st->ts_cur = -1;
@@ -101,6 +103,7 @@ sim_proc_t *sim_state_proc_slot(sim_gpu_state_t *st, int create) {
     memset(free_slot, 0, sizeof *free_slot);
     free_slot->pid = pid;
     free_slot->start_time = cached_start;
+    sim_acct_begin(st, free_slot);
     return free_slot;
 }
 
@@ -114,6 +117,7 @@ CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes) {
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     st->mem_used += bytes;
     p->mem_used += bytes;
+    sim_acct_memory(st, p);
     return CUDA_SUCCESS;
 }
 

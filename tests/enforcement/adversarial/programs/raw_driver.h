@@ -7,10 +7,12 @@
 #include <elf.h>
 #include <link.h>
 
-/* The raw driver's entry point `name`, read from libcuda's ELF dynamic symbol table in
- * memory (dl_iterate_phdr), without the loader's help: exactly as the hook itself finds
- * libc's dlsym. No user-space hook can take that away. NULL when not found. */
+/* The raw driver's entry point `name`, read from libcuda's (or another loaded library's)
+ * ELF dynamic symbol table in memory (dl_iterate_phdr), without the loader's help: exactly as
+ * the hook itself finds libc's dlsym. No user-space hook can take that away. NULL when not
+ * found. */
 struct raw_lookup {
+    const char *lib; /* a substring of the library's path */
     const char *name;
     void *found;
 };
@@ -18,7 +20,7 @@ struct raw_lookup {
 __attribute__((unused)) static int raw_visit(struct dl_phdr_info *info, size_t size, void *arg) {
     (void)size;
     struct raw_lookup *want = arg;
-    if (!info->dlpi_name || !strstr(info->dlpi_name, "libcuda.so")) return 0;
+    if (!info->dlpi_name || !strstr(info->dlpi_name, want->lib)) return 0;
     const ElfW(Dyn) *dyn = NULL;
     for (int i = 0; i < info->dlpi_phnum; i++)
         if (info->dlpi_phdr[i].p_type == PT_DYNAMIC)
@@ -43,9 +45,13 @@ __attribute__((unused)) static int raw_visit(struct dl_phdr_info *info, size_t s
     return 0;
 }
 
-__attribute__((unused)) static void *raw_driver_symbol(const char *name) {
-    struct raw_lookup want = {name, NULL};
+__attribute__((unused)) static void *raw_symbol(const char *lib, const char *name) {
+    struct raw_lookup want = {lib, name, NULL};
     dl_iterate_phdr(raw_visit, &want);
     return want.found;
+}
+
+__attribute__((unused)) static void *raw_driver_symbol(const char *name) {
+    return raw_symbol("libcuda.so", name);
 }
 #endif
