@@ -75,8 +75,12 @@ def read_ledger_file(path: Path) -> SliceLedger | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(_SIZE)
+    try:
+        data = b""
+        while len(data) < _SIZE and (more := os.pread(fd, _SIZE - len(data), len(data))):
+            data += more
+    finally:
+        os.close(fd)
     if len(data) < _SIZE:
         return None
     magic, version, max_slots, _limit, _used, _tokens, _refill, busy = _HEADER.unpack_from(data)
