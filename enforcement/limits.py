@@ -21,6 +21,7 @@ A limits file owned by root and not writable by group/other wins over the enviro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -225,7 +226,6 @@ def write_limits_file(
     before the caller says where it is (a slice directory just made): it is made in place,
     without a temporary file and a rename; a failed write removes it, so it is still whole
     or absent."""
-    path = Path(path)
     text = render_limits(limits)
     if root_owned and owner is None:
         owner = (0, 0)
@@ -234,9 +234,11 @@ def write_limits_file(
         try:
             _fill(fd, text, fsync, owner, mode)
         except BaseException:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             raise
-        return path
+        return Path(path)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         st = path.lstat()

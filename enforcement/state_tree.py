@@ -115,7 +115,8 @@ FILES_KEPT = 4096  # slices whose paths StateTree.files keeps built
 
 @dataclass(frozen=True)
 class SliceFiles:
-    """The paths of one slice under a slices root (each built once, on first use)."""
+    """The paths of one slice under a slices root (each built once, on first use; the
+    ``*_s`` twins are plain strings, for the system calls of the hot path)."""
 
     root: Path
     slice_id: str
@@ -123,6 +124,26 @@ class SliceFiles:
     @cached_property
     def dir(self) -> Path:
         return self.root / self.slice_id
+
+    @cached_property
+    def dir_s(self) -> str:
+        return f"{self.root}/{self.slice_id}"
+
+    @cached_property
+    def limits_s(self) -> str:
+        return f"{self.dir_s}/{LIMITS_NAME}"
+
+    @cached_property
+    def retired_s(self) -> str:
+        return f"{self.dir_s}/.{LIMITS_NAME}.released"
+
+    @cached_property
+    def ledger_dir_s(self) -> str:
+        return f"{self.dir_s}/{LEDGER_DIR_NAME}"
+
+    @cached_property
+    def ledger_s(self) -> str:
+        return f"{self.ledger_dir_s}/slice-{self.slice_id}.ledger"
 
     @cached_property
     def limits_file(self) -> Path:
@@ -185,6 +206,7 @@ class StateTree:
         self._keep_rosters = keep_rosters
         self._rosters: dict[str, _OpenRoster] = {}
         self._rosters_lock = threading.Lock()
+        self._gpu_dirs: dict[str, str] = {}
 
     def prepare(self) -> None:
         """The root itself: created, root-owned, 0711 (a legacy 1777 root is tightened)."""
@@ -210,14 +232,14 @@ class StateTree:
         them up) and not checked again; only an existing one is inspected and repaired."""
         f = self.files(slice_id)
         try:
-            os.mkdir(f.dir, self._new_mode(SLICE_DIR_MODE))
+            os.mkdir(f.dir_s, self._new_mode(SLICE_DIR_MODE))
         except FileExistsError:
             return self._repair(f, who)
         self._unwritten.add(slice_id)
-        self._finish(f.dir, 0, who.gid, SLICE_DIR_MODE)
-        os.mkdir(f.ledger_dir, self._new_mode(LEDGER_DIR_MODE))
-        self._finish(f.ledger_dir, who.uid, who.gid, LEDGER_DIR_MODE)
-        fd = os.open(f.ledger, _NEW_FILE, self._new_mode(LEDGER_MODE))
+        self._finish(f.dir_s, 0, who.gid, SLICE_DIR_MODE)
+        os.mkdir(f.ledger_dir_s, self._new_mode(LEDGER_DIR_MODE))
+        self._finish(f.ledger_dir_s, who.uid, who.gid, LEDGER_DIR_MODE)
+        fd = os.open(f.ledger_s, _NEW_FILE, self._new_mode(LEDGER_MODE))
         try:
             self._finish(fd, who.uid, who.gid, LEDGER_MODE)
         finally:
@@ -263,7 +285,7 @@ class StateTree:
         the release is then refused instead of half done."""
         f = self.files(slice_id)
         try:
-            os.rename(f.limits_file, f.retired_limits_file)
+            os.rename(f.limits_s, f.retired_s)
         except FileNotFoundError:
             return False
         return True
@@ -276,9 +298,9 @@ class StateTree:
     def remove_limits(self, slice_id: str, retired: bool = False) -> None:
         """Delete the slice's limits file (`retired`: it was moved aside, only that one)."""
         f = self.files(slice_id)
-        if not retired:
-            f.limits_file.unlink(missing_ok=True)
-        f.retired_limits_file.unlink(missing_ok=True)
+        for path in (f.retired_s,) if retired else (f.limits_s, f.retired_s):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def remove(self, slice_id: str) -> None:
         """Delete the slice's directory (its processes are gone). The usual content (limits
@@ -287,21 +309,21 @@ class StateTree:
         f = self.files(slice_id)
         self._unwritten.discard(slice_id)
         try:
-            st = os.lstat(f.dir)
+            st = os.lstat(f.dir_s)
         except FileNotFoundError:
             return
         if not stat.S_ISDIR(st.st_mode):  # a symlink (or file) in its place: only that goes
-            f.dir.unlink()
+            os.unlink(f.dir_s)
             return
         try:
-            for path in (f.limits_file, f.retired_limits_file, f.ledger):
+            for path in (f.limits_s, f.retired_s, f.ledger_s):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             with contextlib.suppress(FileNotFoundError):
-                os.rmdir(f.ledger_dir)
-            os.rmdir(f.dir)
+                os.rmdir(f.ledger_dir_s)
+            os.rmdir(f.dir_s)
         except OSError:
-            shutil.rmtree(f.dir, ignore_errors=True)
+            shutil.rmtree(f.dir_s, ignore_errors=True)
 
     def slice_ids(self) -> list[str]:
         """Slices that have a directory here (valid ids only)."""
@@ -348,16 +370,27 @@ class StateTree:
         owned by its user and readable by the GPU's other workloads. Idempotent. (The GPU's
         directory and roster are made here when missing; the agent makes and repairs them
         for every GPU when it starts.)"""
-        path = activity_file(self.root, uuid, slice_id)
+        path = self._activity(uuid, slice_id)
         try:
             self._make_activity(path, who)
         except FileNotFoundError:  # the GPU's directory is missing
             self.ensure_gpu(uuid)
             self._make_activity(path, who)
         self._edit(uuid, lambda r: r.put(RosterEntry.of(slice_id, isolation, core, writer)))
-        return path
+        return Path(path)
 
-    def _make_activity(self, path: Path, who: Identity) -> None:
+    def _gpu_dir(self, uuid: str) -> str:
+        """`gpu_dir` as a string, kept per GPU."""
+        found = self._gpu_dirs.get(uuid)
+        if found is None:
+            found = self._gpu_dirs[uuid] = str(gpu_dir(self.root, uuid))
+        return found
+
+    def _activity(self, uuid: str, slice_id: str) -> str:
+        """`activity_file` as a string."""
+        return f"{self._gpu_dir(uuid)}/{check_slice_id(slice_id)}{ACTIVITY_SUFFIX}"
+
+    def _make_activity(self, path: str, who: Identity) -> None:
         """A slice's activity file: made new, or an existing one's owner and mode put
         right (a symlink in its place is refused)."""
         try:
@@ -400,7 +433,8 @@ class StateTree:
             self._edit(uuid, lambda r: r.remove(slice_id))
         except FileNotFoundError:  # no roster: nothing lists it
             return
-        activity_file(self.root, uuid, slice_id).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._activity(uuid, slice_id))
 
     def sync_gpu(self, uuid: str, writer: int, listed: Mapping[str, RosterEntry]) -> None:
         """Make `writer`'s entries of the GPU's roster exactly `listed` (other writers' are
@@ -436,7 +470,7 @@ class StateTree:
 
     def _edit(self, uuid: str, change: Callable[[RosterEdit], object]) -> None:
         """Change the GPU's roster under its lock (FileNotFoundError: it has none)."""
-        path = gpu_dir(self.root, uuid) / ROSTER_NAME
+        path = f"{self._gpu_dir(uuid)}/{ROSTER_NAME}"
         if not self._keep_rosters:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -486,7 +520,7 @@ class StateTree:
         get it meanwhile (no chown follows), else owner-only until `_finish` opens it up."""
         return mode & 0o700 if self.privileged else mode
 
-    def _finish(self, target: Path | int, uid: int, gid: int, mode: int) -> None:
+    def _finish(self, target: str | int, uid: int, gid: int, mode: int) -> None:
         """Give an object made with `_new_mode` (a path, never followed, or an open file)
         its owner (when privileged) and then its mode, where creation did not."""
         if self.privileged:
@@ -521,7 +555,7 @@ _NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 class _OpenRoster:
     """A GPU's roster kept open and mapped (`StateTree(keep_rosters=True)`)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)

@@ -312,7 +312,7 @@ class Agent:
 
     def _drop_slice_dir(self, slice_id: str) -> None:
         """Delete a released slice's directory once no live process uses its ledger."""
-        led = read_ledger_file(self.tree.files(slice_id).ledger)
+        led = read_ledger_file(self.tree.files(slice_id).ledger_s)
         if led is None or not led.pids:
             self.tree.remove(slice_id)
 

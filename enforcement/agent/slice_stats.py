@@ -69,7 +69,7 @@ def read_slice_ledger(state_dir: Path, slice_id: str) -> SliceLedger | None:
     return read_ledger_file(path)
 
 
-def read_ledger_file(path: Path) -> SliceLedger | None:
+def read_ledger_file(path: str | Path) -> SliceLedger | None:
     """A slice ledger file (never through a symlink), or None when missing or not one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
