@@ -38,6 +38,7 @@ import logging
 import re
 import sqlite3
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
@@ -200,6 +201,7 @@ def create_app(
 
     writer = Writer()
     app.state.writer = writer
+    weakref.finalize(app, writer.close)  # its thread ends with the app (tests make many)
 
     async def write(request: Request, fn: Any, *args: Any) -> Any:
         """Run a mutation when its turn comes, unless its client has left meanwhile."""
@@ -286,6 +288,10 @@ class Writer:
     def __init__(self) -> None:
         self._turn = anyio.CapacityLimiter(WRITE_THREADS)
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="qgpu-write")
+
+    def close(self) -> None:
+        """End the write thread once the writes handed to it are done."""
+        self._pool.shutdown(wait=False)
 
     async def run(
         self, fn: Callable[..., T], *args: Any, gone: Callable[[], Any] | None = None
