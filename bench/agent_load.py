@@ -8,10 +8,24 @@ directory, fills it with L held slices (1 % / 1 GiB each, spread over the GPUs),
 Every operation's latency is recorded; the script prints ops/s, p50 and p99 per mode and
 live count, the agent process's CPU time per operation (user + system, from
 ``/proc/<pid>/stat``: what the agent itself spends, whatever else runs on the machine),
-and each mode's ops/s as a ratio to the smallest live count (a flat curve is 1.00: the
-cost of a reservation does not grow with the slices already held).
+each mode's ops/s as a ratio to the smallest live count (a flat curve is 1.00: the
+cost of a reservation does not grow with the slices already held) and the machine's
+1-minute load average when the mode ended.
+
+The agent runs with ``--test-mode`` (files keep the bench's owner, no slice cgroups) unless
+``--as-root``: then, run as root, it owns the slice files as in production (chown to the
+slices' users) and makes a cgroup for each slice owned by a process. ``--pid-owners``
+makes the loop's slices owned by live processes (one ``sleep`` per connection, owner kind
+``pid``), as Ray's, Dask's and ``qgpu run``'s slices are; with ``--as-root`` each such
+reservation moves its owner into a new cgroup and its release moves it back.
+
+Each level also prints what creating files costs in the state root at that moment
+(``fs probe``: CPU per mkdir, per file creation; a new slice makes two directories and
+three files): on a shared disk it can change tenfold within minutes, whatever the agent
+does. ``--state-root`` picks the file system (default /tmp).
 
     .venv/bin/python bench/agent_load.py [--ops 2000] [--concurrency 1 16] [--live 10 100 1000]
+        [--state-root DIR] [--as-root] [--pid-owners]
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from enforcement.agent.client import AgentClient, AgentUnavailable
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_agent(state_dir: Path) -> subprocess.Popen:
+def start_agent(state_dir: Path, *, as_root: bool = False) -> subprocess.Popen:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -46,7 +60,7 @@ def start_agent(state_dir: Path) -> subprocess.Popen:
             "20",
             "--state-dir",
             str(state_dir),
-            "--test-mode",
+            *([] if as_root else ["--test-mode"]),
             "--log-level",
             "warning",
         ],
@@ -88,6 +102,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def load1() -> float:
+    """The machine's 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def fs_probe(root: Path, n: int = 200) -> tuple[float, float]:
+    """CPU microseconds per mkdir and per file creation (each undone) in `root` now."""
+    d = Path(tempfile.mkdtemp(prefix="qf", dir=root))
+    try:
+        t0 = time.thread_time()
+        for i in range(n):
+            os.mkdir(d / f"d{i}")
+        t1 = time.thread_time()
+        for i in range(n):
+            os.close(os.open(d / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        t2 = time.thread_time()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return (t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6
+
+
+def owner_processes(count: int) -> list[subprocess.Popen]:
+    """Live processes to own slices (`--pid-owners`)."""
+    return [subprocess.Popen(["sleep", "3600"]) for _ in range(count)]
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -127,8 +167,11 @@ class RawConnection:
         self.writer.close()
 
 
-async def run_concurrent(sock: Path, ops: int, workers: int) -> tuple[float, list[float], int]:
-    """`ops` operations (reserve and release each count one) by `workers` loops."""
+async def run_concurrent(
+    sock: Path, ops: int, workers: int, owners: list[int] | None = None
+) -> tuple[float, list[float], int]:
+    """`ops` operations (reserve and release each count one) by `workers` loops (each
+    owner a live process of `owners` when given)."""
     latencies: list[float] = []
     no_fit = 0
     per_worker = max(2, ops // workers)
@@ -138,7 +181,8 @@ async def run_concurrent(sock: Path, ops: int, workers: int) -> tuple[float, lis
         nonlocal no_fit
         conn = conns[w]
         done = 0
-        body = {"request": {"core": 5, "memory": 4}, "owner": {"id": f"w{w}"}}
+        owner = {"kind": "pid", "id": str(owners[w])} if owners else {"id": f"w{w}"}
+        body = {"request": {"core": 5, "memory": 4}, "owner": owner}
         while done < per_worker:
             t0 = time.perf_counter()
             status, res = await conn.request("POST", "/v1/slices", body)
@@ -162,14 +206,17 @@ async def run_concurrent(sock: Path, ops: int, workers: int) -> tuple[float, lis
     return elapsed, latencies, no_fit
 
 
-def run_sequential(sock: Path, ops: int) -> tuple[float, list[float], int]:
+def run_sequential(
+    sock: Path, ops: int, owner: int | None = None
+) -> tuple[float, list[float], int]:
     """One AgentClient (the library adapters use), reserve then release."""
     latencies: list[float] = []
+    who = {"kind": "pid", "id": str(owner)} if owner else None
     with AgentClient(sock) as client:
         start = time.perf_counter()
         for _ in range(ops // 2):
             t0 = time.perf_counter()
-            res = client.reserve({"core": 5, "memory": 4})
+            res = client.reserve({"core": 5, "memory": 4}, who)
             t1 = time.perf_counter()
             client.release(res.slice_id)
             t2 = time.perf_counter()
@@ -178,22 +225,34 @@ def run_sequential(sock: Path, ops: int) -> tuple[float, list[float], int]:
     return elapsed, latencies, 0
 
 
-def measure(live: int, ops: int, concurrency: list[int]) -> dict[str, tuple]:
-    """ops/s, p50, p99 and 409 count per mode, with `live` slices held throughout."""
-    state = Path(tempfile.mkdtemp(prefix="qb", dir="/tmp"))
-    proc = start_agent(state)
+def measure(
+    live: int,
+    ops: int,
+    concurrency: list[int],
+    *,
+    root: Path = Path("/tmp"),
+    as_root: bool = False,
+    pid_owners: bool = False,
+) -> tuple[dict[str, tuple], tuple[float, float]]:
+    """ops/s, p50, p99, 409 count, agent CPU per op and load per mode, with `live` slices
+    held throughout; and the file system probe of the state root."""
+    state = Path(tempfile.mkdtemp(prefix="qb", dir=root))
+    proc = start_agent(state, as_root=as_root)
     sock = state / "agent.sock"
+    owners = owner_processes(max(concurrency)) if pid_owners else []
+    pids = [o.pid for o in owners]
     rows: dict[str, tuple] = {}
     try:
         asyncio.run(fill(sock, live))
-        run_sequential(sock, 100)  # warm-up
+        run_sequential(sock, 100, pids[0] if pids else None)  # warm-up
+        probe = fs_probe(root)
         for c in concurrency:
             cpu0 = cpu_seconds(proc.pid)
             if c == 1:
-                elapsed, lat, no_fit = run_sequential(sock, ops)
+                elapsed, lat, no_fit = run_sequential(sock, ops, pids[0] if pids else None)
                 mode = "sequential"
             else:
-                elapsed, lat, no_fit = asyncio.run(run_concurrent(sock, ops, c))
+                elapsed, lat, no_fit = asyncio.run(run_concurrent(sock, ops, c, pids or None))
                 mode = f"concurrent x{c}"
             rows[mode] = (
                 len(lat),
@@ -202,12 +261,16 @@ def measure(live: int, ops: int, concurrency: list[int]) -> dict[str, tuple]:
                 pct(lat, 0.99) * 1e3,
                 no_fit,
                 (cpu_seconds(proc.pid) - cpu0) / len(lat) * 1e3,
+                load1(),
             )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        for o in owners:
+            o.kill()
+            o.wait()
         shutil.rmtree(state, ignore_errors=True)
-    return rows
+    return rows, probe
 
 
 def main() -> int:
@@ -215,23 +278,57 @@ def main() -> int:
     parser.add_argument("--ops", type=int, default=2000, help="operations per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--live", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument(
+        "--state-root",
+        type=Path,
+        default=Path("/tmp"),
+        help="where the agents' state directories go (their file system is probed)",
+    )
+    parser.add_argument(
+        "--as-root",
+        action="store_true",
+        help="run the agent without --test-mode (needs root): production ownership, cgroups",
+    )
+    parser.add_argument(
+        "--pid-owners", action="store_true", help="slices owned by live processes (kind pid)"
+    )
     args = parser.parse_args()
     if max(args.live) > 64 * 20 - 128:
         parser.error(f"--live: at most {64 * 20 - 128} (64 GPUs x 20 slices, room to work)")
-    results = {live: measure(live, args.ops, args.concurrency) for live in args.live}
+    if args.as_root and os.geteuid() != 0:
+        parser.error("--as-root needs root")
+    started = os.getloadavg()
+    results = {
+        live: measure(
+            live,
+            args.ops,
+            args.concurrency,
+            root=args.state_root,
+            as_root=args.as_root,
+            pid_owners=args.pid_owners,
+        )
+        for live in args.live
+    }
     base = min(args.live)
-    print(f"qgpu agent over a unix socket, simulated 64xH100-80GB, {os.cpu_count()} CPUs")
+    how = "as root" if args.as_root else "--test-mode"
+    how += ", pid owners" if args.pid_owners else ""
+    print(
+        f"qgpu agent over a unix socket, simulated 64xH100-80GB, {os.cpu_count()} CPUs, "
+        f"state in {args.state_root}, {how}; load average at start "
+        + " ".join(f"{x:.2f}" for x in started)
+    )
     print(
         f"{'live':>6}  {'mode':<16}{'ops':>7}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
-        f"{'409s':>7}{'cpu ms/op':>11}{'ratio':>8}"
+        f"{'409s':>7}{'cpu ms/op':>11}{'ratio':>8}{'load':>7}"
     )
-    for live, rows in results.items():
-        for mode, (n, rate, p50, p99, no_fit, cpu) in rows.items():
-            ratio = rate / results[base][mode][1]
+    for live, (rows, (mkdir_us, creat_us)) in results.items():
+        for mode, (n, rate, p50, p99, no_fit, cpu, load) in rows.items():
+            ratio = rate / results[base][0][mode][1]
             print(
                 f"{live:>6}  {mode:<16}{n:>7}{rate:>10.0f}{p50:>10.2f}{p99:>10.2f}"
-                f"{no_fit:>7}{cpu:>11.2f}{ratio:>8.2f}"
+                f"{no_fit:>7}{cpu:>11.2f}{ratio:>8.2f}{load:>7.2f}"
             )
+        print(f"{'':>8}fs probe: mkdir {mkdir_us:.0f} us, file creation {creat_us:.0f} us CPU")
     return 0
 
 

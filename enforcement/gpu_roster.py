@@ -32,6 +32,7 @@ ROSTER_MAX = 128
 _HEADER = struct.Struct("<QQII")
 _ENTRY = struct.Struct("<72siiI12x")
 _ENTRIES_AT = 64
+_ID_SIZE = 72
 ROSTER_SIZE = _ENTRIES_AT + ROSTER_MAX * _ENTRY.size
 
 WRITER_AGENT, WRITER_PLUGIN, WRITER_HOOK = 1, 2, 3
@@ -85,28 +86,43 @@ class RosterEdit:
         self._m[off : off + _ENTRY.size] = data
         struct.pack_into("<Q", self._m, 8, seq + 1)
 
+    def _index_of(self, slice_id: str) -> int | None:
+        """The entry that lists `slice_id` (a search of the mapping for its NUL-ended name
+        at an entry's start, rather than unpacking every entry)."""
+        needle = slice_id.encode() + b"\0"
+        if len(needle) > _ID_SIZE:
+            return None  # longer than an entry's name: never listed
+        start = _ENTRIES_AT
+        while (at := self._m.find(needle, start, ROSTER_SIZE)) >= 0:
+            i, off = divmod(at - _ENTRIES_AT, _ENTRY.size)
+            if off == 0:
+                return i
+            start = at + 1
+        return None
+
+    def _free_index(self) -> int | None:
+        """The first free entry (its name's first byte is NUL)."""
+        i = self._m[_ENTRIES_AT : ROSTER_SIZE : _ENTRY.size].find(b"\0")
+        return None if i < 0 else i
+
     def put(self, entry: RosterEntry) -> None:
         """List a slice (or update its policy and share)."""
-        free = None
-        for i in range(ROSTER_MAX):
-            e = _unpack(self._m, i)
-            if e is not None and e.slice_id == entry.slice_id:
-                if e != entry:
-                    self._write(i, entry.pack())
-                return
-            if e is None and free is None:
-                free = i
+        i = self._index_of(entry.slice_id)
+        if i is not None:
+            if _unpack(self._m, i) != entry:
+                self._write(i, entry.pack())
+            return
+        free = self._free_index()
         if free is None:
             raise RosterFull(f"the GPU roster has no free entry for slice {entry.slice_id}")
         self._write(free, entry.pack())
 
     def remove(self, slice_id: str) -> bool:
-        for i in range(ROSTER_MAX):
-            e = _unpack(self._m, i)
-            if e is not None and e.slice_id == slice_id:
-                self._write(i, bytes(_ENTRY.size))
-                return True
-        return False
+        i = self._index_of(slice_id)
+        if i is None:
+            return False
+        self._write(i, bytes(_ENTRY.size))
+        return True
 
 
 def init_roster(fd: int) -> None:
@@ -132,7 +148,14 @@ def _locked(fd: int) -> Iterator[None]:
 @contextlib.contextmanager
 def edit_roster(fd: int) -> Iterator[RosterEdit]:
     """The roster of an initialised file open for writing, locked against other writers."""
-    with _locked(fd), mmap.mmap(fd, ROSTER_SIZE) as m:
+    with mmap.mmap(fd, ROSTER_SIZE) as m, edit_mapped_roster(fd, m) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def edit_mapped_roster(fd: int, m: mmap.mmap) -> Iterator[RosterEdit]:
+    """As `edit_roster`, through a mapping of `fd`'s file that the caller keeps."""
+    with _locked(fd):
         if struct.unpack_from("<Q", m, 0)[0] != ROSTER_MAGIC:
             raise OSError(f"fd {fd} is not an initialised GPU roster")
         yield RosterEdit(m)
@@ -166,6 +189,7 @@ __all__ = [
     "RosterEdit",
     "RosterEntry",
     "RosterFull",
+    "edit_mapped_roster",
     "edit_roster",
     "init_roster",
     "read_roster",

@@ -21,6 +21,8 @@ A limits file owned by root and not writable by group/other wins over the enviro
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 import stat
@@ -211,18 +213,33 @@ def write_limits_file(
     root_owned: bool = False,
     owner: tuple[int, int] | None = None,
     fsync: bool = True,
+    new: bool = False,
 ) -> Path:
     """Write a limits file atomically (temp file, rename); an identical file with the right
     mode (and owner) is left alone. Written by root (``root_owned``: chown 0:0, or
     ``owner=(0, gid)``: root and the slice's group) with a mode no group or other can
     write, it is the authoritative source the workload cannot loosen. ``fsync=False``
     suits writers that can rebuild the file from their own durable state (the node agent
-    rewrites every limits file from its ledger when it starts)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    rewrites every limits file from its ledger when it starts).
+
+    ``new``: the file must not exist yet (FileExistsError if it does) and nobody reads it
+    before the caller says where it is (a slice directory just made): it is made in place,
+    without a temporary file and a rename; a failed write removes it, so it is still whole
+    or absent."""
     text = render_limits(limits)
     if root_owned and owner is None:
         owner = (0, 0)
+    if new:
+        fd = os.open(path, _NEW_FILE, 0o600 if owner is not None else mode)
+        try:
+            _fill(fd, text, fsync, owner, mode)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return Path(path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         st = path.lstat()
         if (
@@ -237,22 +254,52 @@ def write_limits_file(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        try:
-            data = memoryview(text.encode())
-            while data:  # a nearly full disk may take part of a write: never keep half a file
-                data = data[os.write(fd, data) :]
-            if fsync:
-                os.fsync(fd)
-            if owner is not None:
-                os.fchown(fd, *owner)
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
+        _fill(fd, text, fsync, owner, mode, chmod=True)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _fill(
+    fd: int,
+    text: str,
+    fsync: bool,
+    owner: tuple[int, int] | None,
+    mode: int,
+    chmod: bool = False,
+) -> None:
+    """Write `text` whole to a new file, then give it its owner and mode; closes `fd`."""
+    try:
+        data = memoryview(text.encode())
+        while data:  # a nearly full disk may take part of a write: never keep half a file
+            data = data[os.write(fd, data) :]
+        if fsync:
+            os.fsync(fd)
+        if owner is not None:
+            os.fchown(fd, *owner)
+        if chmod or owner is not None or mode & process_umask():
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def process_umask() -> int:
+    """This process's umask (read once, from ``/proc/self/status``; where it cannot be read,
+    0o777, so that every mode is set explicitly). The agent never changes its umask while
+    it makes files (the socket's umask is set and restored before any)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o777
 
 
 def read_limits_file(path: str | os.PathLike[str]) -> dict[str, str]:

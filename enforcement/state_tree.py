@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import shutil
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,8 +54,16 @@ from functools import cached_property
 from pathlib import Path
 
 from enforcement.busy_view import BUSY_MODE, BUSY_NAME, BusyView
-from enforcement.gpu_roster import RosterEdit, RosterEntry, edit_roster, init_roster, read_roster
-from enforcement.limits import SliceLimits, write_limits_file
+from enforcement.gpu_roster import (
+    ROSTER_SIZE,
+    RosterEdit,
+    RosterEntry,
+    edit_mapped_roster,
+    edit_roster,
+    init_roster,
+    read_roster,
+)
+from enforcement.limits import SliceLimits, process_umask, write_limits_file
 from qgpu.model import IsolationPolicy, check_slice_id, is_slice_id
 
 ROOT_MODE = 0o711
@@ -105,7 +115,8 @@ FILES_KEPT = 4096  # slices whose paths StateTree.files keeps built
 
 @dataclass(frozen=True)
 class SliceFiles:
-    """The paths of one slice under a slices root (each built once, on first use)."""
+    """The paths of one slice under a slices root (each built once, on first use; the
+    ``*_s`` twins are plain strings, for the system calls of the hot path)."""
 
     root: Path
     slice_id: str
@@ -113,6 +124,26 @@ class SliceFiles:
     @cached_property
     def dir(self) -> Path:
         return self.root / self.slice_id
+
+    @cached_property
+    def dir_s(self) -> str:
+        return f"{self.root}/{self.slice_id}"
+
+    @cached_property
+    def limits_s(self) -> str:
+        return f"{self.dir_s}/{LIMITS_NAME}"
+
+    @cached_property
+    def retired_s(self) -> str:
+        return f"{self.dir_s}/.{LIMITS_NAME}.released"
+
+    @cached_property
+    def ledger_dir_s(self) -> str:
+        return f"{self.dir_s}/{LEDGER_DIR_NAME}"
+
+    @cached_property
+    def ledger_s(self) -> str:
+        return f"{self.ledger_dir_s}/slice-{self.slice_id}.ledger"
 
     @cached_property
     def limits_file(self) -> Path:
@@ -160,11 +191,22 @@ class StateTree:
     group of the GPUs' shared state, which their tenants read (0: root only).
     """
 
-    def __init__(self, root: Path, *, privileged: bool, workload_gid: int = 0) -> None:
+    def __init__(
+        self, root: Path, *, privileged: bool, workload_gid: int = 0, keep_rosters: bool = False
+    ) -> None:
         self.root = Path(root)
         self.privileged = privileged
         self.workload_gid = workload_gid
         self._files: dict[str, SliceFiles] = {}
+        self._umask = process_umask()
+        # slices whose directory this tree made and whose limits file it has not written
+        self._unwritten: set[str] = set()
+        # keep_rosters (the node agent): each GPU's roster stays open and mapped between
+        # edits, checked against its path before each (a replaced file is opened again)
+        self._keep_rosters = keep_rosters
+        self._rosters: dict[str, _OpenRoster] = {}
+        self._rosters_lock = threading.Lock()
+        self._gpu_dirs: dict[str, str] = {}
 
     def prepare(self) -> None:
         """The root itself: created, root-owned, 0711 (a legacy 1777 root is tightened)."""
@@ -183,9 +225,32 @@ class StateTree:
 
     def create(self, slice_id: str, who: Identity) -> SliceFiles:
         """The slice's directories and (empty) ledger, owned as the layout says. Idempotent:
-        existing ones get their owner and mode back; a symlink in their place is refused."""
+        existing ones get their owner and mode back; a symlink in their place is refused.
+
+        A directory made here is new and empty, in a root only its owner can write: its
+        objects are made with their mode (owner-only where a chown follows, which then opens
+        them up) and not checked again; only an existing one is inspected and repaired."""
         f = self.files(slice_id)
-        _mkdir(f.dir)
+        try:
+            os.mkdir(f.dir_s, self._new_mode(SLICE_DIR_MODE))
+        except FileExistsError:
+            return self._repair(f, who)
+        self._unwritten.add(slice_id)
+        self._finish(f.dir_s, 0, who.gid, SLICE_DIR_MODE)
+        os.mkdir(f.ledger_dir_s, self._new_mode(LEDGER_DIR_MODE))
+        self._finish(f.ledger_dir_s, who.uid, who.gid, LEDGER_DIR_MODE)
+        fd = os.open(f.ledger_s, _NEW_FILE, self._new_mode(LEDGER_MODE))
+        try:
+            self._finish(fd, who.uid, who.gid, LEDGER_MODE)
+        finally:
+            os.close(fd)
+        return f
+
+    def _repair(self, f: SliceFiles, who: Identity) -> SliceFiles:
+        """An existing slice directory: owners and modes put right, missing parts made."""
+        self._unwritten.discard(f.slice_id)
+        if f.dir.is_symlink() or not f.dir.is_dir():
+            raise OSError(errno.EEXIST, "exists and is not a directory", str(f.dir))
         self._own(f.dir, 0, who.gid, SLICE_DIR_MODE)
         _mkdir(f.ledger_dir)
         self._own(f.ledger_dir, who.uid, who.gid, LEDGER_DIR_MODE)
@@ -199,15 +264,19 @@ class StateTree:
     def write_limits(
         self, slice_id: str, limits: SliceLimits | Mapping[str, str], who: Identity
     ) -> Path:
-        """The slice's limits file: root-owned (when privileged), readable by its group only."""
+        """The slice's limits file: root-owned (when privileged), readable by its group only.
+        In a directory `create` has just made (its slice is not published yet: no process
+        can read the file before the caller answers) it is written in place; otherwise
+        through a temporary file and a rename, so a reader sees the old file or the new."""
         f = self.files(slice_id)
-        return write_limits_file(
-            f.limits_file,
-            limits,
-            mode=LIMITS_MODE,
-            owner=(0, who.gid) if self.privileged else None,
-            fsync=False,
-        )
+        owner = (0, who.gid) if self.privileged else None
+        if slice_id in self._unwritten:
+            self._unwritten.discard(slice_id)
+            with contextlib.suppress(FileExistsError):
+                return write_limits_file(
+                    f.limits_file, limits, mode=LIMITS_MODE, owner=owner, fsync=False, new=True
+                )
+        return write_limits_file(f.limits_file, limits, mode=LIMITS_MODE, owner=owner, fsync=False)
 
     def retire_limits(self, slice_id: str) -> bool:
         """Move a slice's limits file aside before its release is committed (a process that
@@ -216,7 +285,7 @@ class StateTree:
         the release is then refused instead of half done."""
         f = self.files(slice_id)
         try:
-            os.rename(f.limits_file, f.retired_limits_file)
+            os.rename(f.limits_s, f.retired_s)
         except FileNotFoundError:
             return False
         return True
@@ -226,18 +295,35 @@ class StateTree:
         f = self.files(slice_id)
         os.rename(f.retired_limits_file, f.limits_file)
 
-    def remove_limits(self, slice_id: str) -> None:
+    def remove_limits(self, slice_id: str, retired: bool = False) -> None:
+        """Delete the slice's limits file (`retired`: it was moved aside, only that one)."""
         f = self.files(slice_id)
-        f.limits_file.unlink(missing_ok=True)
-        f.retired_limits_file.unlink(missing_ok=True)
+        for path in (f.retired_s,) if retired else (f.limits_s, f.retired_s):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def remove(self, slice_id: str) -> None:
-        """Delete the slice's directory (its processes are gone)."""
+        """Delete the slice's directory (its processes are gone). The usual content (limits
+        file, ledger directory and ledger) goes by name; anything else, or anything that is
+        not what it should be, by a walk that never follows a symlink."""
         f = self.files(slice_id)
-        if f.dir.is_symlink():
-            f.dir.unlink()
-        else:
-            shutil.rmtree(f.dir, ignore_errors=True)
+        self._unwritten.discard(slice_id)
+        try:
+            st = os.lstat(f.dir_s)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):  # a symlink (or file) in its place: only that goes
+            os.unlink(f.dir_s)
+            return
+        try:
+            for path in (f.limits_s, f.retired_s, f.ledger_s):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(f.ledger_dir_s)
+            os.rmdir(f.dir_s)
+        except OSError:
+            shutil.rmtree(f.dir_s, ignore_errors=True)
 
     def slice_ids(self) -> list[str]:
         """Slices that have a directory here (valid ids only)."""
@@ -284,17 +370,42 @@ class StateTree:
         owned by its user and readable by the GPU's other workloads. Idempotent. (The GPU's
         directory and roster are made here when missing; the agent makes and repairs them
         for every GPU when it starts.)"""
-        d = gpu_dir(self.root, uuid)
-        if not (d / ROSTER_NAME).is_file():
-            self.ensure_gpu(uuid)
-        path = activity_file(self.root, uuid, slice_id)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        path = self._activity(uuid, slice_id)
         try:
-            self._own_fd(fd, who.uid, self.workload_gid, ACTIVITY_MODE)
+            self._make_activity(path, who)
+        except FileNotFoundError:  # the GPU's directory is missing
+            self.ensure_gpu(uuid)
+            self._make_activity(path, who)
+        self._edit(uuid, lambda r: r.put(RosterEntry.of(slice_id, isolation, core, writer)))
+        return Path(path)
+
+    def _gpu_dir(self, uuid: str) -> str:
+        """`gpu_dir` as a string, kept per GPU."""
+        found = self._gpu_dirs.get(uuid)
+        if found is None:
+            found = self._gpu_dirs[uuid] = str(gpu_dir(self.root, uuid))
+        return found
+
+    def _activity(self, uuid: str, slice_id: str) -> str:
+        """`activity_file` as a string."""
+        return f"{self._gpu_dir(uuid)}/{check_slice_id(slice_id)}{ACTIVITY_SUFFIX}"
+
+    def _make_activity(self, path: str, who: Identity) -> None:
+        """A slice's activity file: made new, or an existing one's owner and mode put
+        right (a symlink in its place is refused)."""
+        try:
+            fd = os.open(path, _NEW_FILE, self._new_mode(ACTIVITY_MODE))
+        except FileExistsError:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                self._own_fd(fd, who.uid, self.workload_gid, ACTIVITY_MODE)
+            finally:
+                os.close(fd)
+            return
+        try:
+            self._finish(fd, who.uid, self.workload_gid, ACTIVITY_MODE)
         finally:
             os.close(fd)
-        self._edit(d, lambda r: r.put(RosterEntry.of(slice_id, isolation, core, writer)))
-        return path
 
     def ensure_busy(self, uuid: str) -> Path:
         """The GPU's busy list (`enforcement.busy_view`) in its directory, root:<workload
@@ -318,11 +429,12 @@ class StateTree:
 
     def leave_gpu(self, uuid: str, slice_id: str) -> None:
         """Take a slice off its GPU (its processes, if any still run, count for nobody)."""
-        d = gpu_dir(self.root, uuid)
-        if not (d / ROSTER_NAME).exists():
+        try:
+            self._edit(uuid, lambda r: r.remove(slice_id))
+        except FileNotFoundError:  # no roster: nothing lists it
             return
-        self._edit(d, lambda r: r.remove(slice_id))
-        activity_file(self.root, uuid, slice_id).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._activity(uuid, slice_id))
 
     def sync_gpu(self, uuid: str, writer: int, listed: Mapping[str, RosterEntry]) -> None:
         """Make `writer`'s entries of the GPU's roster exactly `listed` (other writers' are
@@ -336,7 +448,7 @@ class StateTree:
             for e in listed.values():
                 r.put(e)
 
-        self._edit(d, sync)
+        self._edit(uuid, sync)
         keep = {e.slice_id for e in read_roster(d / ROSTER_NAME)}
         for path in d.glob(f"*{ACTIVITY_SUFFIX}"):
             if path.name[: -len(ACTIVITY_SUFFIX)] not in keep:
@@ -356,13 +468,34 @@ class StateTree:
     def gpu_entries(self, uuid: str) -> list[RosterEntry]:
         return read_roster(gpu_dir(self.root, uuid) / ROSTER_NAME)
 
-    def _edit(self, d: Path, change: Callable[[RosterEdit], object]) -> None:
-        fd = os.open(d / ROSTER_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            with edit_roster(fd) as r:
+    def _edit(self, uuid: str, change: Callable[[RosterEdit], object]) -> None:
+        """Change the GPU's roster under its lock (FileNotFoundError: it has none)."""
+        path = f"{self._gpu_dir(uuid)}/{ROSTER_NAME}"
+        if not self._keep_rosters:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                with edit_roster(fd) as r:
+                    change(r)
+            finally:
+                os.close(fd)
+            return
+        with self._rosters_lock:  # threads share the kept descriptor, so flock cannot
+            st = os.stat(path, follow_symlinks=False)  # tell them apart: this lock does
+            kept = self._rosters.get(uuid)
+            if kept is None or kept.identity != (st.st_dev, st.st_ino):
+                if kept is not None:
+                    kept.close()
+                    del self._rosters[uuid]
+                kept = self._rosters[uuid] = _OpenRoster(path)
+            with edit_mapped_roster(kept.fd, kept.map) as r:
                 change(r)
-        finally:
-            os.close(fd)
+
+    def close(self) -> None:
+        """Close the rosters kept open (`keep_rosters`); later edits open them again."""
+        with self._rosters_lock:
+            for kept in self._rosters.values():
+                kept.close()
+            self._rosters.clear()
 
     def legacy_gpu_files(self) -> list[Path]:
         """The per-GPU files of older versions, replaced by ``.gpu-<uuid>/``: region files
@@ -382,6 +515,25 @@ class StateTree:
 
     # -- ownership ---------------------------------------------------------------------
 
+    def _new_mode(self, mode: int) -> int:
+        """The mode to make a new object with: its final one where nobody but its maker can
+        get it meanwhile (no chown follows), else owner-only until `_finish` opens it up."""
+        return mode & 0o700 if self.privileged else mode
+
+    def _finish(self, target: str | int, uid: int, gid: int, mode: int) -> None:
+        """Give an object made with `_new_mode` (a path, never followed, or an open file)
+        its owner (when privileged) and then its mode, where creation did not."""
+        if self.privileged:
+            if isinstance(target, int):
+                os.fchown(target, uid, gid)
+            else:
+                os.chown(target, uid, gid, follow_symlinks=False)
+        if mode & self._umask or self._new_mode(mode) != mode:
+            if isinstance(target, int):
+                os.fchmod(target, mode)
+            else:
+                os.chmod(target, mode)  # a directory made here: not a symlink
+
     def _own(self, path: Path, uid: int, gid: int, mode: int) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY)
         try:
@@ -395,6 +547,35 @@ class StateTree:
             os.fchown(fd, uid, gid)
         if stat.S_IMODE(st.st_mode) != mode:
             os.fchmod(fd, mode)
+
+
+_NEW_FILE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _OpenRoster:
+    """A GPU's roster kept open and mapped (`StateTree(keep_rosters=True)`)."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < ROSTER_SIZE:
+                raise OSError(errno.EINVAL, "not an initialised GPU roster", str(path))
+            self.map = mmap.mmap(fd, ROSTER_SIZE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.identity = (st.st_dev, st.st_ino)
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self.map.closed:
+                self.close()
 
 
 def _mkdir(path: Path) -> None:

@@ -357,13 +357,27 @@ class Ledger:
 
     def release(self, slice_id: str) -> bool:
         """Release a slice. True if it was held; False if it was already gone (idempotent)."""
+        return self.take(slice_id) is not None
+
+    def take(self, slice_id: str) -> Allocation | None:
+        """Release a slice and return what it was (read in the same transaction that
+        deletes it); None if it was already gone."""
         with self._wlock:
             with self._tx() as db:
-                cur = db.execute("DELETE FROM slices WHERE slice_id=?", (slice_id,))
-                released = cur.rowcount > 0
-            if released:
-                self._cached_release(slice_id)
-        return released
+                gpus = [
+                    r[0]
+                    for r in db.execute(
+                        "SELECT gpu_uuid FROM slice_gpus WHERE slice_id=? ORDER BY rowid",
+                        (slice_id,),
+                    )
+                ]
+                rows = db.execute(
+                    "DELETE FROM slices WHERE slice_id=? RETURNING *", (slice_id,)
+                ).fetchall()  # stepped to its end: nothing left running at the commit
+            if not rows:
+                return None
+            self._cached_release(slice_id)
+        return _row_to_allocation(rows[0], gpus)
 
     def adopt(self, slice_id: str, owner: Owner) -> Allocation | None:
         """Record `owner` (the same kind and id, other ``meta``: a restarted process of the

@@ -152,13 +152,26 @@ def environ_slice_id(pid: int) -> str | None:
     return None
 
 
-def parent_pid(pid: int) -> int | None:
+def parent_pid(pid: int | str, proc: str = "/proc") -> int | None:
+    data = _read_small(f"{proc}/{pid}/stat")
+    if data is None:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def _read_small(path: str) -> bytes | None:
+    """A small /proc file's bytes (one read), or None where it cannot be read."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
-    fields = text[text.rfind(")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 else None
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def ancestry(pid: int) -> list[tuple[int, int | None]]:
@@ -370,11 +383,24 @@ class SliceCgroups:
                 log.warning("the cgroup of released slice %s is still busy", sid)
 
 
-def _descendants(pid: int) -> list[int]:
+def _descendants(pid: int, proc: str = "/proc") -> list[int]:
+    """The process's descendants: from its threads' ``children`` lists where the kernel
+    keeps them (``CONFIG_PROC_CHILDREN``: as many reads as there are descendants and
+    threads), else from every process's parent (a read per process on the node). Both
+    miss a process forked meanwhile; `SliceCgroups._move_tree` asks again until none is
+    left behind."""
+    if _children_lists(proc):
+        out: list[int] = []
+        todo = [pid]
+        while todo:
+            kids = _children(todo.pop(), proc)
+            out.extend(kids)
+            todo.extend(kids)
+        return out
     children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
+    for entry in os.scandir(proc):
         if entry.name.isdigit():
-            ppid = parent_pid(int(entry.name))
+            ppid = parent_pid(entry.name, proc)
             if ppid is not None:
                 children.setdefault(ppid, []).append(int(entry.name))
     out, todo = [], list(children.get(pid, []))
@@ -382,6 +408,32 @@ def _descendants(pid: int) -> list[int]:
         cur = todo.pop()
         out.append(cur)
         todo.extend(children.get(cur, []))
+    return out
+
+
+_CHILDREN_LISTS: dict[str, bool] = {}
+
+
+def _children_lists(proc: str) -> bool:
+    """Whether `proc` has ``task/<tid>/children`` files (asked once per proc root)."""
+    found = _CHILDREN_LISTS.get(proc)
+    if found is None:
+        me = os.getpid()
+        found = _CHILDREN_LISTS[proc] = os.path.exists(f"{proc}/{me}/task/{me}/children")
+    return found
+
+
+def _children(pid: int, proc: str) -> list[int]:
+    """The children of every thread of `pid` (none when it is gone)."""
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        data = _read_small(f"{proc}/{pid}/task/{tid}/children")
+        if data:
+            out.extend(int(c) for c in data.split())
     return out
 
 

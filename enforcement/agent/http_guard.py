@@ -13,7 +13,8 @@ and bodies that are not plain JSON.
   body that is not UTF-8, not JSON, nested deeper than `MAX_DEPTH`, or that holds a lone
   surrogate (``"\\ud800"``: valid JSON, but no Unicode text) is answered 422 naming the
   field. Python's JSON parser accepts lone surrogates and would hand them to the routes,
-  where they break every encoder downstream (the answer, the ledger's JSON, logs).
+  where they break every encoder downstream (the answer, the ledger's JSON, logs). The
+  document it parsed is left in the scope (`JSON_SCOPE_KEY`) for the hot routes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 16 * 1024  # as uvicorn's h11 limit (h11_max_incomplete_event_size)
+JSON_SCOPE_KEY = "qgpu.json"  # the checked body's JSON document, for the routes
 
 
 def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[HttpToolsProtocol]:
@@ -125,19 +127,24 @@ def guarded_httptools(head_timeout_s: float, body_timeout_s: float) -> type[Http
 
 def json_violation(body: bytes) -> RuleViolation | None:
     """Why `body` is not acceptable JSON text, or None."""
+    return parse_json(body)[1]
+
+
+def parse_json(body: bytes) -> tuple[Any, RuleViolation | None]:
+    """`body`'s JSON document, or why it is not acceptable JSON text."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RuleViolation("body", f"byte {exc.start}", "must be JSON encoded as UTF-8")
+        return None, RuleViolation("body", f"byte {exc.start}", "must be JSON encoded as UTF-8")
     try:
         doc = json.loads(text)
     except RecursionError:
-        return RuleViolation("body", None, f"must not nest deeper than {MAX_DEPTH} levels")
+        return None, RuleViolation("body", None, f"must not nest deeper than {MAX_DEPTH} levels")
     except ValueError as exc:
         where = getattr(exc, "msg", None)
         detail = f" ({where} at line {exc.lineno} column {exc.colno})" if where else ""  # type: ignore[attr-defined]
-        return RuleViolation("body", None, f"must be valid JSON{detail}")
-    return _walk(doc, "", 0)
+        return None, RuleViolation("body", None, f"must be valid JSON{detail}")
+    return doc, _walk(doc, "", 0)
 
 
 def _walk(node: Any, path: str, depth: int) -> RuleViolation | None:
@@ -206,10 +213,11 @@ class BodyGuard:
                 break
         body = b"".join(chunks)
         if body:
-            bad = json_violation(body)
+            doc, bad = parse_json(body)
             if bad is not None:
                 await error_response(422, "invalid", [bad])(scope, receive, send)
                 return
+            scope[JSON_SCOPE_KEY] = doc  # parsed once: the hot routes take it from here
         await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, size: int, scope: Scope, receive: Receive, send: Send) -> None:
@@ -248,9 +256,11 @@ __all__ = [
     "DEFAULT_BODY_TIMEOUT_S",
     "DEFAULT_HEAD_TIMEOUT_S",
     "DEFAULT_MAX_BODY",
+    "JSON_SCOPE_KEY",
     "MAX_DEPTH",
     "MAX_HEAD_BYTES",
     "BodyGuard",
     "guarded_httptools",
     "json_violation",
+    "parse_json",
 ]

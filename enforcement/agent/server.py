@@ -240,6 +240,7 @@ def serve(config: AgentConfig, backend: GpuBackend | None = None) -> int:
         server.run(sockets=sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        app.state.writer.close()
         maintenance.stop()
         if metrics is not None:
             metrics.close()

@@ -205,7 +205,10 @@ class Agent:
         config.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.state_dir, 0o755)
         self.tree = StateTree(
-            config.slices_dir, privileged=self.privileged, workload_gid=config.workload_gid
+            config.slices_dir,
+            privileged=self.privileged,
+            workload_gid=config.workload_gid,
+            keep_rosters=True,
         )
         self.tree.prepare()
         self.ledger = Ledger(config.ledger_path, cache_state=True)
@@ -309,7 +312,7 @@ class Agent:
 
     def _drop_slice_dir(self, slice_id: str) -> None:
         """Delete a released slice's directory once no live process uses its ledger."""
-        led = read_slice_ledger(self.config.slices_dir, slice_id)
+        led = read_ledger_file(self.tree.files(slice_id).ledger_s)
         if led is None or not led.pids:
             self.tree.remove(slice_id)
 
@@ -542,17 +545,17 @@ class Agent:
         where the slice files cannot be written (a read-only disk) the release is refused
         with nothing changed, and where the commit fails (a full disk) it is put back."""
         retired = is_slice_id(slice_id) and self.tree.retire_limits(slice_id)
-        held = self.ledger.get(slice_id)
         try:
             with self._write_lock:
-                released = self.ledger.release(slice_id)
+                held = self.ledger.take(slice_id)  # what it was, read as it is deleted
                 self._storage_error = None
         except BaseException:
             if retired:
                 self.tree.unretire_limits(slice_id)
             raise
+        released = held is not None
         if is_slice_id(slice_id):
-            self.tree.remove_limits(slice_id)
+            self.tree.remove_limits(slice_id, retired=retired)
             self._drop_slice_dir(slice_id)
             self.cgroups.release(slice_id)  # a busy one is removed by a later reconcile
             if held is not None and self.enforcement_of(held) == "interposer":
@@ -893,6 +896,7 @@ class Agent:
 
     def close(self) -> None:
         self.ledger.close()
+        self.tree.close()
 
 
 def _new_id() -> str:

@@ -69,14 +69,18 @@ def read_slice_ledger(state_dir: Path, slice_id: str) -> SliceLedger | None:
     return read_ledger_file(path)
 
 
-def read_ledger_file(path: Path) -> SliceLedger | None:
+def read_ledger_file(path: str | Path) -> SliceLedger | None:
     """A slice ledger file (never through a symlink), or None when missing or not one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(_SIZE)
+    try:
+        data = b""
+        while len(data) < _SIZE and (more := os.pread(fd, _SIZE - len(data), len(data))):
+            data += more
+    finally:
+        os.close(fd)
     if len(data) < _SIZE:
         return None
     magic, version, max_slots, _limit, _used, _tokens, _refill, busy = _HEADER.unpack_from(data)

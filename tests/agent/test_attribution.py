@@ -429,3 +429,46 @@ def test_the_node_defaults_kill_processes_of_no_slice() -> None:
         )
     )
     assert (cfg.watchdog_unowned, cfg.slice_cgroups) == ("report", "off")
+
+
+# -- finding an owner's descendants (each reservation of a process-owned slice) -----------
+
+
+def _fake_proc(root: Path, parents: dict[int, int], *, children_lists: bool) -> str:
+    """A /proc with `parents` (pid -> ppid), each process one thread; with or without the
+    kernel's task/<tid>/children lists. The caller's own pid is there too (the probe)."""
+    me = os.getpid()
+    for pid, ppid in {**parents, me: 1}.items():
+        (root / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (a (b) c) S {ppid} 1 1 0\n")
+        if children_lists:
+            kids = [str(c) for c, p in parents.items() if p == pid]
+            (root / str(pid) / "task" / str(pid) / "children").write_text(" ".join(kids))
+    return str(root)
+
+
+@pytest.mark.parametrize("children_lists", [True, False])
+def test_descendants_from_children_lists_or_from_every_parent(
+    tmp_path: Path, children_lists: bool
+) -> None:
+    tree = {10: 1, 11: 10, 12: 10, 13: 11, 14: 13, 20: 1, 21: 20}
+    proc = _fake_proc(tmp_path, tree, children_lists=children_lists)
+    attribution._CHILDREN_LISTS.pop(proc, None)
+    assert attribution._children_lists(proc) is children_lists
+    assert sorted(attribution._descendants(10, proc)) == [11, 12, 13, 14]
+    assert attribution._descendants(14, proc) == []
+    assert attribution._descendants(99, proc) == []  # gone
+
+
+def test_descendants_of_a_real_process_tree() -> None:
+    sh = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & (sleep 60 & wait) & wait"])
+    try:
+        wait_until(lambda: len(attribution._descendants(sh.pid)) == 4, timeout=10)
+        kids = attribution._descendants(sh.pid)
+        assert all(attribution.parent_pid(k) is not None for k in kids)
+        assert sh.pid not in kids and len(set(kids)) == 4  # 2 sleeps, a subshell, its sleep
+    finally:
+        for pid in [*attribution._descendants(sh.pid), sh.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        sh.wait()
