@@ -268,12 +268,13 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "--watchdog-kill",
         nargs="?",
         const="all",
-        default="share",
+        default="all",
         choices=("off", "share", "all"),
-        help="what the watchdog kills: off (report only), share (the default: fixed- and "
-        "burst-share slices over their memory cap or core, and any slice over its compute "
-        "allowance beside busy neighbours) or all (also best-effort slices over their memory "
-        "cap; the bare flag)",
+        help="what the watchdog kills: all (the default and the bare flag: every share "
+        "slice over its memory cap, memory being a hard cap whatever the isolation, and any "
+        "slice over its compute allowance beside busy neighbours), share (only fixed- and "
+        "burst-share slices over their memory cap; best-effort ones are reported) or off "
+        "(report only)",
     )
     p.add_argument(
         "--watchdog-grace",

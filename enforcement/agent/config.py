@@ -74,7 +74,7 @@ class AgentConfig(BaseModel):
     gpu_placement: PlacementPolicy | None = None
     reconcile_interval_s: float = Field(default=10.0, gt=0)
     watchdog_interval_s: float = Field(default=5.0, gt=0)
-    watchdog_kill: WatchdogKill = "share"
+    watchdog_kill: WatchdogKill = "all"  # memory is a hard cap whatever the isolation
     watchdog_grace_s: float = Field(
         default=10.0, ge=0, description="how long a slice may stay over its cap before a kill"
     )

@@ -308,7 +308,7 @@ class Watchdog:
         """Whether this node kills processes of `alloc` for compute. Every compute rule
         protects a guaranteed (fixed- or burst-share) slice's promise: a share slice over its
         own core, or a best-effort slice taking what busy guaranteed slices were promised.
-        So `share` (the default) and `all` kill for all three policies; `off` reports."""
+        So `all` (the default) and `share` kill for all three policies; `off` reports."""
         return self.kill != "off"
 
     def _check_unowned(

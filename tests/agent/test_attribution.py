@@ -422,7 +422,7 @@ def test_the_node_defaults_kill_processes_of_no_slice() -> None:
     from tests.agent.test_cli import _agent_args
 
     cfg = config_from_args(_agent_args("--state-dir", "/tmp/x"))
-    assert (cfg.watchdog_kill, cfg.watchdog_unowned, cfg.slice_cgroups) == ("share", "kill", "auto")
+    assert (cfg.watchdog_kill, cfg.watchdog_unowned, cfg.slice_cgroups) == ("all", "kill", "auto")
     cfg = config_from_args(
         _agent_args(
             "--state-dir", "/tmp/x", "--watchdog-unowned", "Report", "--slice-cgroups", "OFF"

@@ -107,9 +107,17 @@ def test_kill_removes_the_largest_until_under_the_cap(
     assert agent.counters.watchdog_kills[(uuid, sid)] == 1
 
 
-def test_by_default_share_slices_are_killed_after_the_grace_period(
-    agent: Agent, backend: FakeBackend, children: list, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("kill", ["default", "share"])
+def test_share_slices_over_their_memory_cap_are_killed_after_the_grace_period(
+    agent: Agent,
+    backend: FakeBackend,
+    children: list,
+    caplog: pytest.LogCaptureFixture,
+    kill: str,
 ) -> None:
+    """By default (`all`) a fixed-share and a best-effort slice over their 4 GiB caps are
+    both killed once the grace has passed: memory is a hard cap whatever the isolation.
+    With `share` the best-effort one is only reported."""
     fixed = agent.reserve(
         ReserveRequest(request=SliceRequest(core=20, memory_gib=4, isolation="fs"))
     ).slice_id
@@ -121,8 +129,9 @@ def test_by_default_share_slices_are_killed_after_the_grace_period(
     hostile, bypass = spawn(children, fixed), spawn(children, best)
     backend.procs = [GpuProcess(uuid, hostile, 5 * GIB), GpuProcess(uuid, bypass, 5 * GIB)]
     now = [100.0]
-    wd = Watchdog(agent, kill=agent.config.watchdog_kill, grace_s=10, clock=lambda: now[0])
-    assert agent.config.watchdog_kill == "share"  # the node's default
+    policy = agent.config.watchdog_kill if kill == "default" else kill
+    assert agent.config.watchdog_kill == "all"  # the node's default
+    wd = Watchdog(agent, kill=policy, grace_s=10, clock=lambda: now[0])
     with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
         first = {e.pid: e.action for e in wd.scan().over_cap}
         now[0] += 9.9
@@ -130,13 +139,21 @@ def test_by_default_share_slices_are_killed_after_the_grace_period(
         now[0] += 0.1
         after = {e.pid: e.action for e in wd.scan().over_cap}
     assert first == within == {hostile: "reported", bypass: "reported"}
-    assert after == {hostile: "killed", bypass: "reported"}  # best-effort: reported only
-    children[0].wait(timeout=10)
-    assert children[0].returncode == -9 and children[1].poll() is None
+    killed = [hostile, bypass] if policy == "all" else [hostile]
+    assert after == {p: "killed" if p in killed else "reported" for p in (hostile, bypass)}
+    for child in children[: len(killed)]:
+        child.wait(timeout=10)
+    assert [c.returncode for c in children] == [-9 if c.pid in killed else None for c in children]
     events = [json.loads(r.getMessage()) for r in caplog.records]
     kills = [e for e in events if e["action"] == "killed"]
-    assert [(e["pid"], e["slice"]) for e in kills] == [(hostile, fixed)]
+    slices = {hostile: fixed, bypass: best}
+    assert sorted((e["pid"], e["slice"]) for e in kills) == sorted((p, slices[p]) for p in killed)
     assert value(samples(agent), "qgpu_watchdog_kills_total", slice=fixed) == 1
+    if policy == "all":
+        assert value(samples(agent), "qgpu_watchdog_kills_total", slice=best) == 1
+    else:
+        with pytest.raises(AssertionError, match="no sample"):
+            value(samples(agent), "qgpu_watchdog_kills_total", slice=best)
 
 
 def test_the_grace_period_restarts_when_a_slice_comes_back_under_its_cap(

@@ -156,7 +156,7 @@ def test_manager_commands_parse_with_the_real_cli(default: Rendered) -> None:
     assert str(cfg.state_dir) == "/var/lib/qgpu"
     assert str(cfg.socket) == "/var/lib/qgpu/agent.sock"
     assert cfg.node_name == "<NODE_NAME>"  # $(NODE_NAME) from the downward API
-    assert (cfg.watchdog_kill, cfg.watchdog_unowned) == ("share", "kill")  # the agent's own
+    assert (cfg.watchdog_kill, cfg.watchdog_unowned) == ("all", "kill")  # the agent's own
     plugin = _parse_qgpu(command(cs["device-plugin"]))
     assert plugin.command == "device-plugin"
     assert plugin.prefix == PREFIX

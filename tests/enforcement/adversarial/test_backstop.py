@@ -4,8 +4,9 @@ A statically linked program never loads the hook; a program that reads libcuda's
 table finds the raw driver without the loader; processes of one slice that zero the shared
 ledger each pass their own (process-local) check. Each runs here as a hostile tenant in a
 fixed-share slice reserved from a real ``qgpu agent`` on a simulated 16 GiB GPU, next to a
-victim slice; the agent runs with the node's default kill policy (fixed-share and
-burst-share slices) and a short interval and grace. The stated bound: the hostile process
+victim slice (best-effort where a test says so); the agent runs with the node's default
+kill policy (every share slice over its memory cap; compute allowances) and a short
+interval and grace. The stated bound: the hostile process
 is SIGKILLed within ``INTERVAL + GRACE`` plus one scan (here 1.6 s; the defaults give
 5 + 10 s), every kill is counted, and afterwards the victim gets all it was promised.
 """
@@ -76,7 +77,11 @@ class Guarded:
 
 
 @pytest.fixture
-def guarded(short_tmp: Path) -> Iterator[Guarded]:
+def guarded(short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Guarded]:
+    """The hostile 25 % / 4 GiB slice and the victim's 75 % / 12 GiB on one 16 GiB GPU, both
+    fixed-share unless the test names the isolation of each (``indirect``: "be-fs" is a
+    best-effort hostile slice beside a fixed-share victim)."""
+    hostile_isolation, victim_isolation = getattr(request, "param", "fs-fs").split("-")
     state = short_tmp / "agent"
     state.mkdir()
     agent = start_agent(
@@ -92,8 +97,8 @@ def guarded(short_tmp: Path) -> Iterator[Guarded]:
     victim: Worker | None = None
     g: Guarded | None = None
     try:
-        hostile = client.reserve({"core": 25, "memory": 4, "isolation": "fs"})
-        kept = client.reserve({"core": 75, "memory": 12, "isolation": "fs"})
+        hostile = client.reserve({"core": 25, "memory": 4, "isolation": hostile_isolation})
+        kept = client.reserve({"core": 75, "memory": 12, "isolation": victim_isolation})
         assert hostile.device_uuid == kept.device_uuid
         env = {**os.environ, **hostile.env}
         env["PYTHONPATH"] = os.pathsep.join([str(PROGRAMS), env.get("PYTHONPATH", "")])
@@ -118,6 +123,40 @@ def test_a_static_binary_is_killed_by_the_watchdog(guarded: Guarded, programs: P
     assert h.all("grab") == [0] * 8  # no hook: 8 GiB under a 4 GiB cap
     guarded.killed_within(h, since)
     assert guarded.kills() == 1
+    guarded.victim_gets_its_promise()
+
+
+@pytest.mark.parametrize("guarded", ["be-be", "be-fs"], indirect=True)
+def test_a_best_effort_slice_over_its_memory_cap_is_killed(
+    guarded: Guarded, programs: Programs
+) -> None:
+    """Memory is a hard cap whatever the isolation: best-effort has no compute cap, but
+    its 4 GiB are all it was promised, and the GPU's other 12 GiB are the victim's. Under
+    the node's default kill policy a best-effort static binary holding 8 GiB was reported
+    and never killed (the victim then could not take its 12 GiB)."""
+    h = guarded.start([programs.static("static_driver")])
+    since = time.monotonic()
+    assert h.all("grab") == [0] * 8
+    guarded.killed_within(h, since)
+    assert guarded.kills() == 1
+    guarded.victim_gets_its_promise()
+
+
+@pytest.mark.parametrize("guarded", ["be-be"], indirect=True)
+def test_a_process_of_no_slice_on_a_best_effort_gpu_is_killed(
+    guarded: Guarded, programs: Programs
+) -> None:
+    """``env -i`` and a static binary on a GPU whose slices are all best-effort (the
+    default isolation): it belongs to no slice and takes memory they were promised. The
+    default policy left such a GPU alone (it guarded only GPUs holding a fixed- or
+    burst-share slice)."""
+    bare = {k: guarded.hostile_env[k] for k in ("QGPU_SIM_CONFIG", "CUDA_VISIBLE_DEVICES")}
+    proc = spawn([programs.static("static_driver")], bare)
+    guarded.started.append(proc)
+    h = Hostile(proc).read_until_ready()
+    since = time.monotonic()
+    assert h.all("grab") == [0] * 8
+    guarded.killed_within(h, since)
     guarded.victim_gets_its_promise()
 
 
