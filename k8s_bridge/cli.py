@@ -609,13 +609,19 @@ def _compat_flag(p: argparse.ArgumentParser) -> None:
 
 def run_webhook(args: argparse.Namespace) -> int:
     from k8s_bridge.http_serving import serve
+    from k8s_bridge.pod_guard import as_state_dir
     from k8s_bridge.resources import Names
     from k8s_bridge.webhook import create_app
 
     tls_pair(args)  # a certificate, or --insecure-http said out loud
     _logging(args)
     limits, tls = _serving(args)
-    app = create_app(Names(args.prefix), args.scheduler_name, compat_mode=args.compat)
+    app = create_app(
+        Names(args.prefix),
+        args.scheduler_name,
+        compat_mode=args.compat,
+        state_dir=as_state_dir(args.node_state_dir),
+    )
     serve(app, host=args.host, port=args.port, limits=limits, tls=tls)
     return EXIT_OK
 
@@ -634,6 +640,14 @@ def register_webhook(sub: Any) -> None:
         "--scheduler-name",
         default="qgpu-scheduler",
         help="schedulerName given to pods that ask for qgpu resources",
+    )
+    p.add_argument(
+        "--node-state-dir",
+        default="/var/lib/qgpu",
+        metavar="DIR",
+        help="the qgpu state directory of the nodes (the chart's manager.stateDir): qgpu pods "
+        "may not mount it or anything in it from the host, nor share containers anything "
+        "under it ('' : no such rule)",
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8443, help="port to listen on")

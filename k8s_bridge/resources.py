@@ -173,6 +173,8 @@ class ContainerModel(_Loose):
     name: str
     resources: ResourceRequirements | None = None
     env: list[dict[str, Any]] | None = None
+    env_from: list[dict[str, Any]] | None = Field(default=None, alias="envFrom")
+    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
     security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
 
 
@@ -182,6 +184,8 @@ class PodSpecModel(_Loose):
     scheduler_name: str | None = Field(default=None, alias="schedulerName")
     node_name: str | None = Field(default=None, alias="nodeName")
     security_context: dict[str, Any] | None = Field(default=None, alias="securityContext")
+    host_pid: bool | None = Field(default=None, alias="hostPID")
+    volumes: list[dict[str, Any]] | None = None
 
 
 class ObjectMetaModel(_Loose):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import PurePosixPath
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -52,6 +53,7 @@ from k8s_bridge import compat
 from k8s_bridge.http_errors import ViolationBody, errors, name_http_errors
 from k8s_bridge.http_serving import json_body_openapi
 from k8s_bridge.metrics import WebhookMetrics, exposition, rule_key
+from k8s_bridge.pod_guard import DEFAULT_NODE_STATE_DIR, check_pod
 from k8s_bridge.resources import (
     ContainerRequest,
     Names,
@@ -176,7 +178,11 @@ def _decide_update(names: Names, req: AdmissionRequest) -> Decision:
 
 
 def decide(
-    names: Names, scheduler_name: str, req: AdmissionRequest, compat_mode: bool = False
+    names: Names,
+    scheduler_name: str,
+    req: AdmissionRequest,
+    compat_mode: bool = False,
+    state_dir: PurePosixPath | None = DEFAULT_NODE_STATE_DIR,
 ) -> Decision:
     """The admission decision for one request, the rule a denial broke, and the sources
     (HAMi, Koordinator, annotation) of what compat mode translated."""
@@ -217,7 +223,7 @@ def decide(
             return AdmissionResponse(uid=req.uid, allowed=True, warnings=[reason]), None, []
         if not asks_for_qgpu(names, pod):
             return AdmissionResponse(uid=req.uid, allowed=True), None, []
-        pod_slice_requests(names, parse_pod(pod))
+        check_pod(names, parse_pod(pod), state_dir)  # the requests, then what would override
         preset = _preset_binding(names, pod, asks=True)
         if preset is not None:
             raise preset
@@ -255,10 +261,14 @@ def _reply(status: int, body: BaseModel | dict[str, Any]) -> Response:
 
 
 def review(
-    names: Names, scheduler_name: str, req: AdmissionRequest, compat_mode: bool = False
+    names: Names,
+    scheduler_name: str,
+    req: AdmissionRequest,
+    compat_mode: bool = False,
+    state_dir: PurePosixPath | None = DEFAULT_NODE_STATE_DIR,
 ) -> AdmissionResponse:
     """The admission decision for one request."""
-    return decide(names, scheduler_name, req, compat_mode)[0]
+    return decide(names, scheduler_name, req, compat_mode, state_dir)[0]
 
 
 def create_app(
@@ -266,6 +276,7 @@ def create_app(
     scheduler_name: str = DEFAULT_SCHEDULER,
     compat_mode: bool = False,
     metrics: WebhookMetrics | None = None,
+    state_dir: PurePosixPath | None = DEFAULT_NODE_STATE_DIR,
 ) -> FastAPI:
     app = FastAPI(
         title="qgpu mutating webhook",
@@ -297,7 +308,9 @@ def create_app(
                 m.admissions.labels("denied").inc()
                 m.denials.labels("request").inc()
                 return _reply(400, bad.as_dict())
-            resp, broken, sources = decide(names, scheduler_name, review_in.request, compat_mode)
+            resp, broken, sources = decide(
+                names, scheduler_name, review_in.request, compat_mode, state_dir
+            )
             if broken is not None:
                 m.admissions.labels("denied").inc()
                 m.denials.labels(rule_key(broken)).inc()

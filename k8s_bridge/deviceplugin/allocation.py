@@ -46,6 +46,7 @@ from enforcement.agent.client import AgentClient, AgentError, AgentUnavailable
 from enforcement.gpu_roster import WRITER_PLUGIN, RosterFull
 from enforcement.limits import allocation_env, limits_for_allocation
 from enforcement.state_tree import Identity, StateTree, activity_file, gpu_dir
+from k8s_bridge import container_paths
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.protocol import ContainerAssignment, Kind
 from k8s_bridge.resources import PodModel
@@ -60,10 +61,10 @@ from qgpu.model import (
     SliceRequest,
 )
 
-CONTAINER_LIMITS_FILE = Path("/etc/qgpu/limits.conf")
-CONTAINER_PRELOAD = Path("/etc/ld.so.preload")
-CONTAINER_HOOK = Path("/usr/local/qgpu/lib/libqgpu_hook.so")
-CONTAINER_STATE_DIR = Path("/run/qgpu/slices")
+CONTAINER_LIMITS_FILE = Path(container_paths.CONTAINER_LIMITS_FILE)
+CONTAINER_PRELOAD = Path(container_paths.CONTAINER_PRELOAD)
+CONTAINER_HOOK = Path(container_paths.CONTAINER_HOOK)
+CONTAINER_STATE_DIR = Path(container_paths.CONTAINER_STATE_DIR)
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 

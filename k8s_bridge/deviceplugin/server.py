@@ -60,6 +60,7 @@ from k8s_bridge.deviceplugin.pod_resources import (
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2 as pb
 from k8s_bridge.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from k8s_bridge.kube import Conflict, Kube, KubeError
+from k8s_bridge.pod_guard import as_state_dir, check_pod
 from k8s_bridge.protocol import (
     KINDS,
     Kind,
@@ -528,7 +529,10 @@ class QgpuDevicePlugin:
         )
 
     def _response(self, c: Any, kind: Kind) -> pb.ContainerAllocateResponse:
-        """The Allocate answer for candidate `c`'s container (makes its slice's files)."""
+        """The Allocate answer for candidate `c`'s container (makes its slice's files), for
+        a pod that overrides none of it (`k8s_bridge.pod_guard`: refused with the rule,
+        whatever the webhook let through)."""
+        check_pod(self.names, c.pod, as_state_dir(self.paths.state_dir))
         return container_response(
             self.paths,
             c.uid,
