@@ -55,6 +55,27 @@ def runtime_env(plugin: dict[str, str], pod: Sequence[tuple[str, str]]) -> dict[
     return env
 
 
+def piped(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """A workload process answering one line per line on text pipes."""
+    return subprocess.Popen(
+        argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def ask(proc: subprocess.Popen[str], line: str) -> list[str]:
+    """Sends `line` to a worker (tests/enforcement/worker.py serve) and returns its answer."""
+    assert proc.stdin and proc.stdout
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    reply = proc.stdout.readline()
+    if not reply:
+        proc.kill()
+        err = proc.stderr.read() if proc.stderr else ""
+        raise AssertionError(f"workload died on {line!r}: {err}")
+    return reply.split()
+
+
 class RuntimeContainer:
     """`argv` in the container; stdin/stdout are text pipes."""
 
@@ -101,24 +122,13 @@ class RuntimeContainer:
         script += f'shift {first - 1} && exec "$@"'
         full_env = {**(base_env if base_env is not None else os.environ), **env}
         full_env.pop("LD_PRELOAD", None)
-        self.proc = subprocess.Popen(
+        self.proc = piped(
             ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *args],
-            env=full_env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            full_env,
         )
 
     def ask(self, line: str) -> list[str]:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            self.proc.kill()
-            raise AssertionError(f"workload died on {line!r}: {self.proc.stderr.read()}")
-        return reply.split()
+        return ask(self.proc, line)
 
     def close(self) -> None:
         if self.proc.poll() is None:

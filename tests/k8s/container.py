@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
+
+from tests.fakes.runtime import ask, piped
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "enforcement" / "worker.py"
@@ -95,24 +96,12 @@ class Container:
         mounts = list(mounts)
         self.stage = Path(tempfile.mkdtemp(prefix="qs", dir="/tmp"))
         command = argv or [sys.executable, str(WORKER), "serve"]
-        self.proc = subprocess.Popen(
-            container_argv(envs, mounts, command, self.stage),
-            env=container_env(envs, mounts),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        self.proc = piped(
+            container_argv(envs, mounts, command, self.stage), container_env(envs, mounts)
         )
 
     def ask(self, line: str) -> list[str]:
-        assert self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            self.proc.kill()
-            raise AssertionError(f"workload died on {line!r}: {self.proc.stderr.read()}")
-        return reply.split()
+        return ask(self.proc, line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
