@@ -54,6 +54,8 @@ LIBRARIES = {
                 "launch.c",
                 "nvml.c",
                 "nvml_activity.c",
+                "nvml_settings.c",
+                "checkpoint.c",
             )
         ]
         + COMMON,
@@ -79,6 +81,7 @@ LIBRARIES = {
                 "image.c",
                 "graphmem.c",
                 "procaddr.c",
+                "checkpoint.c",
             )
         ]
         + SIM_CORE

@@ -6,8 +6,9 @@
  * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
  * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
  * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
- * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), NVML
- * views (nvml.c: memory and processes; nvml_activity.c: utilisation). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
+ * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), which
+ * processes a slice may checkpoint (checkpoint.c), NVML views (nvml.c: memory and processes;
+ * nvml_activity.c: utilisation), the GPU's settings a slice may not change (nvml_settings.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
  * cuGetProcAddress; real.c finds the real driver's functions. */
 #ifndef QGPU_HOOK_H
 #define QGPU_HOOK_H
@@ -20,6 +21,52 @@
 /* Every exported wrapper (also what dlsym/dlvsym/cuGetProcAddress hand out). Every ABI form
  * (v1, _v2.., _ptsz) of a wrapped entry point is wrapped: tests/enforcement check that against
  * the generated cuGetProcAddress table. */
+/* NVML calls that change a GPU, or the node, for every process on it (its compute mode,
+ * clocks, power, ECC, MIG, accounting, ...): refused in a slice (nvml_settings.c). Each takes
+ * at most six parameters, every one an integer, an enum or a pointer (nvml.h), so one
+ * forwarding signature serves them all. */
+#define HOOK_NVML_SETTINGS(X) \
+    X(nvmlComputeInstanceDestroy) X(nvmlDeviceClearAccountingPids)                        \
+    X(nvmlDeviceClearEccErrorCounts) X(nvmlDeviceClearFieldValues)                        \
+    X(nvmlDeviceCreateGpuInstance) X(nvmlDeviceCreateGpuInstanceWithPlacement)            \
+    X(nvmlDeviceDiscoverGpus) X(nvmlDeviceFreezeNvLinkUtilizationCounter)                 \
+    X(nvmlDeviceModifyDrainState) X(nvmlDevicePowerSmoothingActivatePresetProfile)        \
+    X(nvmlDevicePowerSmoothingSetState)                                                   \
+    X(nvmlDevicePowerSmoothingUpdatePresetProfileParam) X(nvmlDeviceRemoveGpu)            \
+    X(nvmlDeviceRemoveGpu_v2) X(nvmlDeviceResetApplicationsClocks)                        \
+    X(nvmlDeviceResetGpuLockedClocks) X(nvmlDeviceResetMemoryLockedClocks)                \
+    X(nvmlDeviceResetNvLinkErrorCounters) X(nvmlDeviceResetNvLinkUtilizationCounter)      \
+    X(nvmlDeviceSetAPIRestriction) X(nvmlDeviceSetAccountingMode)                         \
+    X(nvmlDeviceSetAdaptiveTgpMode_v1) X(nvmlDeviceSetApplicationsClocks)                 \
+    X(nvmlDeviceSetAutoBoostedClocksEnabled) X(nvmlDeviceSetClockOffsets)                 \
+    X(nvmlDeviceSetComputeMode) X(nvmlDeviceSetConfComputeUnprotectedMemSize)             \
+    X(nvmlDeviceSetDefaultAutoBoostedClocksEnabled) X(nvmlDeviceSetDefaultFanSpeed_v2)    \
+    X(nvmlDeviceSetDramEncryptionMode) X(nvmlDeviceSetDriverModel)                        \
+    X(nvmlDeviceSetEccMode) X(nvmlDeviceSetFanControlPolicy) X(nvmlDeviceSetFanSpeed_v2)  \
+    X(nvmlDeviceSetGpcClkVfOffset) X(nvmlDeviceSetGpuLockedClocks)                        \
+    X(nvmlDeviceSetGpuOperationMode) X(nvmlDeviceSetHostname_v1)                          \
+    X(nvmlDeviceSetMemClkVfOffset) X(nvmlDeviceSetMemoryLimits_v1)                        \
+    X(nvmlDeviceSetMemoryLockedClocks) X(nvmlDeviceSetMigMode)                            \
+    X(nvmlDeviceSetNvLinkDeviceLowPowerThreshold)                                         \
+    X(nvmlDeviceSetNvLinkUtilizationControl) X(nvmlDeviceSetNvlinkBwMode)                 \
+    X(nvmlDeviceSetNvlinkBwModeAsync_v1) X(nvmlDeviceSetPersistenceMode)                  \
+    X(nvmlDeviceSetPowerManagementLimit) X(nvmlDeviceSetPowerManagementLimit_v2)          \
+    X(nvmlDeviceSetPowerMizerMode_v1) X(nvmlDeviceSetRusdSettings_v1)                     \
+    X(nvmlDeviceSetTemperatureThreshold) X(nvmlDeviceSetVgpuCapabilities)                 \
+    X(nvmlDeviceSetVgpuHeterogeneousMode) X(nvmlDeviceSetVgpuSchedulerState)              \
+    X(nvmlDeviceSetVgpuSchedulerState_v2) X(nvmlDeviceSetVirtualizationMode)              \
+    X(nvmlDeviceWorkloadPowerProfileClearRequestedProfiles)                               \
+    X(nvmlDeviceWorkloadPowerProfileSetRequestedProfiles)                                 \
+    X(nvmlDeviceWorkloadPowerProfileUpdateProfiles_v1) X(nvmlGpmSetStreamingEnabled)      \
+    X(nvmlGpuInstanceCreateComputeInstance)                                               \
+    X(nvmlGpuInstanceCreateComputeInstanceWithPlacement) X(nvmlGpuInstanceDestroy)        \
+    X(nvmlGpuInstanceSetVgpuHeterogeneousMode) X(nvmlGpuInstanceSetVgpuSchedulerState)    \
+    X(nvmlGpuInstanceSetVgpuSchedulerState_v2) X(nvmlSetVgpuVersion)                      \
+    X(nvmlSystemSetConfComputeGpusReadyState)                                             \
+    X(nvmlSystemSetConfComputeKeyRotationThresholdInfo) X(nvmlSystemSetNvlinkBwMode)      \
+    X(nvmlUnitSetLedState) X(nvmlVgpuInstanceClearAccountingPids)                         \
+    X(nvmlVgpuInstanceSetEncoderCapacity)
+
 #define HOOK_WRAPPED(X)                                                                      \
     X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2)                                     \
     X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch) X(cuMemAllocPitch_v2)                  \
@@ -64,6 +111,9 @@
     X(cuModuleUnload) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
     X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) X(cuLibraryGetKernel) \
     X(cuLibraryEnumerateKernels) X(cuKernelGetFunction)                                      \
+    X(cuCheckpointProcessGetRestoreThreadId) X(cuCheckpointProcessGetState)                  \
+    X(cuCheckpointProcessLock) X(cuCheckpointProcessCheckpoint)                              \
+    X(cuCheckpointProcessRestore) X(cuCheckpointProcessUnlock)                               \
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)                                 \
     X(nvmlDeviceGetComputeRunningProcesses) X(nvmlDeviceGetComputeRunningProcesses_v2)       \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetGraphicsRunningProcesses)      \
@@ -72,7 +122,8 @@
     X(nvmlDeviceGetMPSComputeRunningProcesses_v3) X(nvmlDeviceGetProcessUtilization)        \
     X(nvmlDeviceGetRunningProcessDetailList) X(nvmlDeviceGetProcessesUtilizationInfo)        \
     X(nvmlDeviceGetAccountingPids) X(nvmlDeviceGetAccountingStats)                           \
-    X(nvmlDeviceGetUtilizationRates) X(nvmlDeviceGetSamples) X(nvmlDeviceGetBAR1MemoryInfo)
+    X(nvmlDeviceGetUtilizationRates) X(nvmlDeviceGetSamples) X(nvmlDeviceGetBAR1MemoryInfo)   \
+    HOOK_NVML_SETTINGS(X)
 
 /* Real functions the hook calls itself without wrapping them. */
 #define HOOK_INTERNAL(X)                                                                     \
@@ -97,6 +148,14 @@ enum {
 };
 
 extern QGPU_HIDDEN void *hook_real_fn[HIDX_COUNT];
+
+/* nvml_settings.c: the wrappers of HOOK_NVML_SETTINGS, one signature for all */
+typedef nvmlReturn_t (*hook_nvml_setting_fn)(uintptr_t, uintptr_t, uintptr_t, uintptr_t,
+                                             uintptr_t, uintptr_t);
+#define HOOK_SETTING_DECL(name) \
+    QGPU_EXPORT nvmlReturn_t name(uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t);
+HOOK_NVML_SETTINGS(HOOK_SETTING_DECL)
+#undef HOOK_SETTING_DECL
 extern QGPU_HIDDEN const char *const hook_fn_names[HIDX_COUNT];
 
 /* libc_sym.c: libc's dlsym/dlvsym/dlopen/dlmopen, read from its symbol table */

@@ -50,6 +50,7 @@ typedef int CUmoduleLoadingMode; /* enum CUmoduleLoadingMode_enum */
 #define CUDA_ERROR_DEINITIALIZED 4
 #define CUDA_ERROR_NO_DEVICE 100
 #define CUDA_ERROR_INVALID_DEVICE 101
+#define CUDA_ERROR_DEVICE_UNAVAILABLE 46
 #define CUDA_ERROR_INVALID_IMAGE 200
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_NO_BINARY_FOR_GPU 209
@@ -75,6 +76,11 @@ typedef struct CUuuid_st {
 
 #define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK 1
 #define CU_DEVICE_ATTRIBUTE_WARP_SIZE 10
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_MODE 20
+/* CUcomputemode (the same numbers as NVML's nvmlComputeMode_t) */
+#define CU_COMPUTEMODE_DEFAULT 0
+#define CU_COMPUTEMODE_PROHIBITED 2
+#define CU_COMPUTEMODE_EXCLUSIVE_PROCESS 3
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_PCI_BUS_ID 33
 #define CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID 34
@@ -381,5 +387,34 @@ typedef enum {
 
 #define CU_EVENT_DEFAULT 0
 #define CU_EVENT_DISABLE_TIMING 2
+
+/* the checkpoint API (cuCheckpointProcess*, CUDA 12.8): as cuda.h lays the types out */
+typedef enum {
+    CU_PROCESS_STATE_RUNNING = 0,
+    CU_PROCESS_STATE_LOCKED = 1,
+    CU_PROCESS_STATE_CHECKPOINTED = 2,
+    CU_PROCESS_STATE_FAILED = 3
+} CUprocessState;
+typedef struct CUcheckpointLockArgs_st {
+    unsigned int timeoutMs;
+    unsigned int reserved0;
+    cuuint64_t reserved1[7];
+} CUcheckpointLockArgs;
+typedef struct CUcheckpointCheckpointArgs_st {
+    cuuint64_t reserved[8];
+} CUcheckpointCheckpointArgs;
+typedef struct CUcheckpointGpuPair_st {
+    CUuuid oldUuid;
+    CUuuid newUuid;
+} CUcheckpointGpuPair;
+typedef struct CUcheckpointRestoreArgs_st {
+    CUcheckpointGpuPair *gpuPairs;
+    unsigned int gpuPairsCount;
+    char reserved[52 - sizeof(CUcheckpointGpuPair *)];
+    cuuint64_t reserved1;
+} CUcheckpointRestoreArgs;
+typedef struct CUcheckpointUnlockArgs_st {
+    cuuint64_t reserved[8];
+} CUcheckpointUnlockArgs;
 
 #endif

@@ -171,8 +171,27 @@ static CUresult limit_supported(const struct CUctx_st *c, int which) {
 /* `cost`: the device memory the context itself takes (a regular or primary context the GPU's
  * context_memory; a green context its green_context_memory, beyond the primary context it
  * retains) */
+/* The GPU's compute mode (nvmlDeviceSetComputeMode): PROHIBITED gives nobody a new context,
+ * EXCLUSIVE_PROCESS none while another live process holds one (CUDA_ERROR_DEVICE_UNAVAILABLE,
+ * as cuda.h says). Contexts made before the mode changed are kept. */
+static CUresult compute_mode_allows(int gidx) {
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    uint32_t mode = __atomic_load_n(&st->compute_mode, __ATOMIC_ACQUIRE);
+    if (mode == CU_COMPUTEMODE_PROHIBITED) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    if (mode != CU_COMPUTEMODE_EXCLUSIVE_PROCESS) return CUDA_SUCCESS;
+    int me = getpid(), other = 0;
+    sim_state_lock(st);
+    sim_state_reclaim_dead(st);
+    for (int i = 0; i < SIM_MAX_PROCS; i++)
+        if (st->procs[i].pid && st->procs[i].pid != me && st->procs[i].contexts) other = 1;
+    sim_state_unlock(st);
+    return other ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
+}
+
 static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags,
                          uint64_t cost) {
+    CUresult allowed = compute_mode_allows(gidx);
+    if (allowed) return allowed;
     memset(c, 0, sizeof *c);
     c->magic = CTX_MAGIC;
     c->dev = dev;

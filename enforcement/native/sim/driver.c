@@ -109,6 +109,7 @@ static void do_init(void) {
     }
     atexit(release_own_slots);
     pthread_atfork(NULL, NULL, mark_forked);
+    sim_checkpoint_start();
     init_result = CUDA_SUCCESS;
 }
 
@@ -116,6 +117,7 @@ static void do_init(void) {
  * call there, cuInit included, fails with CUDA_ERROR_NOT_INITIALIZED. */
 CUresult sim_check_init(void) {
     if (!__atomic_load_n(&init_called, __ATOMIC_ACQUIRE) || forked) return CUDA_ERROR_NOT_INITIALIZED;
+    if (init_result == CUDA_SUCCESS) sim_checkpoint_gate(); /* locked: wait for the unlock */
     return init_result;
 }
 
@@ -226,6 +228,9 @@ SIM_EXPORT CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case 8: *value = 49152; break;              /* MAX_SHARED_MEMORY_PER_BLOCK */
     case 9: *value = 65536; break;              /* TOTAL_CONSTANT_MEMORY */
     case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *value = 32; break;
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE:
+        *value = (int)__atomic_load_n(&g_sim_state[g]->compute_mode, __ATOMIC_ACQUIRE);
+        break;
     case 12: *value = 65536; break;             /* MAX_REGISTERS_PER_BLOCK */
     case 13: *value = 1755000; break;           /* CLOCK_RATE (kHz) */
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *value = c->sms; break;

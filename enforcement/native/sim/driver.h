@@ -210,6 +210,10 @@ QGPU_HIDDEN CUresult sim_check_init(void);
 QGPU_HIDDEN CUresult sim_device_gidx(CUdevice dev, int *gidx);
 QGPU_HIDDEN int sim_config_loaded(void); /* loads the config for calls allowed before cuInit */
 
+/* checkpoint.c: the restore thread (started by cuInit) and the gate of a locked process */
+QGPU_HIDDEN void sim_checkpoint_start(void);
+QGPU_HIDDEN void sim_checkpoint_gate(void); /* waits while the process is locked */
+
 /* ctx.c */
 QGPU_HIDDEN struct CUctx_st *sim_current_ctx(void);
 QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);

@@ -521,6 +521,27 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceSetAccountingMode(nvmlDevice_t d, int mode) {
     return NVML_SUCCESS;
 }
 
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t d, int *mode) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!mode) return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = (int)__atomic_load_n(&d->st->compute_mode, __ATOMIC_ACQUIRE);
+    return NVML_SUCCESS;
+}
+
+/* Root only, as on NVIDIA's driver; the mode is the GPU's, for every process on it, and lasts
+ * (in the state file) until it is set again. EXCLUSIVE_THREAD (1) is gone from current
+ * drivers: NVML_ERROR_NOT_SUPPORTED. */
+QGPU_EXPORT nvmlReturn_t nvmlDeviceSetComputeMode(nvmlDevice_t d, int mode) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (mode < 0 || mode > CU_COMPUTEMODE_EXCLUSIVE_PROCESS) return NVML_ERROR_INVALID_ARGUMENT;
+    if (mode == 1) return NVML_ERROR_NOT_SUPPORTED;
+    if (geteuid() != 0) return NVML_ERROR_NO_PERMISSION;
+    __atomic_store_n(&d->st->compute_mode, (uint32_t)mode, __ATOMIC_RELEASE);
+    return NVML_SUCCESS;
+}
+
 /* Root only: forgets the processes that ended. */
 QGPU_EXPORT nvmlReturn_t nvmlDeviceClearAccountingPids(nvmlDevice_t d) {
     nvmlReturn_t r = check(d);

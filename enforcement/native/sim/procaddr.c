@@ -16,7 +16,9 @@
 
 #define SIM_FUNCS(X) \
     X(cuArray3DCreate) X(cuArray3DCreate_v2) X(cuArrayCreate) X(cuArrayCreate_v2) \
-    X(cuArrayDestroy) X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
+    X(cuArrayDestroy) X(cuCheckpointProcessCheckpoint) X(cuCheckpointProcessGetRestoreThreadId) \
+    X(cuCheckpointProcessGetState) X(cuCheckpointProcessLock) X(cuCheckpointProcessRestore) \
+    X(cuCheckpointProcessUnlock) X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
     X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxFromGreenCtx) X(cuCtxGetApiVersion) \
     X(cuCtxGetCurrent) X(cuCtxGetDevice) X(cuCtxGetFlags) X(cuCtxGetLimit) X(cuCtxPopCurrent) \
     X(cuCtxPopCurrent_v2) X(cuCtxPushCurrent) X(cuCtxPushCurrent_v2) X(cuCtxSetCurrent) \

@@ -160,7 +160,7 @@ typedef struct {
     uint64_t unowned;        /* 432: shared memory kept only by open descriptors (in mem_used) */
     uint64_t share_next_id;  /* 440: last shared-allocation id handed out */
     uint32_t acct_mode;      /* 448: NVML accounting mode (NVML_FEATURE_*) */
-    uint32_t pad1;           /* 452 */
+    uint32_t compute_mode;   /* 452: CU_COMPUTEMODE_* (set through NVML, root only) */
     uint64_t acct_next;      /* 456: accounting records ever begun (the ring's next slot) */
     char pad[48];            /* 464 .. 512 */
     sim_proc_t procs[SIM_MAX_PROCS]; /* 512 */
