@@ -11,11 +11,16 @@
  * parent links), and a restore's gpuPairs may only name the slice's own GPU as the new one
  * (CUDA_ERROR_INVALID_DEVICE otherwise). A pid <= 0 is refused (CUDA_ERROR_INVALID_VALUE)
  * without asking the driver. Outside a slice (the node's operator running cuda-checkpoint)
- * nothing changes. Left open: the pid is checked, then the driver is called with it; a
- * descendant that exits in between frees its pid for reuse by another process. */
+ * nothing changes. The process is pinned with a pidfd from before /proc is read until the
+ * driver has answered, so its pid cannot pass to another process unseen while it is checked.
+ * Left open: the driver takes a pid, not the pidfd; a descendant that is reaped during the
+ * driver's call may leave its pid to another process before the driver looks it up (said on
+ * stderr afterwards). */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "hook.h"
@@ -52,39 +57,97 @@ static CUresult refused(const char *call, int pid) {
     return CUDA_ERROR_NOT_PERMITTED;
 }
 
-#define FENCE_PID(name, pid)                                       \
+/* A pidfd pins the process a pid names while the call is checked and made: as long as it
+ * has not been reaped, its pid cannot be handed to another process. -1 where the kernel has
+ * no pidfd_open (before Linux 5.3): then only the /proc check stands. */
+static int pin(int pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+/* 1 while the pinned process is unreaped (a zombie still holds its pid) */
+static int still_there(int pidfd) {
+#ifdef SYS_pidfd_send_signal
+    return syscall(SYS_pidfd_send_signal, pidfd, 0, NULL, 0) == 0;
+#else
+    (void)pidfd;
+    return 1;
+#endif
+}
+
+/* CUDA_SUCCESS when a slice may name `pid` (itself or a descendant), the process pinned in
+ * *pidfd (or -1); otherwise the refusal. The pin is taken before /proc is read and checked
+ * after it, so what was read is that process's, not a successor's. */
+static CUresult fence(const char *call, int pid, int *pidfd) {
+    *pidfd = -1;
+    if (pid <= 0) return CUDA_ERROR_INVALID_VALUE;
+    int fd = pin(pid);
+    if (fd < 0 && errno == ESRCH) return CUDA_ERROR_INVALID_VALUE; /* no such process */
+    if (!own_process(pid) || (fd >= 0 && !still_there(fd))) {
+        if (fd >= 0) close(fd);
+        return refused(call, pid);
+    }
+    *pidfd = fd;
+    return CUDA_SUCCESS;
+}
+
+/* After the driver's call: a pinned process reaped during it may have left its pid to
+ * another process before the driver looked it up (the one window left, said on stderr). */
+static CUresult unpin(const char *call, int pid, int pidfd, CUresult r) {
+    if (pidfd < 0) return r;
+    if (!still_there(pidfd))
+        fprintf(stderr, "qgpu: %s(pid %d) in slice %s: the process ended during the call; "
+                "its pid may have named another process to the driver\n", call, pid,
+                g_lim.slice_id);
+    close(pidfd);
+    return r;
+}
+
+#define FENCED(name, pid, ...)                                     \
     do {                                                           \
-        if ((pid) <= 0) return CUDA_ERROR_INVALID_VALUE;           \
-        if (!own_process(pid)) return refused(#name, pid);         \
+        int pfd_;                                                  \
+        CUresult f_ = fence(#name, pid, &pfd_);                    \
+        if (f_) return f_;                                         \
+        return unpin(#name, pid, pfd_, REAL(name)(pid, __VA_ARGS__)); \
     } while (0)
 
 QGPU_EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
     HOOK_ENTER(cuCheckpointProcessGetRestoreThreadId, pid, tid);
-    FENCE_PID(cuCheckpointProcessGetRestoreThreadId, pid);
-    return REAL(cuCheckpointProcessGetRestoreThreadId)(pid, tid);
+    FENCED(cuCheckpointProcessGetRestoreThreadId, pid, tid);
 }
 
 QGPU_EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state) {
     HOOK_ENTER(cuCheckpointProcessGetState, pid, state);
-    FENCE_PID(cuCheckpointProcessGetState, pid);
-    return REAL(cuCheckpointProcessGetState)(pid, state);
+    FENCED(cuCheckpointProcessGetState, pid, state);
 }
 
 QGPU_EXPORT CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
     HOOK_ENTER(cuCheckpointProcessLock, pid, args);
-    FENCE_PID(cuCheckpointProcessLock, pid);
-    return REAL(cuCheckpointProcessLock)(pid, args);
+    FENCED(cuCheckpointProcessLock, pid, args);
 }
 
 QGPU_EXPORT CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
     HOOK_ENTER(cuCheckpointProcessCheckpoint, pid, args);
-    FENCE_PID(cuCheckpointProcessCheckpoint, pid);
-    return REAL(cuCheckpointProcessCheckpoint)(pid, args);
+    FENCED(cuCheckpointProcessCheckpoint, pid, args);
 }
+
+static CUresult restore(int pid, CUcheckpointRestoreArgs *args);
 
 QGPU_EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     HOOK_ENTER(cuCheckpointProcessRestore, pid, args);
-    FENCE_PID(cuCheckpointProcessRestore, pid);
+    int pfd;
+    CUresult f = fence("cuCheckpointProcessRestore", pid, &pfd);
+    if (f) return f;
+    return unpin("cuCheckpointProcessRestore", pid, pfd, restore(pid, args));
+}
+
+/* the restore itself, once the pid is allowed: gpuPairs only onto the slice's GPU */
+static CUresult restore(int pid, CUcheckpointRestoreArgs *args) {
     if (args && args->gpuPairsCount) {
         if (!args->gpuPairs) return CUDA_ERROR_INVALID_VALUE;
         /* one copy, read once: the tenant's other threads may rewrite the array */
@@ -111,6 +174,5 @@ QGPU_EXPORT CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs
 
 QGPU_EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
     HOOK_ENTER(cuCheckpointProcessUnlock, pid, args);
-    FENCE_PID(cuCheckpointProcessUnlock, pid);
-    return REAL(cuCheckpointProcessUnlock)(pid, args);
+    FENCED(cuCheckpointProcessUnlock, pid, args);
 }
