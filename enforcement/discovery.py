@@ -121,6 +121,11 @@ class UtilSample:
 UTIL_WINDOW_US = 2_000_000
 
 
+# The GPU settings the watchdog keeps as the agent found them (`GpuBackend.gpu_settings`):
+# each changes the GPU for every process on it, and root may change it through NVML.
+GPU_SETTINGS = ("compute_mode", "accounting_mode")
+
+
 class GpuBackend(Protocol):
     """What the agent needs from a GPU source (NVML, simulated NVML, or a test double)."""
 
@@ -134,6 +139,14 @@ class GpuBackend(Protocol):
     def processes(self) -> list[GpuProcess]: ...
 
     def process_utilization(self) -> dict[tuple[str, int], UtilSample]: ...
+
+    def gpu_settings(self) -> dict[str, dict[str, int]]:
+        """Per GPU, the `GPU_SETTINGS` it can report (NVML's numbers)."""
+        ...
+
+    def set_gpu_setting(self, uuid: str, name: str, value: int) -> str | None:
+        """Sets one of `GPU_SETTINGS`; None when done, else why not (NVML's error)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -292,6 +305,34 @@ class NvmlBackend:
                     if prev is None or at > prev.at_us:
                         out[key] = UtilSample(int(sample.smUtil), at)
         return out
+
+    def gpu_settings(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        with self._nvml():
+            for _i, handle in self._handles():
+                uuid = _nvml_str(pynvml.nvmlDeviceGetUUID(handle))
+                read = {
+                    "compute_mode": _optional(lambda h=handle: pynvml.nvmlDeviceGetComputeMode(h)),
+                    "accounting_mode": _optional(
+                        lambda h=handle: pynvml.nvmlDeviceGetAccountingMode(h)
+                    ),
+                }
+                out[uuid] = {k: int(v) for k, v in read.items() if v is not None}
+        return out
+
+    def set_gpu_setting(self, uuid: str, name: str, value: int) -> str | None:
+        setters = {
+            "compute_mode": pynvml.nvmlDeviceSetComputeMode,
+            "accounting_mode": pynvml.nvmlDeviceSetAccountingMode,
+        }
+        if name not in setters:
+            return f"{name!r} is not a GPU setting the agent keeps (one of {GPU_SETTINGS})"
+        with self._nvml():
+            try:
+                setters[name](pynvml.nvmlDeviceGetHandleByUUID(uuid), value)
+            except pynvml.NVMLError as exc:
+                return str(exc)
+        return None
 
     def _start_xid_watch(self) -> None:
         with self._nvml():

@@ -186,8 +186,15 @@ class AgentCollector(Collector):
             "policy covers, with --watchdog-unowned kill)",
             labels=["node", "device_uuid"],
         )
+        restored = CounterMetricFamily(
+            "qgpu_watchdog_gpu_settings_restored",
+            "GPU settings (compute mode, accounting mode) the watchdog set back to what the "
+            "agent found at its first scan",
+            labels=["node", "device_uuid", "setting"],
+        )
         with agent.counters._lock:
             unowned_kill_counts = dict(agent.counters.watchdog_unowned_kills)
+            restored_counts = dict(agent.counters.watchdog_settings_restored)
             over_counts = dict(agent.counters.watchdog_over_cap)
             core_counts = dict(agent.counters.watchdog_over_core)
             kill_counts = dict(agent.counters.watchdog_kills)
@@ -199,6 +206,8 @@ class AgentCollector(Collector):
             kills.add_metric([agent.node, uuid, sid], n)
         for uuid, n in sorted(unowned_kill_counts.items()):
             unowned_kills.add_metric([agent.node, uuid], n)
+        for (uuid, name), n in sorted(restored_counts.items()):
+            restored.add_metric([agent.node, uuid, name], n)
         unowned = GaugeMetricFamily(
             "qgpu_watchdog_unowned_processes",
             "GPU processes that belong to no slice, at the last scan",
@@ -224,7 +233,7 @@ class AgentCollector(Collector):
                     )
             for (uuid, sid), n in sorted(per_slice.items()):
                 current.add_metric([agent.node, uuid, sid], n)
-        yield from (over, over_core, kills, unowned_kills, unowned, current)
+        yield from (over, over_core, kills, unowned_kills, restored, unowned, current)
 
 
 KNOWN_ROUTES = ("/v1/node", "/v1/devices", "/v1/slices", "/v1/health", "/metrics")

@@ -153,6 +153,7 @@ class Counters:
     watchdog_kills: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_over_core: Counter[tuple[str, str]] = field(default_factory=Counter)
     watchdog_unowned_kills: Counter[str] = field(default_factory=Counter)
+    watchdog_settings_restored: Counter[tuple[str, str]] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, key: object, n: int = 1) -> None:

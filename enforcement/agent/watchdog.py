@@ -48,6 +48,15 @@ missing there. So each scan also writes the slices it saw busy to the GPU's busy
 (``.gpu-<uuid>/busy``, `enforcement.busy_view`), which the interposer counts as active
 neighbours: a well-behaved slice falls back before the watchdog could judge it, and a
 tenant that hides its work cannot get its neighbour killed nor take its neighbour's share.
+
+GPU settings have a backstop too. Root may change a GPU's compute mode and accounting mode
+through NVML for every process on it: EXCLUSIVE_PROCESS or PROHIBITED denies every other
+slice a new context. The interposer refuses these calls in a slice; a process that goes
+around it does not ask. The first scan records each GPU's `GPU_SETTINGS` as the agent found
+them (the operator's), and every later scan sets back any that changed, logging
+``qgpu.watchdog.gpu_setting`` (which setting, found, restored to, the action) and counting
+``qgpu_watchdog_gpu_settings_restored_total``. Who changed it is not known (NVML does not
+say). An operator who changes one on purpose restarts the agent after.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ from typing import TYPE_CHECKING
 from enforcement.agent.config import WatchdogKill, WatchdogUnowned
 from enforcement.agent.reconcile import proc_start_time
 from enforcement.busy_view import BusySlice, BusyView
-from enforcement.discovery import GpuProcess, UtilSample
+from enforcement.discovery import GPU_SETTINGS, GpuProcess, UtilSample
 from enforcement.state_tree import busy_file
 from qgpu.model import Allocation, IsolationPolicy
 from qgpu.units import BYTES_PER_GIB
@@ -186,6 +195,17 @@ class Unowned:
     action: str  # reported | killed | kill-failed
 
 
+@dataclass(frozen=True)
+class SettingChange:
+    """A GPU setting found changed since the first scan, and what the watchdog did."""
+
+    device_uuid: str
+    setting: str
+    found: int
+    expected: int
+    action: str  # "restored", or "not_restored: <NVML's error>"
+
+
 @dataclass
 class WatchdogReport:
     at: float
@@ -193,6 +213,7 @@ class WatchdogReport:
     over_core: list[OverCore] = field(default_factory=list)
     unowned: list[GpuProcess] = field(default_factory=list)
     unowned_actions: list[Unowned] = field(default_factory=list)
+    settings: list[SettingChange] = field(default_factory=list)
 
 
 class Watchdog:
@@ -226,6 +247,8 @@ class Watchdog:
         self._seen_over: set[tuple[str, int]] = set()
         self._over_since: dict[str, float] = {}  # slice -> when a scan first saw it over
         self.last: WatchdogReport | None = None
+        self._settings: dict[str, dict[str, int]] | None = None  # GPU -> as first found
+        self._seen_settings: set[tuple[str, str, int]] = set()  # unrestorable, logged once
 
     def kills_for(self, alloc: Allocation) -> bool:
         """Whether this node kills over-cap processes of `alloc`'s policy."""
@@ -301,8 +324,46 @@ class Watchdog:
         self._check_compute(allocs, by_slice, report, now)
         self._over_since = {k: v for k, v in self._over_since.items() if k in over_now}
         self._check_unowned(allocs, unowned, report, now)
+        self._keep_settings(report)
         self.last = report
         return report
+
+    def _keep_settings(self, report: WatchdogReport) -> None:
+        """Sets back every GPU setting that changed since the first scan."""
+        agent = self.agent
+        found = agent.backend.gpu_settings()
+        if self._settings is None:
+            self._settings = found
+            return
+        for uuid, expected in self._settings.items():
+            now = found.get(uuid, {})
+            for name in GPU_SETTINGS:
+                want, have = expected.get(name), now.get(name)
+                if want is None or have is None or want == have:
+                    continue
+                error = agent.backend.set_gpu_setting(uuid, name, want)
+                action = "restored" if error is None else f"not_restored: {error}"
+                report.settings.append(SettingChange(uuid, name, have, want, action))
+                if error is None:
+                    agent.counters.add("watchdog_settings_restored", (uuid, name))
+                elif (uuid, name, have) in self._seen_settings:
+                    continue  # cannot set it back: said once
+                else:
+                    self._seen_settings.add((uuid, name, have))
+                log.warning(
+                    json.dumps(
+                        {
+                            "event": "qgpu.watchdog.gpu_setting",
+                            "node": agent.node,
+                            "device_uuid": uuid,
+                            "setting": name,
+                            "found": have,
+                            "expected": want,
+                            "action": action,
+                        },
+                        sort_keys=True,
+                    )
+                )
 
     def kills_compute_for(self, alloc: Allocation) -> bool:
         """Whether this node kills processes of `alloc` for compute. Every compute rule

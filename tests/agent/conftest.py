@@ -33,6 +33,8 @@ class FakeBackend:
     workload_env: dict[str, str] = field(default_factory=dict)
     procs: list[GpuProcess] = field(default_factory=list)
     util: dict[tuple[str, int], UtilSample] = field(default_factory=dict)
+    settings: dict[str, dict[str, int]] = field(default_factory=dict)  # GPU -> NVML settings
+    refuse_settings: str | None = None  # set_gpu_setting's error, when it should fail
     closed: bool = False
 
     def devices(self) -> list[GpuDevice]:
@@ -50,6 +52,15 @@ class FakeBackend:
 
     def process_utilization(self) -> dict[tuple[str, int], UtilSample]:
         return dict(self.util)
+
+    def gpu_settings(self) -> dict[str, dict[str, int]]:
+        return {uuid: dict(s) for uuid, s in self.settings.items()}
+
+    def set_gpu_setting(self, uuid: str, name: str, value: int) -> str | None:
+        if self.refuse_settings is not None:
+            return self.refuse_settings
+        self.settings[uuid][name] = value
+        return None
 
     def close(self) -> None:
         self.closed = True

@@ -451,3 +451,40 @@ def test_kill_off_reports_a_slice_over_its_core_without_killing(
         backend.util = {(uuid, pid): UtilSample(90, at + 1)}
         assert [e.action for e in wd.scan().over_core] == ["reported"]
     assert children[0].poll() is None
+
+
+def test_changed_gpu_settings_are_set_back_and_counted(
+    agent: Agent, backend: FakeBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU's compute mode and accounting mode stay what the first scan found: a change
+    (root going around the interposer) is set back at the next scan, logged and counted;
+    one the agent cannot set back is logged once, not once per scan."""
+    uuid = backend.gpus[0].uuid
+    backend.settings = {uuid: {"compute_mode": 0, "accounting_mode": 1}}
+    wd = Watchdog(agent)
+    assert wd.scan().settings == []  # the first scan only records
+    backend.settings[uuid] = {"compute_mode": 2, "accounting_mode": 0}  # PROHIBITED, off
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        changed = wd.scan().settings
+    assert {(c.setting, c.found, c.expected, c.action) for c in changed} == {
+        ("compute_mode", 2, 0, "restored"),
+        ("accounting_mode", 0, 1, "restored"),
+    }
+    assert backend.settings[uuid] == {"compute_mode": 0, "accounting_mode": 1}
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    assert {x["setting"] for x in lines if x["event"] == "qgpu.watchdog.gpu_setting"} == {
+        "compute_mode",
+        "accounting_mode",
+    }
+    found = samples(agent)
+    restored = "qgpu_watchdog_gpu_settings_restored_total"
+    assert value(found, restored, device_uuid=uuid, setting="compute_mode") == 1
+    assert wd.scan().settings == []  # set back: nothing more to do
+    backend.settings[uuid]["compute_mode"] = 3
+    backend.refuse_settings = "Insufficient Permissions"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent.watchdog"):
+        first, second = wd.scan().settings, wd.scan().settings
+    assert first[0].action == second[0].action == "not_restored: Insufficient Permissions"
+    assert len(caplog.records) == 1
+    assert value(samples(agent), restored, device_uuid=uuid, setting="compute_mode") == 1

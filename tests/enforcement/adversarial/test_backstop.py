@@ -237,3 +237,35 @@ def test_a_gated_slice_running_flat_out_is_never_counted_over_its_core(
         if line.startswith("qgpu_watchdog_over_core_total{")
     ]
     assert over == [], over
+
+
+def test_a_compute_mode_set_around_the_hook_is_set_back(guarded: Guarded) -> None:
+    """Root in the hostile slice, with no interposer loaded (as a static binary would be),
+    sets its GPU's compute mode PROHIBITED with pynvml: the victim's slice could get no new
+    context. The agent's watchdog sets it back within a scan, and counts it."""
+    if os.geteuid() != 0:
+        pytest.skip("NVML's setters are root-only, as on a GPU")
+    env = {k: v for k, v in guarded.hostile_env.items() if k != "LD_PRELOAD"}
+    h = guarded.start([sys.executable, PROGRAMS / "nvml_settings.py", "prohibited"])
+    assert h.one("compute_mode") == 4  # under the hook: refused (test_gpu_settings.py)
+    h.finish()
+    since = time.monotonic()
+    proc = spawn([sys.executable, PROGRAMS / "nvml_settings.py", "prohibited"], env)
+    guarded.started.append(proc)
+    bare = Hostile(proc).read_until_ready()
+    assert bare.one("compute_mode") == 0  # around the hook: the driver did it
+    restored = 0.0
+    while time.monotonic() - since < INTERVAL * 2 + SLACK:
+        for line in guarded.client.metrics().splitlines():
+            if line.startswith("qgpu_watchdog_gpu_settings_restored_total{"):
+                restored += float(line.rsplit(" ", 1)[1])
+        if restored:
+            break
+        time.sleep(0.1)
+    assert restored == 1, "the watchdog did not set the compute mode back"
+    late = Worker(guarded.victim_env)
+    try:
+        late.start()  # a context again: the mode is DEFAULT
+    finally:
+        late.kill()
+    bare.finish()

@@ -118,6 +118,12 @@ class SimBackend:
             if p.sm_util_at_ns
         }
 
+    def gpu_settings(self) -> dict[str, dict[str, int]]:
+        return {}  # the compute tests here keep no settings
+
+    def set_gpu_setting(self, uuid: str, name: str, value: int) -> str | None:
+        return "not kept by this backend"
+
     def close(self) -> None:
         pass
 
