@@ -188,6 +188,29 @@ static CUresult compute_mode_allows(int gidx) {
     return other ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
 }
 
+/* Each live context of this process has its own queue index for the timesliced scheduler
+ * (sim_proc_t.ctx_end); past SIM_CTX_QUEUES live contexts, indices are shared. */
+static uint32_t queues_used;
+static unsigned queues_next;
+static pthread_mutex_t queues_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int take_queue(void) {
+    pthread_mutex_lock(&queues_lock);
+    int q = -1;
+    for (int i = 0; i < SIM_CTX_QUEUES && q < 0; i++)
+        if (!(queues_used & (1u << i))) q = i;
+    if (q < 0) q = (int)(queues_next++ % SIM_CTX_QUEUES);
+    queues_used |= 1u << q;
+    pthread_mutex_unlock(&queues_lock);
+    return q;
+}
+
+static void give_queue(int q) {
+    pthread_mutex_lock(&queues_lock);
+    queues_used &= ~(1u << ((unsigned)q % SIM_CTX_QUEUES));
+    pthread_mutex_unlock(&queues_lock);
+}
+
 static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned flags,
                          uint64_t cost) {
     CUresult allowed = compute_mode_allows(gidx);
@@ -197,9 +220,13 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
     c->dev = dev;
     c->gidx = gidx;
     c->flags = flags;
+    c->queue = take_queue();
     for (int i = 0; i < MEMORY_LIMITS; i++) c->limits[i] = limit_default[i];
     CUresult r = sim_charge(gidx, cost);
-    if (r) return r;
+    if (r) {
+        give_queue(c->queue);
+        return r;
+    }
     c->charged = cost;
     sim_gpu_state_t *st = g_sim_state[gidx];
     sim_state_lock(st);
@@ -212,6 +239,7 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
         if (p && p->contexts) p->contexts--;
         sim_state_unlock(st);
         sim_uncharge(gidx, cost);
+        give_queue(c->queue);
         c->magic = 0;
     }
     return r;
@@ -222,6 +250,7 @@ static CUresult ctx_init(struct CUctx_st *c, CUdevice dev, int gidx, unsigned fl
 QGPU_HIDDEN void sim_free_ctx_allocations(struct CUctx_st *ctx);
 
 static void ctx_release(struct CUctx_st *c) {
+    give_queue(c->queue);
     sim_modules_ctx_gone(c); /* its modules and library instances unload with it */
     sim_free_ctx_allocations(c);
     sim_uncharge(c->gidx, c->charged);

@@ -61,6 +61,7 @@ struct CUctx_st {
     int64_t last_end_ns; /* fifo: end of the last op queued by this context */
     uint64_t limits[5];  /* CU_LIMIT_STACK_SIZE .. DEV_RUNTIME_PENDING_LAUNCH_COUNT */
     uint64_t charged;    /* device memory this context holds (its cost + its limits) */
+    int queue;           /* its index in the process slot's ctx_end (timesliced) */
 };
 
 struct CUstream_st {

@@ -86,6 +86,7 @@ void sim_submit(struct CUctx_st *ctx, struct CUstream_st *s, int64_t dur, int ke
         if (p) {
             p->busy_ns += (uint64_t)dur;
             p->launches += (uint64_t)kernels;
+            if (dur > 0) p->ctx_end[(unsigned)ctx->queue % SIM_CTX_QUEUES] = p->busy_ns;
         }
         sim_state_unlock(st);
         return;

@@ -28,10 +28,11 @@
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
 #define SIM_STATE_MAGIC 0x344d495355504751ULL /* "QGPUSIM4" little endian */
-#define SIM_STATE_VERSION 4
+#define SIM_STATE_VERSION 5
 #define SIM_PROC_RING 32
 #define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
 #define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
+#define SIM_CTX_QUEUES 16 /* contexts per process told apart by the timesliced scheduler */
 #define SIM_USNAP_NS 100000000LL
 #define SIM_ACCT_RECORDS 128 /* NVML accounting: processes remembered per GPU */
 #define SIM_BAR1_PER_CONTEXT (2ULL << 20) /* BAR1 a context maps (NVML's bar1Used) */
@@ -95,9 +96,12 @@ typedef struct {
     uint32_t pad0;
     uint64_t mk_pos[SIM_MARKERS];
     int64_t mk_ts[SIM_MARKERS];
+    /* timesliced: per context (its queue index), the queue position its last work ends at;
+       a context whose end is past done_ns has work queued and gets its own slice */
+    uint64_t ctx_end[SIM_CTX_QUEUES];
 } sim_proc_t;
 
-#define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS)
+#define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS + 8 * SIM_CTX_QUEUES)
 
 /* An allocation that more than one process may keep alive (shared.c): a VMM allocation
  * exported to a file descriptor, a cuMemAlloc'ed allocation with a legacy IPC handle, or the

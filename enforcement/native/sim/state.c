@@ -171,6 +171,17 @@ static int ts_next(const sim_gpu_state_t *st, int cur) {
     return -1;
 }
 
+/* The device time-slices between contexts, as NVIDIA's does (each context is its own
+ * channel group): a process whose queue holds the work of k contexts gets k slices in a row,
+ * one per context, before the next process. (Its contexts' work still runs in the order it
+ * was submitted: the model keeps one queue per process.) */
+static int64_t ts_slice_of(const sim_proc_t *p, int64_t slice) {
+    int k = 0;
+    for (int i = 0; i < SIM_CTX_QUEUES; i++)
+        if (p->ctx_end[i] > p->done_ns) k++;
+    return slice * (k > 1 ? k : 1);
+}
+
 static void ts_advance(sim_gpu_state_t *st, int64_t now) {
     int64_t slice = st->slice_ns > 0 ? st->slice_ns : 2000000;
     if (st->ts_time <= 0) st->ts_time = now;
@@ -178,7 +189,7 @@ static void ts_advance(sim_gpu_state_t *st, int64_t now) {
     for (long guard = 0; guard < QUEUE_GUARD; guard++) {
         int c = st->ts_cur;
         sim_proc_t *p = c >= 0 ? &st->procs[c] : NULL;
-        int expired = p && st->ts_time - st->ts_slice_start >= slice;
+        int expired = p && st->ts_time - st->ts_slice_start >= ts_slice_of(p, slice);
         if (!p || !ts_pending(p) || expired) {
             int n = ts_next(st, c);
             if (n < 0) {
@@ -194,7 +205,7 @@ static void ts_advance(sim_gpu_state_t *st, int64_t now) {
         }
         if (st->ts_time >= now) return;
         uint64_t pend = p->busy_ns - p->done_ns;
-        int64_t left = slice - (st->ts_time - st->ts_slice_start);
+        int64_t left = ts_slice_of(p, slice) - (st->ts_time - st->ts_slice_start);
         int64_t dt = now - st->ts_time;
         if ((uint64_t)dt > pend) dt = (int64_t)pend;
         if (dt > left) dt = left;
