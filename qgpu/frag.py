@@ -66,7 +66,8 @@ nothing; in an empty cluster it then chooses exactly like binpack.
 
 Before the mix is known (fill measure only): frag counts a prior (`qgpu.mix_prior`) as
 arrivals, and while the cluster's GPU core is less than half allocated a share never opens
-an empty GPU that a used one could spare (``keep_empty``) -- until 400 requests have been
+an empty GPU that a used one could spare, and a share or whole-GPU request that needs empty
+GPUs takes them on the node with the fewest (``keep_empty``) -- until 400 requests have been
 seen (``keep_empty_until``), when the mix's proportions are known to within the repricing
 drift and frag's own scores decide. The rule is insurance for whole-GPU requests, and it is
 not taken where it cannot pay out: while the cluster has more empty nodes of its largest
@@ -815,17 +816,18 @@ class FragPolicy(Policy):
         return self._observed + self._live_counted
 
     def _keep_empty(self, view: CandidateView, per_gpu: np.ndarray) -> np.ndarray:
-        """Below `keep_empty` fill, for a share, while fewer than `keep_empty_until` requests
-        have been seen: `per_gpu` with every empty candidate GPU ranked below every used one
-        (a uniform shift, larger than any other difference of the scores, the host term's at
-        the node level included; the order among the empty GPUs stays frag's). Applied to a
+        """Below `keep_empty` fill, while fewer than `keep_empty_until` requests have been
+        seen: `per_gpu` with every empty candidate GPU ranked below every used one, and the
+        empty ones by how many empty candidates their node has, fewest first (shifts in
+        whole multiples of one larger than any other difference of the scores, the host
+        term's at the node level included; frag's order stands within a tier). Applied to a
         copy, after the memoised scores (`_score`)."""
         cand = np.flatnonzero(np.isfinite(per_gpu))
-        shift = self._empty_shift(view, cand, per_gpu[cand])
+        shift = self._empty_shift(view, cand, per_gpu[cand], view.state.gpu_node[cand])
         if shift is None:
             return per_gpu
         out = per_gpu.copy()
-        out[cand[shift[1]]] -= shift[0]
+        out[cand[shift[1]]] -= shift[0] * shift[2]
         return out
 
     def _empty_shift(
@@ -833,13 +835,19 @@ class FragPolicy(Policy):
         view: CandidateView,
         cand: np.ndarray | None,
         scores: np.ndarray,
+        node_of: np.ndarray,
         empties: Callable[[], np.ndarray] | None = None,
-    ) -> tuple[float, np.ndarray] | None:
+    ) -> tuple[float, np.ndarray, np.ndarray] | None:
         """`_keep_empty` for candidate GPUs `cand` scored `scores` (every candidate of the
-        view, or one per distinct state: the same spread, the same empties or none): None
-        where the rule does not apply, else (the shift, which of `cand` it lowers). With
-        `empties` instead of `cand`: which candidates are empty GPUs, when asked."""
-        if not self.keep_empty or view.core >= WHOLE_GPU_CORE:
+        view, or one per distinct state: the same spread, the same empties or none), on the
+        nodes `node_of` names (any label per node): None where the rule does not apply, else
+        (the shift, which of `cand` it lowers, by how many shifts each). With `empties`
+        instead of `cand`: which candidates are empty GPUs, when asked.
+
+        An empty GPU is lowered once per empty candidate GPU of its node, so that among the
+        empty GPUs a share opens one on the node with the fewest: the largest blocks of
+        empty GPUs, which the multi-GPU requests need, are broken last (`_empty_weights`)."""
+        if not self.keep_empty:
             return None
         if self.keep_empty_until and self._requests_seen() >= self.keep_empty_until:
             return None
@@ -856,11 +864,21 @@ class FragPolicy(Policy):
         else:
             assert cand is not None
             empty = (s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])
-        if not empty.any() or empty.all():
+        if not empty.any():
             return None
+        if empty.all():
+            # only empty GPUs can take it: which one, by the node's empty GPUs, once the
+            # cluster is in use (in an empty cluster frag's own scores choose)
+            if float(s.free_core.sum()) >= cap:
+                return None
+            weights = _empty_weights(node_of, empty)
+            if weights.min() == weights.max():
+                return None  # every candidate lowered alike: nothing changes
+        else:
+            weights = _empty_weights(node_of, empty)
         spread = float(np.ptp(scores))
         bound = (1.0 + self.host_weight + self.gap_weight) * self.total_weight * WHOLE_GPU_CORE
-        return 2.0 * (spread + bound) + 1.0, empty
+        return 2.0 * (spread + bound) + 1.0, empty, weights
 
     @staticmethod
     def _spare_whole_nodes(s: ClusterState) -> int:
@@ -1059,10 +1077,10 @@ class FragPolicy(Policy):
         if scored is None:
             return None
         cand, owner, per_gpu = scored
-        shift = self._empty_shift(view, cand, per_gpu)
+        shift = self._empty_shift(view, cand, per_gpu, owner)
         if shift is not None:
             per_gpu = per_gpu.copy()
-            per_gpu[shift[1]] -= shift[0]
+            per_gpu[shift[1]] -= shift[0] * shift[2]
         self._last_view = view
         self._last_shift = (None if shift is None else shift[0],)
         best = np.full(len(nodes), -np.inf)
@@ -1092,7 +1110,7 @@ class FragPolicy(Policy):
         if shift is not None:
             empty = (s.slices[cand] == 0) & (s.free_core[cand] >= s.cap_core[cand])
             per_gpu = per_gpu.copy()
-            per_gpu[empty] -= shift
+            per_gpu[empty] -= shift * int(empty.sum())  # `_empty_weights` on one node
         return _scores_of(gpu_ids, cand, per_gpu, out)
 
     def _cached_view_gpu_scores(
@@ -1108,11 +1126,11 @@ class FragPolicy(Policy):
         scored = self._cached_scores(view, view.node_ids)
         if scored is None:
             return None
-        cand, _, per_gpu = scored
-        shift = self._empty_shift(view, cand, per_gpu)
+        cand, owner, per_gpu = scored
+        shift = self._empty_shift(view, cand, per_gpu, owner)
         if shift is not None:
             per_gpu = per_gpu.copy()
-            per_gpu[shift[1]] -= shift[0]
+            per_gpu[shift[1]] -= shift[0] * shift[2]
         return _scores_of(gpu_ids, cand, per_gpu, np.full(len(gpu_ids), -np.inf))
 
     def _cached_scores(
@@ -1346,11 +1364,15 @@ class FragPolicy(Policy):
                 at_value += 1
         self._base_memo = (s, (s.version, self._version, shape), by_key)
         shift = self._empty_shift(
-            view, None, per_gpu, lambda: np.concatenate([e[1] for e in found])
+            view,
+            None,
+            per_gpu,
+            np.repeat(np.arange(len(sizes)), sizes),
+            lambda: np.concatenate([e[1] for e in found]),
         )
         if shift is not None:
             per_gpu = per_gpu.copy()
-            per_gpu[shift[1]] -= shift[0]
+            per_gpu[shift[1]] -= shift[0] * shift[2]
         self._last_view = view
         self._last_shift = (None if shift is None else shift[0],)
         # each node's best GPU (numpy's maximum, as `_best_per_node`), then the node terms
@@ -1483,6 +1505,13 @@ def reprice_threshold(arrived: float) -> float:
     `REPRICE_DRIFT`, or while few requests have arrived, their sampling noise
     1 / sqrt(arrivals)."""
     return max(REPRICE_DRIFT, 1.0 / max(arrived, 1.0) ** 0.5)
+
+
+def _empty_weights(node_of: np.ndarray, empty: np.ndarray) -> np.ndarray:
+    """For each empty candidate (`empty`, over candidates on the nodes `node_of` labels): how
+    many empty candidates its node has."""
+    _, inverse, counts = np.unique(node_of[empty], return_inverse=True, return_counts=True)
+    return counts[inverse].astype(np.float64)
 
 
 def _best_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
