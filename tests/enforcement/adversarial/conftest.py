@@ -270,7 +270,13 @@ def make_arena(short_tmp: Path, **sim_options: Any) -> Iterator[Arena]:
         **sim_options,
     )
     sim = Sim(cfg, short_tmp / "ledgers")
-    victim = Worker(sim.slice_env("victim", memory=VICTIM_CAP))
+    yield from arena_on(sim, sim.slice_env("victim", memory=VICTIM_CAP))
+
+
+def arena_on(sim: Sim, victim_env: dict[str, str]) -> Iterator[Arena]:
+    """An arena on `sim` whose victim worker runs with `victim_env`, started; the victim and
+    every hostile program are killed afterwards."""
+    victim = Worker(victim_env)
     a = Arena(sim, victim)
     try:
         victim.start()
@@ -286,6 +292,15 @@ def make_arena(short_tmp: Path, **sim_options: Any) -> Iterator[Arena]:
 @pytest.fixture
 def arena(short_tmp: Path) -> Iterator[Arena]:
     yield from make_arena(short_tmp)
+
+
+@pytest.fixture
+def two_gpus(short_tmp: Path) -> Iterator[Arena]:
+    """Two simulated 16 GiB GPUs: a victim slice holds the whole of GPU 1 (as another
+    tenant's would); hostile slices go on GPU 0 (`Arena.hostile_env(gpu=0)`)."""
+    cfg = write_sim_config(short_tmp / "two.conf", "2xT4-16GB", node=f"dev2-{short_tmp.name}")
+    sim = Sim(cfg, short_tmp / "ledgers")
+    yield from arena_on(sim, sim.slice_env("gpu1-owner", gpu=1, memory=16 * GIB))
 
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -11,7 +11,7 @@ named):
 - a tenant checkpointed its own child and restored it with gpuPairs onto another slice's
   GPU: 2.5 GiB of the tenant on GPU 1, and GPU 1's owner short of its 16 GiB.
 
-Two simulated 16 GiB GPUs as in test_devices.py: the hostile 4 GiB slice on GPU 0, a victim
+Two simulated 16 GiB GPUs (the `two_gpus` arena): the hostile 4 GiB slice on GPU 0, a victim
 slice of the whole of GPU 1. The ground truth is the simulator's own accounting, asserted
 before the victim is asked anything (a locked victim would not answer)."""
 
@@ -20,37 +20,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
+from enforcement.sim import process_memory
 
-from enforcement.sim import process_memory, write_sim_config
-
-from ..conftest import GIB, Sim, Worker
+from ..conftest import GIB
 from .conftest import CTX, Arena, Programs
 
 NOT_PERMITTED = 800
 INVALID_DEVICE = 101
 CHECKPOINTED = 2  # CU_PROCESS_STATE_CHECKPOINTED
 ILLEGAL_STATE = 401
-
-
-@pytest.fixture
-def two_gpus(short_tmp: Path) -> Iterator[Arena]:
-    cfg = write_sim_config(short_tmp / "two.conf", "2xT4-16GB", node=f"ckpt-{short_tmp.name}")
-    sim = Sim(cfg, short_tmp / "ledgers")
-    victim = Worker(sim.slice_env("gpu1-owner", gpu=1, memory=16 * GIB))
-    arena = Arena(sim, victim)
-    try:
-        victim.start()
-        yield arena
-    finally:
-        for h in arena.hostiles:
-            if h.proc.poll() is None:
-                h.proc.kill()
-                h.proc.wait()
-        victim.kill()
 
 
 def test_a_tenant_cannot_freeze_or_evict_another_slices_process(

@@ -13,34 +13,14 @@ there and is a placement policy on another tenant's GPU: it is refused as well."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from enforcement.sim import process_memory, write_sim_config
+from enforcement.sim import process_memory
 
-from ..conftest import GIB, Sim, Worker
+from ..conftest import GIB
 from .conftest import CTX, Arena, Programs
 
 INVALID_DEVICE = 101
-
-
-@pytest.fixture
-def two_gpus(short_tmp: Path) -> Iterator[Arena]:
-    cfg = write_sim_config(short_tmp / "two.conf", "2xT4-16GB", node=f"dev2-{short_tmp.name}")
-    sim = Sim(cfg, short_tmp / "ledgers")
-    victim = Worker(sim.slice_env("gpu1-owner", gpu=1, memory=16 * GIB))
-    arena = Arena(sim, victim)
-    try:
-        victim.start()
-        yield arena
-    finally:
-        for h in arena.hostiles:
-            if h.proc.poll() is None:
-                h.proc.kill()
-                h.proc.wait()
-        victim.kill()
 
 
 MANAGED_WAYS = [
