@@ -901,9 +901,10 @@ class FragPolicy(Policy):
         if not len(nodes):
             return 0
         gpus, _ = s.gpus_of(nodes)
-        sick = np.zeros(len(s.nodes), dtype=np.int64)
-        np.add.at(sick, s.gpu_node[gpus], ~s.healthy[gpus])
-        return int((sick[nodes] == 0).sum())
+        sick = gpus[~s.healthy[gpus]]
+        if not len(sick):
+            return len(nodes)
+        return len(nodes) - int(np.isin(nodes, s.gpu_node[sick]).sum())
 
     def gap_by_room(self, state: ClusterState) -> np.ndarray:
         """V[r, x]: `gap_values` for a gap with room for at most r more slices."""

@@ -235,3 +235,21 @@ def test_the_agent_and_the_extender_take_the_same_flag(tmp_path, monkeypatch):
     assert parser.parse_args(["extender", "--mix-prior", "none"]).mix_prior == "none"
     with pytest.raises(RuleViolation, match="--mix-prior"):
         config_from_args(parser.parse_args(["agent", "--mix-prior", "everything"]))
+
+
+def test_spare_whole_nodes_counts_empty_healthy_nodes_of_the_largest_size():
+    sick = node("sick", 4)
+    sick = sick.model_copy(
+        update={
+            "gpus": [
+                g.model_copy(update={"health": GpuHealth.UNHEALTHY}) if i == 3 else g
+                for i, g in enumerate(sick.gpus)
+            ]
+        }
+    )
+    state = ClusterState([node("a", 4), sick, node("b", 4), node("used", 4), node("small", 2)])
+    engine = Engine(state, FragPolicy(prior=None))
+    assert FragPolicy._spare_whole_nodes(state) == 3  # a, b, used
+    assert engine.place("s", SliceRequest(core=10, memory_gib=1)).node in {"a", "b", "used"}
+    assert FragPolicy._spare_whole_nodes(state) == 2  # the share broke one of them
+    assert FragPolicy._spare_whole_nodes(ClusterState([sick, node("small", 2)])) == 0
