@@ -21,12 +21,14 @@ a name can never add a segment or climb out of its collection.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import quote
 
 import urllib3
 
 TIMEOUT_S = 30.0
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")  # what quote(safe="") leaves as it is
 
 
 def api_path(*segments: str) -> str:
@@ -36,7 +38,7 @@ def api_path(*segments: str) -> str:
     for seg in segments:
         if not seg or seg in (".", ".."):
             raise ValueError(f"invalid path segment {seg!r}")
-        out.append(quote(seg, safe=""))
+        out.append(seg if _UNRESERVED.fullmatch(seg) else quote(seg, safe=""))
     return "/" + "/".join(out)
 
 

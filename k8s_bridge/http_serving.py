@@ -285,6 +285,8 @@ def config(
     """A uvicorn configuration with `CoalescingHttpProtocol`, `limits` and, with `tls` (a
     `k8s_bridge.peer_auth.ServerTLS`), HTTPS that asks for client certificates."""
     kwargs.setdefault("log_level", "warning")
+    # no proxy stands in front of these servers: a client's X-Forwarded-For is not believed
+    kwargs.setdefault("proxy_headers", False)
     if tls is not None:
         kwargs.update(tls.uvicorn_settings())
         app = tls.guard(app)

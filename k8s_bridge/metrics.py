@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -82,10 +82,31 @@ def rule_key(v: RuleViolation) -> str:
     return last or "request"
 
 
+_M = TypeVar("_M", Counter, Histogram)
+
+
+class _Children(Generic[_M]):
+    """A labelled metric whose children are looked up once per label values.
+
+    prometheus_client's ``labels()`` checks the values and takes a lock on every call, and the
+    extender calls it about ten times per pod; label values come from closed sets (see the
+    module docstring), so the memo stays as small as the series count."""
+
+    def __init__(self, metric: _M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], _M] = {}
+
+    def labels(self, *values: str) -> _M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class _ComponentMetrics:
     """A component's own registry and its per-verb request latency histogram."""
 
-    duration: Histogram
+    duration: Histogram | _Children[Histogram]
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -105,43 +126,55 @@ class ExtenderMetrics(_ComponentMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.duration = Histogram(
-            "qgpu_extender_request_duration_seconds",
-            "Time the extender took to answer kube-scheduler, per verb",
-            ["verb"],
-            registry=r,
-            buckets=LATENCY_BUCKETS,
+        self.duration = _Children(
+            Histogram(
+                "qgpu_extender_request_duration_seconds",
+                "Time the extender took to answer kube-scheduler, per verb",
+                ["verb"],
+                registry=r,
+                buckets=LATENCY_BUCKETS,
+            )
         )
-        self.requests = Counter(
-            "qgpu_extender_requests",
-            "Extender calls by verb and outcome",
-            ["verb", "outcome"],
-            registry=r,
+        self.requests = _Children(
+            Counter(
+                "qgpu_extender_requests",
+                "Extender calls by verb and outcome",
+                ["verb", "outcome"],
+                registry=r,
+            )
         )
-        self.filter_nodes = Counter(
-            "qgpu_extender_filter_nodes",
-            "Nodes answered by filter: passed, failed (could fit later), unresolvable",
-            ["result"],
-            registry=r,
+        self.filter_nodes = _Children(
+            Counter(
+                "qgpu_extender_filter_nodes",
+                "Nodes answered by filter: passed, failed (could fit later), unresolvable",
+                ["result"],
+                registry=r,
+            )
         )
-        self.filter_refusals = Counter(
-            "qgpu_extender_filter_refusals",
-            "Nodes filter refused, by the rule that refused them",
-            ["rule"],
-            registry=r,
+        self.filter_refusals = _Children(
+            Counter(
+                "qgpu_extender_filter_refusals",
+                "Nodes filter refused, by the rule that refused them",
+                ["rule"],
+                registry=r,
+            )
         )
-        self.binds = Counter("qgpu_extender_binds", "Binds by result", ["result"], registry=r)
+        self.binds = _Children(
+            Counter("qgpu_extender_binds", "Binds by result", ["result"], registry=r)
+        )
         self.lock_wait = Histogram(
             "qgpu_extender_lock_wait_seconds",
             "Time a bind waited to take a node's lock (the apiserver round trips included)",
             registry=r,
             buckets=LOCK_BUCKETS,
         )
-        self.locks = Counter(
-            "qgpu_extender_node_locks",
-            "Node locks a bind used: acquired, reused (held from the bind before), timeout",
-            ["how"],
-            registry=r,
+        self.locks = _Children(
+            Counter(
+                "qgpu_extender_node_locks",
+                "Node locks a bind used: acquired, reused (held from the bind before), timeout",
+                ["how"],
+                registry=r,
+            )
         )
         self.resyncs = Counter(
             "qgpu_extender_node_resyncs",

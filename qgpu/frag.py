@@ -462,9 +462,9 @@ class FragPolicy(Policy):
     ) -> np.ndarray:
         """Per GPU x class (classes `cls`): copies of a share class a GPU with this free
         core, memory and slice room holds ("fgd": all its free core once one copy fits)."""
-        room = np.clip(room, 0, 255).astype(np.int64)
-        core = np.clip(core, -1, 1 << 20).astype(np.int64)
-        mem = np.clip(mem, -1, 1 << 19).astype(np.int64)
+        room = _clamped(room, 0, 255)
+        core = _clamped(core, -1, 1 << 20)
+        mem = _clamped(mem, -1, 1 << 19)
         at: np.ndarray | slice = _ALL
         if len(room) <= _FEW_GPUS:  # a few GPUs (one node's): directly
             u_core, u_mem, u_room = core[:, None], mem[:, None], room[:, None]
@@ -549,8 +549,8 @@ class FragPolicy(Policy):
             return np.where(ok, _MANY, 0.0).astype(np.float32)
         # floor(free / need) in float64: exact for these magnitudes (free and need are
         # integers below 2**50, so a true quotient's fraction is at least 1 / need >> 1e-9)
-        cpu_f = np.clip(cpu, 0, _MANY).astype(np.float64)[:, None]
-        mem_f = np.clip(hostmem, 0, _MANY).astype(np.float64)[:, None]
+        cpu_f = _clamped(cpu, 0, 1 << 40).astype(np.float64)[:, None]
+        mem_f = _clamped(hostmem, 0, 1 << 40).astype(np.float64)[:, None]
         copies = np.minimum(
             cpu_f * self.t_inv_cpu + self.t_free_cpu,
             mem_f * self.t_inv_hostmem + self.t_free_hostmem,
@@ -1513,6 +1513,14 @@ def _empty_weights(node_of: np.ndarray, empty: np.ndarray) -> np.ndarray:
     many empty candidates its node has."""
     _, inverse, counts = np.unique(node_of[empty], return_inverse=True, return_counts=True)
     return counts[inverse].astype(np.float64)
+
+
+def _clamped(values: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """``np.clip(values, lo, hi)`` of integers, as a new int64 array: the same values
+    without np.clip's dispatch, which costs ~10 us on the few GPUs of one node."""
+    out = values.astype(np.int64)
+    np.maximum(out, lo, out=out)
+    return np.minimum(out, hi, out=out)
 
 
 def _best_per_node(state: ClusterState, per_gpu: np.ndarray) -> np.ndarray:
