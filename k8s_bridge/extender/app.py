@@ -12,6 +12,12 @@ same functions, about half the per-request CPU (kube-scheduler calls the extende
 times per pod, so this is a tenth of the extender's CPU per pod). Anything else -- other
 paths, a root path, other methods -- goes through FastAPI as usual.
 
+prioritize's hold on the node it ranks first (`k8s_bridge.extender.state.ExtenderState.assume`)
+is made after its reply has left, in the event loop's next turn: kube-scheduler waits for the
+reply and no decision after it can miss the hold (each one makes a pending hold first; see
+`ExtenderState.hold_after_reply`). That takes the hold, about a tenth of the extender's work
+per pod with frag, off kube-scheduler's serial path.
+
 Filter and prioritize are short CPU work and run on the event loop; bind talks to the
 apiserver and runs on a few threads (`BIND_THREADS`), so binds to different nodes proceed
 in parallel (as kube-scheduler's asynchronous binding cycle issues them). Those threads are
@@ -31,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
+from starlette.background import BackgroundTask
 
 from k8s_bridge.extender.background import as_background_thread
 from k8s_bridge.extender.models import (
@@ -104,8 +111,14 @@ class Verbs:
                 args = ExtenderArgs.model_validate_json(body)
             except ValidationError as exc:
                 return self._invalid("prioritize", exc)
-            names, scores = self.extender.prioritize_scores(args)
+            names, scores = self.extender.prioritize_scores(args, hold_after_reply=True)
             return 200, self.extender.state.priority_list_json(names, scores)
+
+    def after_reply(self) -> None:
+        """Run once a verb's reply is written: the hold prioritize left pending is made
+        after the reply has left (`k8s_bridge.http_serving.CoalescingTransport` hands the
+        reply to the socket at the end of this event-loop turn; this runs in the next)."""
+        asyncio.get_running_loop().call_soon(self.extender.state.settle)
 
     async def bind(self, body: bytes) -> Reply:
         with self._observed("bind"):
@@ -140,8 +153,7 @@ class ExtenderApp(FastAPI):
             return
         await super().__call__(scope, receive, send)
 
-    @staticmethod
-    async def _answer(verb: Verb, receive: Any, send: Any) -> None:
+    async def _answer(self, verb: Verb, receive: Any, send: Any) -> None:
         chunks: list[bytes] = []
         while True:
             message = await receive()
@@ -155,17 +167,20 @@ class ExtenderApp(FastAPI):
         except Exception:  # the same answer FastAPI's error middleware would give
             log.exception("extender verb failed")
             status, body = 500, b'{"Error": "internal error in the qgpu extender"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", JSON.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [
+                        (b"content-type", JSON.encode()),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            self.verbs.after_reply()
 
 
 def create_app(
@@ -185,8 +200,18 @@ def create_app(
 
     def route(verb: Verb) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
-            status, body = await verb(await request.body())
-            return Response(body, status_code=status, media_type=JSON)
+            try:
+                status, body = await verb(await request.body())
+            except BaseException:
+                extender.state.settle()
+                raise
+            # Starlette runs the background task once the response is sent
+            return Response(
+                body,
+                status_code=status,
+                media_type=JSON,
+                background=BackgroundTask(extender.state.settle),
+            )
 
         return endpoint
 

@@ -362,8 +362,14 @@ class Extender:
         names, scores = self.prioritize_scores(args)
         return [HostPriority(Host=n, Score=v) for n, v in zip(names, scores.tolist(), strict=True)]
 
-    def prioritize_scores(self, args: ExtenderArgs) -> tuple[list[str], np.ndarray]:
-        """The candidate names and their 0..10 scores (the HTTP layer serializes them)."""
+    def prioritize_scores(
+        self, args: ExtenderArgs, hold_after_reply: bool = False
+    ) -> tuple[list[str], np.ndarray]:
+        """The candidate names and their 0..10 scores (the HTTP layer serializes them).
+
+        The pod's GPUs on the best node are held until bind (`ExtenderState.assume`); with
+        `hold_after_reply` the hold is left to `ExtenderState.settle`, which the caller
+        runs once the reply has gone (`ExtenderState.hold_after_reply`)."""
         names = args.candidate_names()
         try:
             pod, reqs = self._parse_pod(args.pod)
@@ -372,7 +378,10 @@ class Extender:
         scores = self.state.score_nodes(reqs, names)
         if pod is not None and pod.metadata.uid and reqs and names and self.cfg.assume_ttl_s > 0:
             best = int(np.argmax(scores))  # the first of the highest, as kube-scheduler's pick
-            self.state.assume(pod.metadata.uid, reqs, names[best])
+            if hold_after_reply:
+                self.state.hold_after_reply(pod.metadata.uid, reqs, names[best])
+            else:
+                self.state.assume(pod.metadata.uid, reqs, names[best])
         self.metrics.requests.labels("prioritize", "scored" if reqs else "not-qgpu").inc()
         return names, scores
 

@@ -165,6 +165,8 @@ class ExtenderState:
         self._positions_of: ClusterState | None = None
         self._positions_memo: dict[str, np.ndarray] = {}
         self._priority_table: tuple[ClusterState, HostPriorityTable] | None = None
+        # an `assume` prioritize asked for, not made yet (`hold_after_reply`)
+        self._pending_hold: tuple[str, list[ContainerRequest], str] | None = None
 
     # -- construction ----------------------------------------------------------------
 
@@ -418,6 +420,7 @@ class ExtenderState:
     ) -> FilterResult:
         out = FilterResult()
         with self.lock:
+            self._settle()
             self._expire_assumed()
             self._drop_assumed(uid)  # a pod scheduled again competes without its old hint
             s = self.state
@@ -523,6 +526,7 @@ class ExtenderState:
         if not reqs:
             return out
         with self.lock:
+            self._settle()
             s = self.state
             pos = self._positions(node_names)
             known = pos >= 0
@@ -585,16 +589,43 @@ class ExtenderState:
         see a pod whose bind is still in flight and could be sent to the same last GPU.
         """
         with self.lock:
-            self._expire_assumed()
-            self._drop_assumed(uid)
-            if uid in self.pods or not reqs:
-                return False
-            try:
-                assignment = self._place(uid, reqs, node)
-            except NoFit:
-                return False
-            self.assumed[uid] = Assumed(node, time.monotonic() + self.assume_ttl_s, assignment)
-            return True
+            self._settle()
+            return self._assume(uid, reqs, node)
+
+    def hold_after_reply(self, uid: str, reqs: list[ContainerRequest], node: str) -> None:
+        """`assume`, made by `settle` -- after prioritize's reply has left, which is when
+        the HTTP layer calls it -- or first thing in the next call that decides anything
+        (`filter_nodes`, `score_nodes`, `assume`, `reserve`), whichever comes first.
+
+        kube-scheduler waits for prioritize's answer before it goes on, so the hold is
+        taken off that wait; every later decision still sees it, as if it had been made
+        before the reply."""
+        with self.lock:
+            self._settle()
+            self._pending_hold = (uid, reqs, node)
+
+    def settle(self) -> None:
+        """Make the hold `hold_after_reply` left pending (nothing if none is)."""
+        with self.lock:
+            self._settle()
+
+    def _settle(self) -> None:
+        pending = self._pending_hold
+        if pending is not None:
+            self._pending_hold = None
+            self._assume(*pending)
+
+    def _assume(self, uid: str, reqs: list[ContainerRequest], node: str) -> bool:
+        self._expire_assumed()
+        self._drop_assumed(uid)
+        if uid in self.pods or not reqs:
+            return False
+        try:
+            assignment = self._place(uid, reqs, node)
+        except NoFit:
+            return False
+        self.assumed[uid] = Assumed(node, time.monotonic() + self.assume_ttl_s, assignment)
+        return True
 
     def reserve(
         self,
@@ -607,6 +638,7 @@ class ExtenderState:
     ) -> Assignment:
         """Hold the pod's GPU(s) on `node` (its assumption there, or a new choice)."""
         with self.lock:
+            self._settle()
             if uid in self.pods:
                 raise NoFit(f"pod {namespace}/{name} already holds GPUs on {self.pods[uid].node}")
             held = self.assumed.pop(uid, None)
@@ -633,6 +665,8 @@ class ExtenderState:
             self.state.release(slice_id(uid, cname))
 
     def _drop_assumed(self, uid: str) -> None:
+        if self._pending_hold is not None and self._pending_hold[0] == uid:
+            self._pending_hold = None
         held = self.assumed.pop(uid, None)
         if held is not None:
             self._release_slices(uid, held.assignment)
@@ -651,6 +685,8 @@ class ExtenderState:
             self._drop_assumed(uid)
 
     def _drop_assumed_on(self, node: str) -> bool:
+        if self._pending_hold is not None and self._pending_hold[2] == node:
+            self._pending_hold = None
         uids = [u for u, a in self.assumed.items() if a.node == node]
         for uid in uids:
             self._drop_assumed(uid)

@@ -246,6 +246,61 @@ def test_prioritize_holds_the_best_node_until_bind(apiserver: FakeApiserver) -> 
     ext.state.state.check_invariants()
 
 
+def test_a_hold_made_after_the_reply_is_seen_by_every_later_decision(
+    apiserver: FakeApiserver,
+) -> None:
+    """Over HTTP prioritize leaves its hold for after the reply (`hold_after_reply`): a
+    filter, a prioritize or a bind that comes first must still see it, and a pod filtered
+    again competes without it."""
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    publish_node(apiserver, "one", [gpu("one", 0)])
+    ext = _ext(apiserver)
+    s = ext.state.state
+    a = apiserver.store.create("pods", pod_object("a", [(60, 4)]))
+    b = apiserver.store.create("pods", pod_object("b", [(60, 4)]))
+    only = ExtenderArgs(Pod=a, NodeNames=["one"])
+    ext.prioritize_scores(only, hold_after_reply=True)
+    assert not ext.state.assumed and int(s.free_core[0]) == 100  # not made yet
+    res = ext.filter(ExtenderArgs(Pod=b, NodeNames=["one"]))  # comes before the settle
+    assert res.node_names == [] and "qgpu-core=60 free" in res.failed_nodes["one"]
+    assert set(ext.state.assumed) == {a["metadata"]["uid"]} and int(s.free_core[0]) == 40
+    # the same pod filtered again: its old hold (made or pending) gives way
+    ext.prioritize_scores(only, hold_after_reply=True)
+    assert ext.filter(only).node_names == ["one"]
+    assert not ext.state.assumed and int(s.free_core[0]) == 100
+    # another pod's prioritize sees a pending hold too: b cannot be held beside it
+    ext.prioritize_scores(only, hold_after_reply=True)
+    ext.prioritize_scores(ExtenderArgs(Pod=b, NodeNames=["one"]), hold_after_reply=True)
+    ext.state.settle()
+    assert set(ext.state.assumed) == {a["metadata"]["uid"]}
+    # a bind before the settle takes the pending hold as its assignment
+    ext.prioritize_scores(only, hold_after_reply=True)
+    assert _bind(apiserver, ext, "a", "one") == ""
+    assert not ext.state.assumed and int(s.free_core[0]) == 40
+    assert _bind(apiserver, ext, "b", "one") != ""  # no room left for b
+    s.check_invariants()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "fastapi-routes"])
+def test_prioritize_over_http_holds_once_the_reply_has_left(
+    apiserver: FakeApiserver, fast: bool
+) -> None:
+    publish_node(apiserver, "one", [gpu("one", 0)])
+    ext = _ext(apiserver)
+    pod = apiserver.store.create("pods", pod_object("a", [(60, 4)]))
+    served = ServedApp(create_app(ext, fast_path=fast)).start()
+    try:
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            reply = http.post("/prioritize", json={"Pod": pod, "NodeNames": ["one"]})
+            assert reply.json() == [{"Host": "one", "Score": 10}]
+            # nothing else is asked: the hold is made by the settle after the reply
+            wait_until(lambda: pod["metadata"]["uid"] in ext.state.assumed, what="the hold")
+    finally:
+        served.stop()
+    assert int(ext.state.state.free_core[0]) == 40
+
+
 def test_an_assumption_expires_and_yields_to_the_bound_node(apiserver: FakeApiserver) -> None:
     from k8s_bridge.extender.models import ExtenderArgs
 
