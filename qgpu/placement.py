@@ -602,9 +602,8 @@ class Engine:
         nodes = np.asarray(nodes, dtype=np.int64)
         has_enough = s.node_gpu_count[nodes] >= need
         open_ = nodes[has_enough]  # the others lack GPUs at all
-        out = np.full(len(nodes), "GPU count", dtype=object)
         if len(open_) == 0:
-            return out.tolist()
+            return ["GPU count"] * len(nodes)
         # A node runs short at the rule where fewer than `need` of its GPUs are left: the
         # need-th highest of its GPUs' first failing rules (all passed: it fits).
         if len(open_) == 1:  # one node (what changed since the last pod): its GPUs' range
@@ -620,7 +619,10 @@ class Engine:
             else:
                 order = np.lexsort((-first_fail, np.repeat(np.arange(len(open_)), counts)))
                 short_at = first_fail[order][offsets + need - 1]
-        out[np.flatnonzero(has_enough)] = names[short_at]
+        if len(open_) == len(nodes):
+            return names[short_at].tolist()
+        out = np.full(len(nodes), "GPU count", dtype=object)
+        out[has_enough] = names[short_at]
         return out.tolist()
 
     def _first_failures(

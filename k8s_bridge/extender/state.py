@@ -426,13 +426,15 @@ class ExtenderState:
             s = self.state
             pos = self._positions(node_names)
             known = pos >= 0
-            for j in np.flatnonzero(~known):  # preemption cannot help here
-                name = node_names[int(j)]
-                problem = self.broken.get(name)
-                out.unresolvable[name] = problem or NO_INVENTORY
-                out.rules["broken node" if problem else "no inventory"] += 1
-            if not known.any():
-                return out
+            every = bool(known.all())
+            if not every:
+                for j in np.flatnonzero(~known).tolist():  # preemption cannot help here
+                    name = node_names[j]
+                    problem = self.broken.get(name)
+                    out.unresolvable[name] = problem or NO_INVENTORY
+                    out.rules["broken node" if problem else "no inventory"] += 1
+                if not known.any():
+                    return out
             idx = pos[known]
             ok = np.ones(len(idx), dtype=bool)
             why: dict[int, str] = {}
@@ -454,10 +456,8 @@ class ExtenderState:
                         ok[j] = False
                         why[int(j)] = problem
                         out.rules["containers together"] += 1
-            known_names = (
-                node_names if len(idx) == len(node_names) else list(compress(node_names, known))
-            )
-            out.nodes = list(compress(known_names, ok.tolist()))
+            known_names = node_names if every else list(compress(node_names, known))
+            out.nodes = list(known_names) if ok.all() else list(compress(known_names, ok.tolist()))
             for j, problem in why.items():
                 out.failed[known_names[j]] = problem
         return out
