@@ -517,10 +517,16 @@ class FragPolicy(Policy):
             self._cache_key = (s, k)
         nodes = np.flatnonzero(s.node_version != self._seen)
         if len(nodes):
-            changed, _ = s.gpus_of(nodes)
+            changed, offsets = s.gpus_of(nodes)
             rows = self._rows(s, changed)
-            # (a GPU of a changed node that did not change itself adds exactly 0)
-            np.add.at(self._per_node, s.gpu_node[changed], rows - self._per_gpu[changed])
+            # each node's change, summed over its GPUs (a GPU of a changed node that did not
+            # change itself adds exactly 0; whole numbers, so the sums are exact)
+            has = s.node_gpu_count[nodes] > 0  # (reduceat cannot sum an empty node)
+            if has.all():
+                self._per_node[nodes] += np.add.reduceat(rows - self._per_gpu[changed], offsets)
+            elif has.any():
+                diff = rows - self._per_gpu[changed]
+                self._per_node[nodes[has]] += np.add.reduceat(diff, offsets[has])
             self._per_gpu[changed] = rows
             self._seen[nodes] = s.node_version[nodes]
         self._snap_version = s.version
@@ -1670,7 +1676,7 @@ class _ScoreCache:
         self.gap[self.count : end] = np.nan
         numbers = np.arange(self.count, end, dtype=np.int64)
         self.count = end
-        for m in np.unique(mode).tolist():
+        for m in np.unique(mode).tolist() if mode.any() else (0,):
             at = np.flatnonzero(mode == m)
             gens, table = self._table(shape, m)
             stale = at[gens[slot[at]] != gen[at]]
