@@ -611,9 +611,17 @@ class ExtenderState:
 
     def _settle(self) -> None:
         pending = self._pending_hold
-        if pending is not None:
-            self._pending_hold = None
+        if pending is None:
+            return
+        self._pending_hold = None
+        try:
             self._assume(*pending)
+        except Exception:  # a hold is a hint: its failure must not fail another pod's call
+            log.exception(
+                "holding GPUs for pod %s on node %s failed; bind will place it afresh",
+                pending[0],
+                pending[2],
+            )
 
     def _assume(self, uid: str, reqs: list[ContainerRequest], node: str) -> bool:
         self._expire_assumed()

@@ -282,6 +282,29 @@ def test_a_hold_made_after_the_reply_is_seen_by_every_later_decision(
     s.check_invariants()
 
 
+def test_a_pending_hold_that_fails_does_not_fail_the_next_pods_filter(
+    apiserver: FakeApiserver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from k8s_bridge.extender.models import ExtenderArgs
+
+    publish_node(apiserver, "one", [gpu("one", 0)])
+    ext = _ext(apiserver)
+    a = apiserver.store.create("pods", pod_object("a", [(60, 4)]))
+    b = apiserver.store.create("pods", pod_object("b", [(30, 4)]))
+    ext.prioritize_scores(ExtenderArgs(Pod=a, NodeNames=["one"]), hold_after_reply=True)
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise RuntimeError("placement engine bug")
+
+    monkeypatch.setattr(ext.state, "_place", broken)
+    res = ext.filter(ExtenderArgs(Pod=b, NodeNames=["one"]))
+    assert res.node_names == ["one"] and not ext.state.assumed
+    assert "bind will place it afresh" in caplog.text
+    monkeypatch.undo()
+    assert _bind(apiserver, ext, "a", "one") == ""  # bind places it without the hold
+    assert int(ext.state.state.free_core[0]) == 40
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "fastapi-routes"])
 def test_prioritize_over_http_holds_once_the_reply_has_left(
     apiserver: FakeApiserver, fast: bool
