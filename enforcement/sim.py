@@ -147,6 +147,9 @@ class SimGpu:
         return self.memory_bytes // GIB
 
 
+MPS_PIPE_DIRECTORY = Path("/tmp/nvidia-mps")  # NVIDIA's default MPS pipe directory
+
+
 @dataclass(frozen=True)
 class SimConfig:
     path: Path
@@ -159,6 +162,7 @@ class SimConfig:
     driver_version: str = DRIVER_OF_CUDA[13000]
     procaddr: str = "internal"
     accounting: bool = False
+    mps_pipe_directory: Path = MPS_PIPE_DIRECTORY
 
     def device_sharing_env(self) -> dict[str, str]:
         """How these GPUs share themselves between processes, in the interposer's terms
@@ -220,6 +224,7 @@ def write_sim_config(
     devrt_sync_thread_bytes: int = DEVRT_SYNC_THREAD_BYTES,
     green_context_memory: int | Mapping[str, int] = GREEN_CONTEXT_MEMORY,
     accounting: bool = False,
+    mps_pipe_directory: str | os.PathLike[str] = MPS_PIPE_DIRECTORY,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -237,7 +242,10 @@ def write_sim_config(
     ``devrt_sync_thread_bytes``: what the device runtime reserves per pending launch above
     2048 and per resident thread per sync-depth level above 2 (cuCtxSetLimit), on every
     GPU. ``accounting``: NVML's per-process accounting mode on every GPU (an administrator's
-    ``nvidia-smi -am 1``; off by default, as on NVIDIA's driver)."""
+    ``nvidia-smi -am 1``; off by default, as on NVIDIA's driver). ``mps_pipe_directory``:
+    where a process looks for an MPS control daemon when ``CUDA_MPS_PIPE_DIRECTORY`` is unset
+    (NVIDIA's default, ``/tmp/nvidia-mps``; tests name their own; docs/enforcement.md, "The
+    simulated driver")."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -264,6 +272,12 @@ def write_sim_config(
     ):
         if not isinstance(value, int) or value < 0:
             raise SimSpecError(f"{name} {value!r}: must be >= 0 bytes")
+    mps_dir = Path(mps_pipe_directory)
+    if not mps_dir.is_absolute() or "\n" in str(mps_dir) or len(str(mps_dir)) >= 1024:
+        raise SimSpecError(
+            f"mps_pipe_directory {str(mps_dir)!r}: must be an absolute path of one line, "
+            "shorter than 1024 bytes"
+        )
     state = Path(state_dir) if state_dir else Path(f"{path}.state")
     lines = [
         "# qgpu simulated GPUs (enforcement/sim.py)",
@@ -275,6 +289,7 @@ def write_sim_config(
         f"driver_version={driver_version}",
         f"procaddr={procaddr}",
         f"accounting={'enabled' if accounting else 'disabled'}",
+        f"mps_pipe_directory={mps_dir}",
     ]
     gpus = []
     for i, m in enumerate(models):
@@ -323,6 +338,7 @@ def write_sim_config(
         driver_version,
         procaddr,
         accounting,
+        mps_dir,
     )
 
 
@@ -395,6 +411,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
         values.get("driver_version", DRIVER_OF_CUDA[13000]),
         values.get("procaddr", "internal"),
         values.get("accounting", "disabled") == "enabled",
+        Path(values.get("mps_pipe_directory") or MPS_PIPE_DIRECTORY),
     )
 
 

@@ -143,11 +143,31 @@ static void check_device(void) {
     }
 }
 
+/* A slice's process is never a client of an MPS daemon: the driver makes a process the
+ * client of the control daemon in CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), so a
+ * tenant who starts one there -- or names its own in a process's environment -- would set
+ * that process's thread percentage and memory limit, see it in its client list, and run it
+ * in a server whose context no slice is charged for. The real cuInit is handed a pipe
+ * directory that cannot exist (a path below /dev/null: nobody can create it, root
+ * included), so the driver finds no daemon and runs the process without MPS, as on a host
+ * that has none. MPS as qgpu's backend (`--enforcement mps`) does not load this hook. */
+#define QGPU_NO_MPS_DIRECTORY "/dev/null/qgpu-slices-run-without-mps"
+
+static int no_mps(void) {
+    const char *now = getenv("CUDA_MPS_PIPE_DIRECTORY");
+    if (now && strcmp(now, QGPU_NO_MPS_DIRECTORY) == 0) return 0;
+    if (setenv("CUDA_MPS_PIPE_DIRECTORY", QGPU_NO_MPS_DIRECTORY, 1) == 0) return 0;
+    fprintf(stderr, "qgpu: cannot set CUDA_MPS_PIPE_DIRECTORY (out of memory): cuInit refused, "
+                    "a slice's process must not join an MPS daemon\n");
+    return -1;
+}
+
 QGPU_EXPORT CUresult cuInit(unsigned int flags) {
     hook_load_cuda();
     if (!HAVE_REAL(cuInit)) return CUDA_ERROR_NOT_INITIALIZED;
     int s = hook_state();
     if (s == HOOK_ERROR) return CUDA_ERROR_INVALID_VALUE;
+    if (s == HOOK_ACTIVE && no_mps() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = REAL(cuInit)(flags);
     if (r != CUDA_SUCCESS || s != HOOK_ACTIVE) return r;
     pthread_once(&device_once, check_device);

@@ -47,6 +47,7 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
     cfg->scheduler = SIM_SCHED_TIMESLICED;
     cfg->timeslice_ns = 2000000;
     cfg->procaddr = SIM_PROCADDR_INTERNAL;
+    snprintf(cfg->mps_pipe_directory, sizeof cfg->mps_pipe_directory, "/tmp/nvidia-mps");
     char state_dir[4096] = "";
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -106,6 +107,10 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
                 cfg->accounting = 0;
             else
                 BAD("must be enabled or disabled");
+        } else if (strcmp(key, "mps_pipe_directory") == 0) {
+            if (val[0] != '/' || strlen(val) >= sizeof cfg->mps_pipe_directory)
+                BAD("must be an absolute path shorter than 1024 bytes");
+            snprintf(cfg->mps_pipe_directory, sizeof cfg->mps_pipe_directory, "%s", val);
         } else if (strcmp(key, "state_dir") == 0) {
             snprintf(state_dir, sizeof state_dir, "%s", val);
         } else if (strncmp(key, "gpu", 3) == 0 && isdigit((unsigned char)key[3])) {

@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "driver.h"
@@ -89,6 +91,29 @@ static void release_own_slots(void) {
     }
 }
 
+/* MPS, as far as a client's initialisation goes: NVIDIA's driver makes a process the client
+ * of the MPS control daemon whose pipe directory it finds (CUDA_MPS_PIPE_DIRECTORY, else the
+ * default /tmp/nvidia-mps) and runs without MPS when there is none there. The simulator has
+ * no MPS server; a control daemon is modelled as a FIFO named `control` in the directory,
+ * and connecting as appending this process's pid to `clients` beside it (what the daemon's
+ * owner would read with `get_client_list`). Nothing else about the process changes. */
+static void connect_mps(void) {
+    const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+    if (!dir || !*dir) dir = g_sim_cfg.mps_pipe_directory;
+    char path[1200];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/control", dir);
+    if (stat(path, &st) != 0 || !S_ISFIFO(st.st_mode)) return; /* no daemon: no MPS */
+    snprintf(path, sizeof path, "%s/clients", dir);
+    int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    char line[32];
+    int n = snprintf(line, sizeof line, "%d\n", (int)getpid());
+    if (write(fd, line, (size_t)n) != n) {
+    }
+    close(fd);
+}
+
 static void do_init(void) {
     if (!sim_config_loaded()) {
         fprintf(stderr, "qgpu-sim: %s\n", config_err);
@@ -98,6 +123,7 @@ static void do_init(void) {
         return;
     }
     parse_visible();
+    connect_mps();
     for (int v = 0; v < g_sim_nvis; v++) {
         int g = g_sim_vis[v];
         g_sim_state[g] = sim_state_open(&g_sim_cfg.gpus[g], &g_sim_cfg);

@@ -70,6 +70,9 @@ typedef struct {
     int64_t timeslice_ns;
     int procaddr;    /* SIM_PROCADDR_* */
     int accounting;  /* NVML accounting mode of a GPU whose state file is new */
+    /* where a client looks for an MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is unset
+     * (NVIDIA's default: /tmp/nvidia-mps) */
+    char mps_pipe_directory[1024];
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 
