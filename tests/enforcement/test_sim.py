@@ -420,3 +420,22 @@ def test_simulated_nvml_views_of_processes_and_activity(short_tmp: Path) -> None
         assert out["set_off"] == 0
         assert (out["pids_off"], out["stats_off"]) == (NVML_NOT_SUPPORTED, NVML_NOT_SUPPORTED)
     assert unprivileged == [str(NVML_NO_PERMISSION), str(NVML_NO_PERMISSION)]
+
+
+def test_mps_pipe_directory_is_checked_by_name(short_tmp: Path) -> None:
+    with pytest.raises(SimSpecError, match="mps_pipe_directory 'relative/dir': must be an abs"):
+        write_sim_config(short_tmp / "m.conf", "T4", mps_pipe_directory="relative/dir")
+    cfg = write_sim_config(short_tmp / "m.conf", "T4", mps_pipe_directory=short_tmp / "mps")
+    assert load_sim_config(cfg.path).mps_pipe_directory == short_tmp / "mps"
+    text = cfg.path.read_text().replace(f"={short_tmp / 'mps'}", "=relative/dir")
+    cfg.path.write_text(text)
+    env = Sim(cfg, short_tmp / "l").base_env()
+    out = subprocess.run(
+        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "mps_pipe_directory=relative/dir: must be an absolute path" in out.stderr
