@@ -82,6 +82,7 @@ LIBRARIES = {
                 "graphmem.c",
                 "procaddr.c",
                 "checkpoint.c",
+                "video.c",
             )
         ]
         + SIM_CORE

@@ -443,10 +443,10 @@ _UNOWNED = struct.Struct("<Q")  # unowned, offset 432
 _PROC = struct.Struct("<iIQQQqQQQ")  # pid .. contexts, the first 64 bytes of sim_proc_t
 _USNAPS = 8  # per-process utilisation samples (SIM_USNAPS)
 _USNAP = struct.Struct(f"<{_USNAPS}q{_USNAPS}QI")  # usnap_t, usnap_done, usnap_head: 592
-_PROC_SIZE = 728 + 16 * 512 + 8 * 16  # sim_proc_t: SIM_MARKERS 512, SIM_CTX_QUEUES 16
+_PROC_SIZE = 744 + 16 * 512 + 8 * 16  # sim_proc_t: SIM_MARKERS 512, SIM_CTX_QUEUES 16
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
-_MAGIC = 0x344D495355504751  # "QGPUSIM4"
+_MAGIC = 0x354D495355504751  # "QGPUSIM5"
 
 
 @dataclass(frozen=True)

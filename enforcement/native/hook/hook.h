@@ -123,6 +123,8 @@
     X(nvmlDeviceGetRunningProcessDetailList) X(nvmlDeviceGetProcessesUtilizationInfo)        \
     X(nvmlDeviceGetAccountingPids) X(nvmlDeviceGetAccountingStats)                           \
     X(nvmlDeviceGetUtilizationRates) X(nvmlDeviceGetSamples) X(nvmlDeviceGetBAR1MemoryInfo)   \
+    X(nvmlDeviceGetEncoderSessions) X(nvmlDeviceGetEncoderStats) X(nvmlDeviceGetFBCSessions)  \
+    X(nvmlDeviceGetFBCStats)                                                                 \
     HOOK_NVML_SETTINGS(X)
 
 /* Real functions the hook calls itself without wrapping them. */

@@ -10,8 +10,10 @@
  *    in its ledger), on every GPU of the node (NVML ignores CUDA_VISIBLE_DEVICES; a slice has
  *    one GPU, so the lists of the others are empty): the compute, graphics and MPS lists
  *    (v1, v2, v3), the detail list, per-process utilisation (both forms, nvml_activity.c),
- *    and accounting mode's pids and per-process stats. Counts and
+ *    and accounting mode's pids and per-process stats, and the video engines' encoder and
+ *    frame-buffer capture sessions (their statistics are the slice's sessions'). Counts and
  *    NVML_ERROR_INSUFFICIENT_SIZE keep NVML's two-call protocol. */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -172,6 +174,105 @@ PROC_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
 PROC_LIST(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
 PROC_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
 PROC_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+
+/* ---- video engines: encoder (NVENC) and frame-buffer capture (NvFBC) sessions ---- */
+
+/* A session names its process (the pid at offset 4 of both entries): only the slice's own
+ * are listed, and the statistics are those of its own sessions (the real ones average every
+ * process's). NVML's protocol: *count 0 asks for the count (NVML_SUCCESS). */
+typedef nvmlReturn_t (*session_fn)(nvmlDevice_t, unsigned int *, void *);
+
+static nvmlReturn_t own_sessions(session_fn real, nvmlDevice_t dev, size_t size, void **mine,
+                                 unsigned *n) {
+    list_ctx_t ctx = {(list_fn)real, dev};
+    return nvml_fetch_own(fetch_list, &ctx, size, 4, mine, n);
+}
+
+static nvmlReturn_t session_answer(session_fn real, nvmlDevice_t dev, unsigned int *count,
+                                   void *infos, size_t size) {
+    if (!real) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (hook_state() != HOOK_ACTIVE) return real(dev, count, infos);
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    void *mine;
+    unsigned n;
+    nvmlReturn_t r = own_sessions(real, dev, size, &mine, &n);
+    if (r != NVML_SUCCESS) return r;
+    if (*count == 0) {
+        free(mine);
+        *count = n;
+        return NVML_SUCCESS;
+    }
+    if (!infos) {
+        free(mine);
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    return nvml_answer(mine, n, size, infos, count, NVML_SUCCESS);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetEncoderSessions(nvmlDevice_t dev, unsigned int *count,
+                                                      nvmlEncoderSessionInfo_t *infos) {
+    hook_load_nvml();
+    return session_answer((session_fn)hook_real_fn[HIDX_nvmlDeviceGetEncoderSessions], dev,
+                          count, infos, sizeof *infos);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCSessions(nvmlDevice_t dev, unsigned int *count,
+                                                  nvmlFBCSessionInfo_t *infos) {
+    hook_load_nvml();
+    return session_answer((session_fn)hook_real_fn[HIDX_nvmlDeviceGetFBCSessions], dev, count,
+                          infos, sizeof *infos);
+}
+
+/* The slice's sessions: how many, and the mean of their frame rates and latencies (what
+ * NVML's statistics are over all sessions). Without the session list nothing can be told
+ * apart: NVML_ERROR_NOT_SUPPORTED. */
+static nvmlReturn_t own_session_stats(session_fn real, nvmlDevice_t dev, size_t size,
+                                      size_t fps_off, size_t lat_off, unsigned *count,
+                                      unsigned *fps, unsigned *lat) {
+    if (!real) return NVML_ERROR_NOT_SUPPORTED;
+    void *mine;
+    unsigned n;
+    nvmlReturn_t r = own_sessions(real, dev, size, &mine, &n);
+    if (r != NVML_SUCCESS) return r;
+    unsigned long long f = 0, l = 0;
+    for (unsigned i = 0; i < n; i++) {
+        unsigned v;
+        memcpy(&v, (char *)mine + (size_t)i * size + fps_off, sizeof v);
+        f += v;
+        memcpy(&v, (char *)mine + (size_t)i * size + lat_off, sizeof v);
+        l += v;
+    }
+    free(mine);
+    *count = n;
+    *fps = n ? (unsigned)(f / n) : 0;
+    *lat = n ? (unsigned)(l / n) : 0;
+    return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetEncoderStats(nvmlDevice_t dev, unsigned int *count,
+                                                   unsigned int *fps, unsigned int *latency) {
+    hook_load_nvml();
+    if (!HAVE_REAL(nvmlDeviceGetEncoderStats)) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (hook_state() != HOOK_ACTIVE) return REAL(nvmlDeviceGetEncoderStats)(dev, count, fps, latency);
+    if (!count || !fps || !latency) return NVML_ERROR_INVALID_ARGUMENT;
+    return own_session_stats((session_fn)hook_real_fn[HIDX_nvmlDeviceGetEncoderSessions], dev,
+                             sizeof(nvmlEncoderSessionInfo_t),
+                             offsetof(nvmlEncoderSessionInfo_t, averageFps),
+                             offsetof(nvmlEncoderSessionInfo_t, averageLatency), count, fps,
+                             latency);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCStats(nvmlDevice_t dev, nvmlFBCStats_t *stats) {
+    hook_load_nvml();
+    if (!HAVE_REAL(nvmlDeviceGetFBCStats)) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    if (hook_state() != HOOK_ACTIVE) return REAL(nvmlDeviceGetFBCStats)(dev, stats);
+    if (!stats) return NVML_ERROR_INVALID_ARGUMENT;
+    return own_session_stats((session_fn)hook_real_fn[HIDX_nvmlDeviceGetFBCSessions], dev,
+                             sizeof(nvmlFBCSessionInfo_t),
+                             offsetof(nvmlFBCSessionInfo_t, averageFPS),
+                             offsetof(nvmlFBCSessionInfo_t, averageLatency),
+                             &stats->sessionsCount, &stats->averageFPS, &stats->averageLatency);
+}
 
 /* The detail list is versioned: only the version whose layout the hook knows is answered
  * (a newer one is refused, never passed through unfiltered). */

@@ -297,6 +297,13 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *ut
 nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, int type, unsigned long long lastSeen,
                                   int *valueType, unsigned int *count, nvmlSample_t *samples);
 nvmlReturn_t nvmlDeviceGetBAR1MemoryInfo(nvmlDevice_t d, nvmlBAR1Memory_t *bar1);
+nvmlReturn_t nvmlDeviceGetEncoderSessions(nvmlDevice_t d, unsigned int *count,
+                                          nvmlEncoderSessionInfo_t *infos);
+nvmlReturn_t nvmlDeviceGetEncoderStats(nvmlDevice_t d, unsigned int *count, unsigned int *fps,
+                                       unsigned int *latency);
+nvmlReturn_t nvmlDeviceGetFBCSessions(nvmlDevice_t d, unsigned int *count,
+                                      nvmlFBCSessionInfo_t *infos);
+nvmlReturn_t nvmlDeviceGetFBCStats(nvmlDevice_t d, nvmlFBCStats_t *stats);
 
 /* the checkpoint API: another process's GPU state, by pid */
 CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid);

@@ -151,6 +151,20 @@ typedef struct {
     char busId[32];
 } nvmlPciInfo_t;
 
+typedef struct {
+    unsigned int sessionId, pid, vgpuInstance, codecType, hResolution, vResolution, averageFps,
+        averageLatency;
+} nvmlEncoderSessionInfo_t;
+
+typedef struct {
+    unsigned int sessionsCount, averageFPS, averageLatency;
+} nvmlFBCStats_t;
+
+typedef struct {
+    unsigned int sessionId, pid, vgpuInstance, displayOrdinal, sessionType, sessionFlags,
+        hMaxResolution, vMaxResolution, hResolution, vResolution, averageFPS, averageLatency;
+} nvmlFBCSessionInfo_t;
+
 /* nvml.h's layouts on LP64 (what nvidia-ml-py's ctypes structs give too) */
 _Static_assert(sizeof(nvmlMemory_v2_t) == 40 && nvmlMemory_v2 == 0x02000028u, "nvmlMemory_v2_t");
 _Static_assert(sizeof(nvmlBAR1Memory_t) == 24, "nvmlBAR1Memory_t");
@@ -167,6 +181,11 @@ _Static_assert(sizeof(nvmlProcessesUtilizationInfo_t) == 24 &&
                    nvmlProcessesUtilizationInfo_v1 == 0x01000018u,
                "nvmlProcessesUtilizationInfo_v1_t");
 _Static_assert(sizeof(nvmlSample_t) == 16, "nvmlSample_t");
+_Static_assert(sizeof(nvmlEncoderSessionInfo_t) == 32 && offsetof(nvmlEncoderSessionInfo_t, pid) == 4,
+               "nvmlEncoderSessionInfo_t");
+_Static_assert(sizeof(nvmlFBCStats_t) == 12, "nvmlFBCStats_t");
+_Static_assert(sizeof(nvmlFBCSessionInfo_t) == 48 && offsetof(nvmlFBCSessionInfo_t, pid) == 4,
+               "nvmlFBCSessionInfo_t");
 _Static_assert(sizeof(nvmlAccountingStats_t) == 56 && offsetof(nvmlAccountingStats_t, isRunning) == 32,
                "nvmlAccountingStats_t");
 

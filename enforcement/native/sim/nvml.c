@@ -1,8 +1,8 @@
 /* Simulated libnvidia-ml.so.1: NVML over the simulator's shared per-GPU state. Struct
  * layouts follow nvml.h (include/qgpu_nvml.h, pinned against nvidia-ml-py's ctypes mirrors).
  * NVML ignores CUDA_VISIBLE_DEVICES, like the real library. What the simulated GPUs do not
- * have (power, clocks, video engines, MIG, confidential computing) is NVML_ERROR_NOT_SUPPORTED
- * or not exported. */
+ * have (power, clocks, the video engines' utilisation, MIG, confidential computing) is
+ * NVML_ERROR_NOT_SUPPORTED or not exported; the video engines' sessions are listed. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,6 +261,108 @@ QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t d,
 QGPU_EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t d, unsigned int *count,
                                                               nvmlProcessInfo_v1_t *infos) {
     return running(d, count, infos, sizeof *infos);
+}
+
+/* ---- video engines: sessions opened with qgpuSimVideoSessionOpen (video.c) ---- */
+
+/* Every live process's encoder (`fbc` 0) or capture sessions, one entry each, into
+ * found[SIM_MAX_VIDEO]; returns how many. Session ids are the slot and the session's number
+ * in it (stable while the process lives). */
+#define SIM_MAX_VIDEO 256
+typedef struct {
+    unsigned pid, id, fps, latency_us;
+} video_session_t;
+
+static unsigned video_sessions(nvmlDevice_t d, int fbc, video_session_t *found) {
+    unsigned n = 0;
+    sim_state_lock(d->st);
+    sim_state_reclaim_dead(d->st);
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        sim_proc_t *p = &d->st->procs[i];
+        unsigned have = fbc ? p->fbc_sessions : p->enc_sessions;
+        for (unsigned k = 0; p->pid && k < have && n < SIM_MAX_VIDEO; k++) {
+            found[n].pid = (unsigned)p->pid;
+            found[n].id = (unsigned)i * 1000u + k + 1;
+            found[n].fps = fbc ? 30 : p->enc_fps;
+            found[n].latency_us = fbc ? 2000 : p->enc_latency_us;
+            n++;
+        }
+    }
+    sim_state_unlock(d->st);
+    return n;
+}
+
+/* NVML's protocol for these lists: *count 0 asks for the count (NVML_SUCCESS), a buffer
+ * too small is NVML_ERROR_INSUFFICIENT_SIZE with the count needed. */
+static nvmlReturn_t session_list(nvmlDevice_t d, int fbc, unsigned int *count, void *infos) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    video_session_t found[SIM_MAX_VIDEO];
+    unsigned n = video_sessions(d, fbc, found);
+    if (*count == 0) {
+        *count = n;
+        return NVML_SUCCESS;
+    }
+    if (!infos) return NVML_ERROR_INVALID_ARGUMENT;
+    if (*count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        if (fbc) {
+            nvmlFBCSessionInfo_t e = {found[i].id, found[i].pid, 0, 0, 1, 0, 3840, 2160,
+                                      1920, 1080, found[i].fps, found[i].latency_us};
+            ((nvmlFBCSessionInfo_t *)infos)[i] = e;
+        } else {
+            nvmlEncoderSessionInfo_t e = {found[i].id, found[i].pid, 0, 0, 1920, 1080,
+                                          found[i].fps, found[i].latency_us};
+            ((nvmlEncoderSessionInfo_t *)infos)[i] = e;
+        }
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+static void session_stats(const video_session_t *s, unsigned n, unsigned *fps, unsigned *lat) {
+    unsigned long long f = 0, l = 0;
+    for (unsigned i = 0; i < n; i++) {
+        f += s[i].fps;
+        l += s[i].latency_us;
+    }
+    *fps = n ? (unsigned)(f / n) : 0;
+    *lat = n ? (unsigned)(l / n) : 0;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetEncoderSessions(nvmlDevice_t d, unsigned int *count,
+                                                      nvmlEncoderSessionInfo_t *infos) {
+    return session_list(d, 0, count, infos);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCSessions(nvmlDevice_t d, unsigned int *count,
+                                                  nvmlFBCSessionInfo_t *infos) {
+    return session_list(d, 1, count, infos);
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetEncoderStats(nvmlDevice_t d, unsigned int *count,
+                                                   unsigned int *fps, unsigned int *latency) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!count || !fps || !latency) return NVML_ERROR_INVALID_ARGUMENT;
+    video_session_t found[SIM_MAX_VIDEO];
+    *count = video_sessions(d, 0, found);
+    session_stats(found, *count, fps, latency);
+    return NVML_SUCCESS;
+}
+
+QGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCStats(nvmlDevice_t d, nvmlFBCStats_t *stats) {
+    nvmlReturn_t r = check(d);
+    if (r) return r;
+    if (!stats) return NVML_ERROR_INVALID_ARGUMENT;
+    video_session_t found[SIM_MAX_VIDEO];
+    stats->sessionsCount = video_sessions(d, 1, found);
+    session_stats(found, stats->sessionsCount, &stats->averageFPS, &stats->averageLatency);
+    return NVML_SUCCESS;
 }
 
 /* No graphics work and no MPS server on simulated GPUs: empty lists. */

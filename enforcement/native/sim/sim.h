@@ -27,8 +27,8 @@
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
-#define SIM_STATE_MAGIC 0x344d495355504751ULL /* "QGPUSIM4" little endian */
-#define SIM_STATE_VERSION 5
+#define SIM_STATE_MAGIC 0x354d495355504751ULL /* "QGPUSIM5" little endian */
+#define SIM_STATE_VERSION 6
 #define SIM_PROC_RING 32
 #define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
 #define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
@@ -102,9 +102,15 @@ typedef struct {
     /* timesliced: per context (its queue index), the queue position its last work ends at;
        a context whose end is past done_ns has work queued and gets its own slice */
     uint64_t ctx_end[SIM_CTX_QUEUES];
+    /* video engines: its open encoder (NVENC) and frame-buffer capture sessions and what
+       they report, opened with qgpuSimVideoSessionOpen (video.c), closed when it ends */
+    uint32_t enc_sessions;
+    uint32_t enc_fps;
+    uint32_t enc_latency_us;
+    uint32_t fbc_sessions;
 } sim_proc_t;
 
-#define SIM_PROC_SIZE (728 + 16 * SIM_MARKERS + 8 * SIM_CTX_QUEUES)
+#define SIM_PROC_SIZE (744 + 16 * SIM_MARKERS + 8 * SIM_CTX_QUEUES)
 
 /* An allocation that more than one process may keep alive (shared.c): a VMM allocation
  * exported to a file descriptor, a cuMemAlloc'ed allocation with a legacy IPC handle, or the
