@@ -143,22 +143,24 @@ static void check_device(void) {
     }
 }
 
-/* A slice's process is never a client of an MPS daemon: the driver makes a process the
- * client of the control daemon in CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), so a
- * tenant who starts one there -- or names its own in a process's environment -- would set
- * that process's thread percentage and memory limit, see it in its client list, and run it
- * in a server whose context no slice is charged for. The real cuInit is handed a pipe
- * directory that cannot exist (a path below /dev/null: nobody can create it, root
- * included), so the driver finds no daemon and runs the process without MPS, as on a host
- * that has none. MPS as qgpu's backend (`--enforcement mps`) does not load this hook. */
+/* A slice's process is never the client of an MPS daemon it did not ask for: the driver
+ * makes a process the client of the control daemon in CUDA_MPS_PIPE_DIRECTORY, and where that
+ * is unset, of the one at /tmp/nvidia-mps -- which any tenant of a host where slices run as
+ * one user can start. Its owner would then set the process's thread percentage and memory
+ * limit, see it in its client list, and run it in a server whose context no slice is charged
+ * for. So where the environment names no pipe directory, the real cuInit is handed one that
+ * cannot exist (a path below /dev/null: nobody can create it, root included): the driver
+ * finds no daemon and runs the process without MPS, as on a host that has none. A directory
+ * the environment names is kept: whoever started the process chose it (the agent's MPS
+ * backend names its own daemon's), and a tenant can name one only for its own processes. */
 #define QGPU_NO_MPS_DIRECTORY "/dev/null/qgpu-slices-run-without-mps"
 
-static int no_mps(void) {
+static int no_default_mps(void) {
     const char *now = getenv("CUDA_MPS_PIPE_DIRECTORY");
-    if (now && strcmp(now, QGPU_NO_MPS_DIRECTORY) == 0) return 0;
+    if (now && *now) return 0;
     if (setenv("CUDA_MPS_PIPE_DIRECTORY", QGPU_NO_MPS_DIRECTORY, 1) == 0) return 0;
     fprintf(stderr, "qgpu: cannot set CUDA_MPS_PIPE_DIRECTORY (out of memory): cuInit refused, "
-                    "a slice's process must not join an MPS daemon\n");
+                    "a slice's process must not join the default MPS daemon\n");
     return -1;
 }
 
@@ -167,7 +169,7 @@ QGPU_EXPORT CUresult cuInit(unsigned int flags) {
     if (!HAVE_REAL(cuInit)) return CUDA_ERROR_NOT_INITIALIZED;
     int s = hook_state();
     if (s == HOOK_ERROR) return CUDA_ERROR_INVALID_VALUE;
-    if (s == HOOK_ACTIVE && no_mps() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (s == HOOK_ACTIVE && no_default_mps() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = REAL(cuInit)(flags);
     if (r != CUDA_SUCCESS || s != HOOK_ACTIVE) return r;
     pthread_once(&device_once, check_device);

@@ -1,10 +1,11 @@
-"""A tenant's own MPS daemon: a slice's process must never become its client.
+"""A tenant's own MPS daemon: no other slice's process may become its client.
 
 NVIDIA's driver makes every CUDA process the client of the MPS control daemon in its
 ``CUDA_MPS_PIPE_DIRECTORY`` (``/tmp/nvidia-mps`` when unset). On a host where slices run as
 one user a tenant can start ``nvidia-cuda-mps-control -d`` there; every other slice's process
-would then join it, and the tenant would set its thread percentage and memory limit and see
-it in the client list, in a server whose context no slice is charged for. The simulated
+that names no pipe directory would then join it, and the tenant would set its thread
+percentage and memory limit and see it in the client list, in a server whose context no
+slice is charged for. The simulated
 driver models a daemon as a FIFO ``control`` in the pipe directory and a client joining as
 its pid appended to ``clients`` (docs/enforcement.md, "The simulated driver"); the arena's
 default pipe directory is its own, so the tests never touch ``/tmp/nvidia-mps``.
@@ -56,14 +57,27 @@ def test_a_slice_never_joins_a_tenants_mps_daemon(
     clients = _start_daemon(default)
     # a slice's process that names no pipe directory: the driver's default is the tenant's
     victim = arena.start([programs.c("mps_probe")], arena.sim.slice_env("late-victim"))
-    # one whose environment names a daemon's directory (set by whoever started it)
+    assert victim.one("pid") > 0  # it runs, without MPS
+    assert _clients(clients) == set()
+    # the daemon is still there for a process outside any slice
+    plain = arena.start([programs.c("mps_probe")], arena.sim.base_env())
+    assert _clients(clients) == {plain.one("pid")}
+
+
+def test_a_pipe_directory_the_environment_names_is_kept(
+    mps_arena: tuple[Arena, Path], programs: Programs, short_tmp: Path
+) -> None:
+    """Whoever starts a slice's process may name a daemon for it (the agent's MPS backend
+    does); only the unnamed default, which any tenant can occupy, is taken away."""
+    arena, default = mps_arena
+    default_clients = _start_daemon(default)
     named_dir = short_tmp / "named-mps"
     named_clients = _start_daemon(named_dir)
     env = arena.hostile_env()
     env["CUDA_MPS_PIPE_DIRECTORY"] = str(named_dir)
     named = arena.start([programs.c("mps_probe")], env)
-    assert victim.one("pid") > 0 and named.one("pid") > 0  # both run, without MPS
-    assert _clients(clients) == set() and _clients(named_clients) == set()
-    # the daemons are still there for a process outside any slice
-    plain = arena.start([programs.c("mps_probe")], arena.sim.base_env())
-    assert _clients(clients) == {plain.one("pid")}
+    assert _clients(named_clients) == {named.one("pid")}
+    assert _clients(default_clients) == set()
+    env["CUDA_MPS_PIPE_DIRECTORY"] = ""  # empty: the driver's default, so taken away too
+    empty = arena.start([programs.c("mps_probe")], env)
+    assert empty.one("pid") > 0 and _clients(default_clients) == set()
