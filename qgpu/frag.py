@@ -522,9 +522,7 @@ class FragPolicy(Policy):
             # each node's change, summed over its GPUs (a GPU of a changed node that did not
             # change itself adds exactly 0; whole numbers, so the sums are exact)
             has = s.node_gpu_count[nodes] > 0  # (reduceat cannot sum an empty node)
-            if has.all():
-                self._per_node[nodes] += np.add.reduceat(rows - self._per_gpu[changed], offsets)
-            elif has.any():
+            if has.any():
                 diff = rows - self._per_gpu[changed]
                 self._per_node[nodes[has]] += np.add.reduceat(diff, offsets[has])
             self._per_gpu[changed] = rows
@@ -555,8 +553,8 @@ class FragPolicy(Policy):
             return np.where(ok, _MANY, 0.0).astype(np.float32)
         # floor(free / need) in float64: exact for these magnitudes (free and need are
         # integers below 2**50, so a true quotient's fraction is at least 1 / need >> 1e-9)
-        cpu_f = _clamped(cpu, 0, 1 << 40).astype(np.float64)[:, None]
-        mem_f = _clamped(hostmem, 0, 1 << 40).astype(np.float64)[:, None]
+        cpu_f = _clamped(cpu, 0, int(_MANY)).astype(np.float64)[:, None]
+        mem_f = _clamped(hostmem, 0, int(_MANY)).astype(np.float64)[:, None]
         copies = np.minimum(
             cpu_f * self.t_inv_cpu + self.t_free_cpu,
             mem_f * self.t_inv_hostmem + self.t_free_hostmem,
