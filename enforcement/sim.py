@@ -443,10 +443,12 @@ _UNOWNED = struct.Struct("<Q")  # unowned, offset 432
 _PROC = struct.Struct("<iIQQQqQQQ")  # pid .. contexts, the first 64 bytes of sim_proc_t
 _USNAPS = 8  # per-process utilisation samples (SIM_USNAPS)
 _USNAP = struct.Struct(f"<{_USNAPS}q{_USNAPS}QI")  # usnap_t, usnap_done, usnap_head: 592
-_PROC_SIZE = 744 + 16 * 512 + 8 * 16  # sim_proc_t: SIM_MARKERS 512, SIM_CTX_QUEUES 16
+_PROC_SIZE = 760 + 16 * 512 + 8 * 16  # sim_proc_t: SIM_MARKERS 512, SIM_CTX_QUEUES 16
+_MANAGED = struct.Struct("<Q")  # managed_bytes, the last 16 bytes of sim_proc_t hold it
+_MANAGED_OFFSET = _PROC_SIZE - 16
 _PROCS_OFFSET = 512
 _MAX_PROCS = 64
-_MAGIC = 0x354D495355504751  # "QGPUSIM5"
+_MAGIC = 0x364D495355504751  # "QGPUSIM6"
 
 
 @dataclass(frozen=True)
@@ -459,6 +461,9 @@ class SimProcess:
     contexts: int = 0
     sm_util: int = 0  # percent of the last sampling period (~100 ms) spent on its work (NVML)
     sm_util_at_ns: int = 0  # when that period ended (CLOCK_MONOTONIC; 0: no sample yet)
+    # its managed memory on this GPU: part of mem_used, left out of NVML's per-process lists
+    # (as NVIDIA's are), and evicted to the host when another allocation needs the room
+    managed: int = 0
 
 
 @dataclass(frozen=True)
@@ -536,7 +541,8 @@ def read_gpu_state(config: SimConfig | str | os.PathLike[str], gpu: int | str = 
         pid, _h, _start, mem, pbusy, _last, plaunch, pdone, ctxs = _PROC.unpack_from(data, offset)
         if pid:
             util, util_at = _sm_util(data, offset)
-            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, util, util_at))
+            (managed,) = _MANAGED.unpack_from(data, offset + _MANAGED_OFFSET)
+            procs.append(SimProcess(pid, mem, pbusy, pdone, plaunch, ctxs, util, util_at, managed))
     return SimGpuState(
         now,
         total,

@@ -339,3 +339,69 @@ sys.stdin.read()
             proc.wait()
     for gpu in (0, 1):  # reading a GPU's state reclaims a dead process's memory there
         assert proc.pid not in process_memory(two.config, gpu)
+
+
+HOLDER = (
+    PRELUDE
+    + """
+import pynvml
+pynvml.nvmlInit()
+nvml_dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+def report():
+    procs = pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_dev)
+    listed = {p.pid: p.usedGpuMemory for p in procs}.get(os.getpid())
+    used = pynvml.nvmlDeviceGetMemoryInfo(nvml_dev).used
+    print(json.dumps({"held": held(0), "listed": listed, "used": used}), flush=True)
+p = managed(int(sys.argv[1]))
+report()
+for line in sys.stdin:
+    launch()  # a kernel may touch any managed memory: what fits comes back to the GPU
+    report()
+"""
+)
+
+
+def test_the_driver_s_own_allocations_evict_managed_memory_to_the_host(two: Sim) -> None:
+    """NVIDIA's physical allocator serves the driver's own allocations by evicting managed
+    memory to the host (the Unified Memory driver registers eviction callbacks with it), and
+    NVML's per-process lists leave managed memory out (nvtop #213, rmm #2259): so 12 GiB of
+    managed memory on a 16 GiB GPU keep nobody from 12 GiB of cuMemAlloc, and a process's
+    listed memory is its context alone. A kernel brings back only what fits."""
+    env = env_all(two)
+    env["CUDA_VISIBLE_DEVICES"] = two.uuid(0)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(12 * GIB)],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    taker = None
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+
+        def touch() -> dict[str, int]:
+            holder.stdin.write("launch\n")
+            holder.stdin.flush()
+            return json.loads(holder.stdout.readline())
+
+        first = json.loads(holder.stdout.readline())
+        assert first["held"] == CTX + 12 * GIB  # populated at once, as a cap must expect
+        assert first["listed"] == CTX  # NVML lists its context, not its managed memory
+        assert first["used"] == CTX + 12 * GIB  # the device's used memory counts it
+        big = 12 * GIB
+        taker = subprocess.Popen(
+            [sys.executable, "-c", FILL, str(big)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert taker.stdout is not None and taker.stdout.readline().strip() == "0"
+        room = 16 * GIB - (CTX + big)  # what is left beside the taker and its context
+        evicted = touch()
+        assert evicted["held"] <= room  # the rest moved to the host, and a kernel
+        assert evicted["held"] >= CTX  # cannot take back what the taker holds
+        assert process_memory(two.config, 0)[taker.pid] == CTX + big
+        taker.communicate(timeout=30)
+        taker = None
+        back = touch()  # the room is free again: the next kernel brings it all back
+        assert back["held"] == CTX + 12 * GIB and back["listed"] == CTX
+    finally:
+        for proc in (taker, holder):
+            if proc is not None:
+                proc.communicate(timeout=30)

@@ -22,7 +22,7 @@ void sim_acct_begin(sim_gpu_state_t *st, const sim_proc_t *p) {
     a->proc_start = p->start_time;
     a->start_ns = qgpu_now_ns();
     a->start_us = epoch_us();
-    a->max_mem = p->mem_used;
+    a->max_mem = sim_proc_listed_memory(p);
     st->acct_next++;
 }
 
@@ -37,7 +37,7 @@ sim_acct_t *sim_acct_running(sim_gpu_state_t *st, const sim_proc_t *p) {
 void sim_acct_memory(sim_gpu_state_t *st, const sim_proc_t *p) {
     if (!st->acct_mode) return;
     sim_acct_t *a = sim_acct_running(st, p);
-    if (a && p->mem_used > a->max_mem) a->max_mem = p->mem_used;
+    if (a && p->mem_used > a->max_mem) a->max_mem = sim_proc_listed_memory(p);
 }
 
 void sim_acct_end(sim_gpu_state_t *st, const sim_proc_t *p, int64_t now) {

@@ -58,6 +58,7 @@ static int ck_state = CU_PROCESS_STATE_RUNNING;
 static int ck_gate; /* 1 while locked or checkpointed: calls wait */
 static int ck_tid;
 static uint64_t ck_saved[SIM_MAX_GPUS]; /* what the checkpoint released, per GPU index */
+static uint64_t ck_managed[SIM_MAX_GPUS]; /* the managed part of it */
 static int ck_had[SIM_MAX_GPUS];        /* the GPUs it had a slot on */
 static sim_gpu_state_t *ck_phys[SIM_MAX_GPUS]; /* each GPU's own state (g_sim_state is the
                                                   process's view, remapped by a restore) */
@@ -90,6 +91,7 @@ static CUresult do_checkpoint(void) {
     int pid = getpid();
     for (int g = 0; g < SIM_MAX_GPUS; g++) {
         ck_saved[g] = 0;
+        ck_managed[g] = 0;
         ck_had[g] = 0;
         sim_gpu_state_t *st = g_sim_state[g];
         if (!st) continue;
@@ -98,6 +100,8 @@ static CUresult do_checkpoint(void) {
         if (p && p->pid == pid) {
             ck_had[g] = 1;
             ck_saved[g] = p->mem_used;
+            ck_managed[g] = p->managed_bytes;
+            p->managed_bytes = 0;
             st->mem_used = st->mem_used >= p->mem_used ? st->mem_used - p->mem_used : 0;
             p->mem_used = 0;
             sim_acct_memory(st, p);
@@ -139,7 +143,11 @@ static CUresult do_restore(const ck_request_t *rq) {
         }
         if (!ck_saved[g]) continue;
         sim_state_lock(to[g]);
-        r = sim_state_charge(to[g], ck_saved[g]);
+        r = sim_state_charge(to[g], ck_saved[g] - ck_managed[g]);
+        if (r == CUDA_SUCCESS && ck_managed[g]) {
+            r = sim_state_charge_managed(to[g], ck_managed[g]);
+            if (r) sim_state_uncharge(to[g], ck_saved[g] - ck_managed[g]);
+        }
         sim_state_unlock(to[g]);
         charged[g] = r == CUDA_SUCCESS;
     }
@@ -147,7 +155,8 @@ static CUresult do_restore(const ck_request_t *rq) {
         for (int g = 0; g < SIM_MAX_GPUS; g++) {
             if (!charged[g]) continue;
             sim_state_lock(to[g]);
-            sim_state_uncharge(to[g], ck_saved[g]);
+            sim_state_uncharge(to[g], ck_saved[g] - ck_managed[g]);
+            sim_state_uncharge_managed(to[g], ck_managed[g]);
             sim_state_unlock(to[g]);
         }
         return r;

@@ -223,6 +223,13 @@ QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);
 QGPU_HIDDEN uint64_t sim_next_address(uint64_t size);
 QGPU_HIDDEN CUresult sim_charge(int gidx, uint64_t bytes);
 QGPU_HIDDEN void sim_uncharge(int gidx, uint64_t bytes);
+/* managed memory's blocks onto / off a GPU for this process: never evicts anything, and
+   NVML's per-process lists leave it out (sim_proc_t.managed_bytes) */
+QGPU_HIDDEN CUresult sim_charge_managed(int gidx, uint64_t bytes);
+QGPU_HIDDEN void sim_uncharge_managed(int gidx, uint64_t bytes);
+/* what the driver evicted of this process's managed memory on GPU `gidx` since it last
+   asked (sim_state_make_room), now on the host */
+QGPU_HIDDEN uint64_t sim_take_evicted(int gidx);
 
 /* driver.c: the visible ordinal of GPU index gidx (-1: not visible) */
 QGPU_HIDDEN int sim_visible_ordinal(int gidx);

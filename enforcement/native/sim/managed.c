@@ -7,7 +7,10 @@
  * The model, per 2 MiB block (the Unified Memory driver's large-page granularity; a range is
  * widened to whole blocks, as cuda.h widens it to whole pages):
  *  - a block lives on one GPU or on the host; on a GPU it counts in that GPU's used memory,
- *    charged to this process there (what NVML and the tests' ground truth read). A new
+ *    charged to this process there (what the tests' ground truth reads; NVML's per-process
+ *    lists leave it out, sim_proc_t.managed_bytes, as NVIDIA's do). The driver's other
+ *    allocations evict blocks to the host when the GPU is full (sim_state_make_room); this
+ *    process moves their record there when it next takes its lock (notice_evictions). A new
  *    allocation is populated on its context's GPU at once (cuda.h allows population on
  *    access; populating at once is what a memory cap must expect);
  *  - a prefetch moves a block to its destination GPU or to the host; a block whose
@@ -67,10 +70,51 @@ static uint64_t block_bytes(const managed_t *m, size_t i) {
 
 /* ---- where a block lives ---- */
 
-static int take(int gidx, uint64_t bytes) { return gidx < 0 || sim_charge(gidx, bytes) == CUDA_SUCCESS; }
+static int take(int gidx, uint64_t bytes) {
+    return gidx < 0 || sim_charge_managed(gidx, bytes) == CUDA_SUCCESS;
+}
 
 static void give(int gidx, uint64_t bytes) {
-    if (gidx >= 0) sim_uncharge(gidx, bytes);
+    if (gidx >= 0) sim_uncharge_managed(gidx, bytes);
+}
+
+/* locked: `n` bytes of a block left GPU `g` by eviction; of those, `*gone` had already left
+ * its accounting there (what the evicting allocation took), the rest is given back now */
+static void settle(int g, uint64_t n, uint64_t *gone) {
+    if (n <= *gone) {
+        *gone -= n;
+        return;
+    }
+    give(g, n - *gone);
+    *gone = 0;
+}
+
+/* locked: the blocks another allocation evicted to the host (sim_state_make_room) are moved
+ * there in this process's record too, read-only copies first (their data stays in its
+ * writable copy), then writable blocks from the lowest address; before any call reads or
+ * moves a block, so that none is ever found where the GPU no longer holds it */
+static void notice_evictions(void) {
+    for (int g = 0; g < SIM_MAX_GPUS; g++) {
+        uint64_t gone = sim_take_evicted(g);
+        for (int copies = 1; copies >= 0 && gone; copies--)
+            for (size_t k = 0; k < nranges && gone; k++)
+                for (size_t i = 0; i < ranges[k].nblocks && gone; i++) {
+                    block_t *b = &ranges[k].blocks[i];
+                    if (copies && (b->copies & bit(g))) {
+                        b->copies &= ~bit(g);
+                    } else if (!copies && b->loc == g) {
+                        b->loc = LOC_HOST;
+                    } else {
+                        continue;
+                    }
+                    settle(g, block_bytes(&ranges[k], i), &gone);
+                }
+    }
+}
+
+static void lock_managed(void) {
+    pthread_mutex_lock(&managed_lock);
+    notice_evictions();
 }
 
 /* moves the block's writable copy to `to` (a GPU or LOC_HOST); stays when `to` has no room */
@@ -110,7 +154,7 @@ CUresult sim_managed_new(uint64_t base, uint64_t size, int gidx) {
     block_t *blocks = calloc(n ? n : 1, sizeof *blocks);
     if (!blocks) return CUDA_ERROR_OUT_OF_MEMORY;
     for (size_t i = 0; i < n; i++) blocks[i].loc = (int16_t)gidx;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     if (nranges == cap_ranges) {
         size_t nc = cap_ranges ? cap_ranges * 2 : 16;
         managed_t *p = realloc(ranges, nc * sizeof *p);
@@ -129,7 +173,7 @@ CUresult sim_managed_new(uint64_t base, uint64_t size, int gidx) {
 }
 
 int sim_managed_free(uint64_t base) {
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     for (size_t k = 0; k < nranges; k++) {
         managed_t *m = &ranges[k];
         if (m->base != base) continue;
@@ -228,7 +272,7 @@ static CUresult prefetch(CUdeviceptr ptr, size_t count, where_t w, CUstream s) {
     CUresult r = stream_ok(s);
     if (r) return r;
     size_t first, last;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     managed_t *m = find(ptr, count, &first, &last);
     if (m) prefetch_blocks(m, first, last, w);
     pthread_mutex_unlock(&managed_lock);
@@ -293,7 +337,7 @@ static CUresult batch_check(CUdeviceptr *dptrs, size_t *sizes, size_t count, CUm
     }
     r = stream_ok(s);
     if (r) return r;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     for (size_t i = 0; i < count && !r; i++) {
         size_t first, last;
         if (!find(dptrs[i], sizes[i], &first, &last)) r = CUDA_ERROR_INVALID_VALUE;
@@ -309,7 +353,7 @@ static CUresult prefetch_batch(CUdeviceptr *dptrs, size_t *sizes, size_t count, 
     if (!where) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = batch_check(dptrs, sizes, count, locs, idxs, nlocs, flags, s, where);
     if (!r) {
-        pthread_mutex_lock(&managed_lock);
+        lock_managed();
         size_t k = 0;
         for (size_t i = 0; i < count; i++) {
             while (k + 1 < nlocs && idxs[k + 1] <= i) k++;
@@ -410,7 +454,7 @@ static int uses_location(int advice) {
 
 static CUresult advise(CUdeviceptr ptr, size_t count, int advice, where_t w) {
     size_t first, last;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     managed_t *m = find(ptr, count, &first, &last);
     for (size_t i = first; m && i <= last; i++) advise_block(m, i, advice, w);
     pthread_mutex_unlock(&managed_lock);
@@ -470,7 +514,7 @@ static void touch_block(managed_t *m, size_t i, int g) {
 
 void sim_managed_touch(int gidx) {
     if (!__atomic_load_n(&live, __ATOMIC_ACQUIRE)) return;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     for (size_t k = 0; k < nranges; k++)
         for (size_t i = 0; i < ranges[k].nblocks; i++) touch_block(&ranges[k], i, gidx);
     pthread_mutex_unlock(&managed_lock);
@@ -559,7 +603,7 @@ SIM_EXPORT CUresult cuMemRangeGetAttributes(void **data, size_t *sizes, int *att
     for (size_t k = 0; k < n; k++)
         if (!data[k]) return CUDA_ERROR_INVALID_VALUE;
     size_t first, last;
-    pthread_mutex_lock(&managed_lock);
+    lock_managed();
     managed_t *m = find(ptr, count, &first, &last);
     if (!m) r = CUDA_ERROR_INVALID_VALUE;
     for (size_t k = 0; k < n && !r; k++) r = attribute(m, first, last, attrs[k], data[k], sizes[k]);

@@ -86,6 +86,32 @@ void sim_uncharge(int gidx, uint64_t bytes) {
     sim_state_unlock(st);
 }
 
+CUresult sim_charge_managed(int gidx, uint64_t bytes) {
+    if (!bytes) return CUDA_SUCCESS;
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    sim_state_lock(st);
+    CUresult r = sim_state_charge_managed(st, bytes);
+    sim_state_unlock(st);
+    return r;
+}
+
+void sim_uncharge_managed(int gidx, uint64_t bytes) {
+    if (gidx < 0 || !bytes) return;
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    sim_state_lock(st);
+    sim_state_uncharge_managed(st, bytes);
+    sim_state_unlock(st);
+}
+
+uint64_t sim_take_evicted(int gidx) {
+    sim_gpu_state_t *st = g_sim_state[gidx];
+    if (!st) return 0;
+    sim_state_lock(st);
+    uint64_t n = sim_state_take_evicted(st);
+    sim_state_unlock(st);
+    return n;
+}
+
 static int64_t make_tag(int kind, int gidx, const struct CUctx_st *ctx) {
     (void)ctx;
     return ((int64_t)(uintptr_t)ctx << TAG_CTX_SHIFT) | ((int64_t)kind << TAG_KIND_SHIFT) | gidx;
@@ -106,12 +132,14 @@ static CUresult ctx_gidx(struct CUctx_st **ctx, int *gidx) {
 
 static CUresult alloc_in(struct CUctx_st *ctx, int kind, uint64_t size, CUdeviceptr *out) {
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = sim_charge(ctx->gidx, size);
+    int managed = kind == KIND_MANAGED;
+    CUresult r = managed ? sim_charge_managed(ctx->gidx, size) : sim_charge(ctx->gidx, size);
     if (r) return r;
     uint64_t a = kind == KIND_V1 ? v1_take(size) : sim_next_address(size);
     if (!a || qgpu_table_put(&g_sim_allocs, a, size, make_tag(kind, ctx->gidx, ctx)) != 0) {
         if (a && kind == KIND_V1) v1_give(a, size);
-        sim_uncharge(ctx->gidx, size);
+        if (managed) sim_uncharge_managed(ctx->gidx, size);
+        else sim_uncharge(ctx->gidx, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *out = a;
@@ -122,7 +150,10 @@ static CUresult alloc_in(struct CUctx_st *ctx, int kind, uint64_t size, CUdevice
  * it lives, IPC-exported memory when no importer holds it either */
 static void release(uint64_t key, uint64_t size, int64_t tag) {
     if (tag_kind(tag) == KIND_V1) v1_give(key, size);
-    if (tag_kind(tag) == KIND_MANAGED && sim_managed_free(key)) return;
+    if (tag_kind(tag) == KIND_MANAGED) {
+        if (!sim_managed_free(key)) sim_uncharge_managed(tag_gidx(tag), size); /* never recorded */
+        return;
+    }
     if (!sim_ipc_freed(key)) sim_uncharge(tag_gidx(tag), size);
 }
 

@@ -215,7 +215,7 @@ static unsigned compute_procs(nvmlDevice_t d, nvmlProcessInfo_t *found) {
         sim_proc_t *p = &d->st->procs[i];
         if (!p->pid || (!p->mem_used && !p->contexts)) continue;
         found[n].pid = (unsigned)p->pid;
-        found[n].usedGpuMemory = p->mem_used;
+        found[n].usedGpuMemory = sim_proc_listed_memory(p); /* managed memory left out */
         found[n].gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
         found[n].computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
         n++;
@@ -699,7 +699,7 @@ static void acct_stats(sim_gpu_state_t *st, const sim_acct_t *a, int64_t now,
             const sim_proc_t *p = &st->procs[i];
             if (p->pid != a->pid || p->start_time != a->proc_start) continue;
             done = p->done_ns;
-            if (p->mem_used > max_mem) max_mem = p->mem_used;
+            if (sim_proc_listed_memory(p) > max_mem) max_mem = sim_proc_listed_memory(p);
         }
     }
     uint64_t life = end > a->start_ns ? (uint64_t)(end - a->start_ns) : 0;

@@ -192,10 +192,7 @@ CUresult sim_shared_resize(sim_gpu_state_t *st, int idx, int64_t delta) {
                        : e->charged == SIM_CHARGED_NONE ? &st->unowned
                                                         : NULL;
     if (delta > 0) {
-        if (n > st->mem_total || st->mem_used > st->mem_total - n) {
-            sim_state_reclaim_dead(st);
-            if (n > st->mem_total || st->mem_used > st->mem_total - n) return CUDA_ERROR_OUT_OF_MEMORY;
-        }
+        if (!sim_state_make_room(st, n)) return CUDA_ERROR_OUT_OF_MEMORY;
         st->mem_used += n;
         e->size += n;
         if (holder) *holder += n;

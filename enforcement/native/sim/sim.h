@@ -27,8 +27,8 @@
 #define SIM_MAX_GPUS 64
 #define SIM_MAX_PROCS 64
 #define SIM_SNAPSHOTS 16
-#define SIM_STATE_MAGIC 0x354d495355504751ULL /* "QGPUSIM5" little endian */
-#define SIM_STATE_VERSION 6
+#define SIM_STATE_MAGIC 0x364d495355504751ULL /* "QGPUSIM6" little endian */
+#define SIM_STATE_VERSION 7
 #define SIM_PROC_RING 32
 #define SIM_MARKERS 512 /* outstanding event/free markers per process (timesliced model) */
 #define SIM_USNAPS 8     /* per-process utilisation samples (NVML) */
@@ -108,9 +108,15 @@ typedef struct {
     uint32_t enc_fps;
     uint32_t enc_latency_us;
     uint32_t fbc_sessions;
+    /* managed memory (managed.c): the part of mem_used that is its managed blocks on this
+       GPU, which NVIDIA's NVML leaves out of the per-process lists, and what another
+       allocation evicted of it to the host that this process has not yet moved its blocks'
+       record for (the bytes already left mem_used) */
+    uint64_t managed_bytes;
+    uint64_t evicted_bytes;
 } sim_proc_t;
 
-#define SIM_PROC_SIZE (744 + 16 * SIM_MARKERS + 8 * SIM_CTX_QUEUES)
+#define SIM_PROC_SIZE (760 + 16 * SIM_MARKERS + 8 * SIM_CTX_QUEUES)
 
 /* An allocation that more than one process may keep alive (shared.c): a VMM allocation
  * exported to a file descriptor, a cuMemAlloc'ed allocation with a legacy IPC handle, or the
@@ -213,6 +219,16 @@ QGPU_HIDDEN unsigned sim_state_utilization(sim_gpu_state_t *st, int64_t now); /*
 /* Locked. Charge/uncharge device memory to this process; overflow-safe. */
 QGPU_HIDDEN CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes);
 QGPU_HIDDEN void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes);
+/* locked: room for `bytes` more of the driver's own (not managed) memory, managed memory
+   evicted to the host as needed; 0 when it does not fit even then */
+QGPU_HIDDEN int sim_state_make_room(sim_gpu_state_t *st, uint64_t bytes);
+/* locked: managed memory moving onto or off this GPU for this process (never evicts) */
+QGPU_HIDDEN CUresult sim_state_charge_managed(sim_gpu_state_t *st, uint64_t bytes);
+QGPU_HIDDEN void sim_state_uncharge_managed(sim_gpu_state_t *st, uint64_t bytes);
+/* locked: what was evicted of this process's managed memory since it last asked (zeroed) */
+QGPU_HIDDEN uint64_t sim_state_take_evicted(sim_gpu_state_t *st);
+/* what NVML's per-process lists show of a process: its memory without its managed blocks */
+QGPU_HIDDEN uint64_t sim_proc_listed_memory(const sim_proc_t *p);
 /* Locked. Frees slot i (its process exited or died): what it held goes, shared allocations
  * it held keep their memory while others hold them. */
 QGPU_HIDDEN void sim_state_drop_slot(sim_gpu_state_t *st, int i);

@@ -107,24 +107,77 @@ sim_proc_t *sim_state_proc_slot(sim_gpu_state_t *st, int create) {
     return free_slot;
 }
 
-CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes) {
-    if (bytes > st->mem_total || st->mem_used > st->mem_total - bytes) {
-        sim_state_reclaim_dead(st);
-        if (bytes > st->mem_total || st->mem_used > st->mem_total - bytes)
-            return CUDA_ERROR_OUT_OF_MEMORY;
+static int fits(const sim_gpu_state_t *st, uint64_t bytes) {
+    return bytes <= st->mem_total && st->mem_used <= st->mem_total - bytes;
+}
+
+/* NVIDIA's physical allocator serves the driver's own allocations (cuMemAlloc, VMM, pools,
+ * contexts, modules: everything but managed memory) by evicting managed memory to the host
+ * when the GPU is full: the Unified Memory driver registers eviction callbacks with it "to
+ * successfully allocate memory from the user memory pool allocated by UVM" (its source). So
+ * managed memory on a GPU keeps nobody from the GPU's memory. Evicted here in whole 2 MiB
+ * blocks, the largest holder first; its process moves its blocks' record to the host when it
+ * next touches its managed memory (managed.c). */
+#define EVICT_BLOCK (2ULL << 20)
+
+int sim_state_make_room(sim_gpu_state_t *st, uint64_t bytes) {
+    if (fits(st, bytes)) return 1;
+    sim_state_reclaim_dead(st);
+    while (!fits(st, bytes) && bytes <= st->mem_total) {
+        sim_proc_t *most = NULL;
+        for (int i = 0; i < SIM_MAX_PROCS; i++) {
+            sim_proc_t *p = &st->procs[i];
+            if (p->pid && p->managed_bytes && (!most || p->managed_bytes > most->managed_bytes))
+                most = p;
+        }
+        if (!most) return 0;
+        uint64_t short_by = st->mem_used - (st->mem_total - bytes);
+        uint64_t n = (short_by + EVICT_BLOCK - 1) / EVICT_BLOCK * EVICT_BLOCK;
+        if (n > most->managed_bytes) n = most->managed_bytes;
+        most->managed_bytes -= n;
+        most->mem_used = most->mem_used >= n ? most->mem_used - n : 0;
+        most->evicted_bytes += n;
+        st->mem_used = st->mem_used >= n ? st->mem_used - n : 0;
     }
+    return fits(st, bytes);
+}
+
+static CUresult charge(sim_gpu_state_t *st, uint64_t bytes, int managed) {
+    if (managed ? !fits(st, bytes) && (sim_state_reclaim_dead(st), !fits(st, bytes))
+                : !sim_state_make_room(st, bytes))
+        return CUDA_ERROR_OUT_OF_MEMORY;
     sim_proc_t *p = sim_state_proc_slot(st, 1);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     st->mem_used += bytes;
     p->mem_used += bytes;
+    if (managed) p->managed_bytes += bytes;
     sim_acct_memory(st, p);
     return CUDA_SUCCESS;
 }
 
-void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes) {
+static void uncharge(sim_gpu_state_t *st, uint64_t bytes, int managed) {
     sim_proc_t *p = sim_state_proc_slot(st, 0);
     st->mem_used = st->mem_used >= bytes ? st->mem_used - bytes : 0;
-    if (p) p->mem_used = p->mem_used >= bytes ? p->mem_used - bytes : 0;
+    if (!p) return;
+    p->mem_used = p->mem_used >= bytes ? p->mem_used - bytes : 0;
+    if (managed) p->managed_bytes = p->managed_bytes >= bytes ? p->managed_bytes - bytes : 0;
+}
+
+CUresult sim_state_charge(sim_gpu_state_t *st, uint64_t bytes) { return charge(st, bytes, 0); }
+void sim_state_uncharge(sim_gpu_state_t *st, uint64_t bytes) { uncharge(st, bytes, 0); }
+CUresult sim_state_charge_managed(sim_gpu_state_t *st, uint64_t bytes) { return charge(st, bytes, 1); }
+void sim_state_uncharge_managed(sim_gpu_state_t *st, uint64_t bytes) { uncharge(st, bytes, 1); }
+
+uint64_t sim_state_take_evicted(sim_gpu_state_t *st) {
+    sim_proc_t *p = sim_state_proc_slot(st, 0);
+    if (!p) return 0;
+    uint64_t n = p->evicted_bytes;
+    p->evicted_bytes = 0;
+    return n;
+}
+
+uint64_t sim_proc_listed_memory(const sim_proc_t *p) {
+    return p->mem_used >= p->managed_bytes ? p->mem_used - p->managed_bytes : 0;
 }
 
 /* ---- fifo: done = submitted minus what is still ahead on the timeline ---- */
