@@ -8,7 +8,6 @@ Results are also printed (run with -s) for docs/gpu-validation.md.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,25 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from .gpu_env import gpu_uuid, slice_env
+
 pytestmark = pytest.mark.gpu
 
 GIB = 1 << 30
 WORKER = Path(__file__).with_name("gpu_worker.py")
-
-
-def _gpu_uuid() -> str | None:
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    if cuda.cuInit(0) != 0:
-        return None
-    dev = ctypes.c_int()
-    raw = (ctypes.c_ubyte * 16)()
-    if cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0 or cuda.cuDeviceGetUuid(raw, dev) != 0:
-        return None
-    h = bytes(raw).hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _framework_ok() -> bool:
@@ -49,33 +35,16 @@ def _framework_ok() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-UUID = _gpu_uuid()
+UUID = gpu_uuid()
 if UUID is None or not _framework_ok():
     pytest.skip("needs a real NVIDIA GPU and PyTorch or CuPy with CUDA", allow_module_level=True)
 
 from enforcement.native import NativeLibraryMissing, hook_library_path  # noqa: E402
 
 try:
-    HOOK = str(hook_library_path())
+    hook_library_path()
 except NativeLibraryMissing as exc:  # pragma: no cover - depends on the install
     pytest.skip(str(exc), allow_module_level=True)
-
-
-def slice_env(
-    tmp: Path, slice_id: str, memory: int = 4 * GIB, core: int = 100, policy: str = "best-effort"
-) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QGPU_")}
-    env.update(
-        LD_PRELOAD=HOOK,
-        CUDA_VISIBLE_DEVICES=str(UUID),
-        QGPU_SLICE_ID=slice_id,
-        QGPU_DEVICE_UUID=str(UUID),
-        QGPU_MEMORY_LIMIT=str(memory),
-        QGPU_CORE_LIMIT=str(core),
-        QGPU_ISOLATION=policy,
-        QGPU_STATE_DIR=str(tmp / "ledgers"),
-    )
-    return env
 
 
 def worker(env: dict[str, str], *args: str) -> str:
