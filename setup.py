@@ -49,6 +49,7 @@ LIBRARIES = {
                 "managed.c",
                 "pool.c",
                 "graph.c",
+                "graph_work.c",
                 "ctx.c",
                 "module.c",
                 "launch.c",

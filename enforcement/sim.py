@@ -101,6 +101,11 @@ GREEN_CONTEXT_MEMORY = 32 << 20
 # what the device runtime reserves (cuCtxSetLimit; NVIDIA does not publish the sizes): per
 # pending device-side launch above the default 2048, and per thread the device can hold at
 # once per device-side sync depth level above the default 2
+# What an executable graph keeps on its GPU per node, from its instantiation to its
+# destruction: the launch descriptors the driver builds for its work and the parameters it
+# keeps for them (up to 4 KiB of kernel parameters each, the limit before CUDA 12.1). NVIDIA
+# documents neither where nor how much: chosen, not measured; the interposer measures it.
+GRAPH_NODE_BYTES = 4 << 10
 DEVRT_LAUNCH_BYTES = 8 << 10
 DEVRT_SYNC_THREAD_BYTES = 4 << 10
 # The Linux driver each CUDA release shipped with (NVIDIA's CUDA release notes, "CUDA Toolkit
@@ -163,6 +168,7 @@ class SimConfig:
     procaddr: str = "internal"
     accounting: bool = False
     mps_pipe_directory: Path = MPS_PIPE_DIRECTORY
+    graph_node_bytes: int = GRAPH_NODE_BYTES
 
     def device_sharing_env(self) -> dict[str, str]:
         """How these GPUs share themselves between processes, in the interposer's terms
@@ -225,6 +231,7 @@ def write_sim_config(
     green_context_memory: int | Mapping[str, int] = GREEN_CONTEXT_MEMORY,
     accounting: bool = False,
     mps_pipe_directory: str | os.PathLike[str] = MPS_PIPE_DIRECTORY,
+    graph_node_bytes: int = GRAPH_NODE_BYTES,
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -245,7 +252,8 @@ def write_sim_config(
     ``nvidia-smi -am 1``; off by default, as on NVIDIA's driver). ``mps_pipe_directory``:
     where a process looks for an MPS control daemon when ``CUDA_MPS_PIPE_DIRECTORY`` is unset
     (NVIDIA's default, ``/tmp/nvidia-mps``; tests name their own; docs/enforcement.md, "The
-    simulated driver")."""
+    simulated driver"). ``graph_node_bytes``: what an executable graph keeps on its GPU per
+    node until it is destroyed (GRAPH_NODE_BYTES)."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -272,6 +280,8 @@ def write_sim_config(
     ):
         if not isinstance(value, int) or value < 0:
             raise SimSpecError(f"{name} {value!r}: must be >= 0 bytes")
+    if not isinstance(graph_node_bytes, int) or not 0 <= graph_node_bytes <= GIB:
+        raise SimSpecError(f"graph_node_bytes {graph_node_bytes!r}: must be 0..{GIB} bytes")
     mps_dir = Path(mps_pipe_directory)
     if not mps_dir.is_absolute() or "\n" in str(mps_dir) or len(str(mps_dir)) >= 1024:
         raise SimSpecError(
@@ -290,6 +300,7 @@ def write_sim_config(
         f"procaddr={procaddr}",
         f"accounting={'enabled' if accounting else 'disabled'}",
         f"mps_pipe_directory={mps_dir}",
+        f"graph_node_bytes={graph_node_bytes}",
     ]
     gpus = []
     for i, m in enumerate(models):
@@ -339,6 +350,7 @@ def write_sim_config(
         procaddr,
         accounting,
         mps_dir,
+        graph_node_bytes,
     )
 
 
@@ -412,6 +424,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
         values.get("procaddr", "internal"),
         values.get("accounting", "disabled") == "enabled",
         Path(values.get("mps_pipe_directory") or MPS_PIPE_DIRECTORY),
+        int(values.get("graph_node_bytes", str(GRAPH_NODE_BYTES))),
     )
 
 

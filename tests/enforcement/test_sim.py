@@ -439,3 +439,23 @@ def test_mps_pipe_directory_is_checked_by_name(short_tmp: Path) -> None:
     )
     assert out.returncode != 0
     assert "mps_pipe_directory=relative/dir: must be an absolute path" in out.stderr
+
+
+def test_graph_node_bytes_is_checked_by_name(short_tmp: Path) -> None:
+    with pytest.raises(SimSpecError, match="graph_node_bytes -1: must be 0..1073741824 bytes"):
+        write_sim_config(short_tmp / "g.conf", "T4", graph_node_bytes=-1)
+    cfg = write_sim_config(short_tmp / "g.conf", "T4", graph_node_bytes=1 << 20)
+    assert load_sim_config(cfg.path).graph_node_bytes == 1 << 20
+    cfg.path.write_text(
+        cfg.path.read_text().replace("graph_node_bytes=1048576", "graph_node_bytes=-5")
+    )
+    env = Sim(cfg, short_tmp / "l").base_env()
+    out = subprocess.run(
+        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "graph_node_bytes=-5: must be 0..1073741824 bytes" in out.stderr

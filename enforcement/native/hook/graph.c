@@ -228,6 +228,7 @@ static CUresult instantiated(CUresult r, CUgraphExec *e, CUgraph g, uint64_t at_
     walk_free(&w);
     if (wr != CUDA_SUCCESS) {
         set_need(*e, 0);
+        graph_work_release(*e);
         REAL(cuGraphExecDestroy)(*e);
         *e = NULL;
     }
@@ -307,13 +308,18 @@ static CUresult before_instantiate(CUgraph g, uint64_t *bytes) {
     return r;
 }
 
+/* The instantiation itself, measured: what the executable graph keeps for its work
+ * (graph_work.c), then its allocations' need (instantiated). */
 #define INSTANTIATE(name, params, ...)                                                       \
     QGPU_EXPORT CUresult name params {                                                       \
         HOOK_ENTER(name, __VA_ARGS__);                                                       \
         uint64_t before;                                                                     \
         CUresult r = before_instantiate(g, &before);                                         \
         if (r != CUDA_SUCCESS) return r;                                                     \
-        return instantiated(REAL(name)(__VA_ARGS__), e, g, before);                          \
+        measure_t m;                                                                         \
+        graph_work_begin(&m);                                                                \
+        r = graph_work_done(REAL(name)(__VA_ARGS__), e, &m);                                 \
+        return instantiated(r, e, g, before);                                                \
     }
 INSTANTIATE(cuGraphInstantiate, (CUgraphExec * e, CUgraph g, CUgraphNode *err, char *log, size_t n),
             e, g, err, log, n)
@@ -331,23 +337,27 @@ static CUresult with_params(CUresult (*real)(CUgraphExec *, CUgraph, void *), CU
     uint64_t need;
     CUresult r = before_instantiate(g, &need);
     if (r != CUDA_SUCCESS) return r;
-    if (upload && need && ledger_reserve(need) != 0 &&
-        (!graph_mem_make_room(NULL, 0) || ledger_reserve(need) != 0))
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    if (upload && need) { /* the trim frees memory: under the memory lock, shared */
+        int held = memop_begin();
+        int fits = ledger_reserve(need) == 0 ||
+                   (graph_mem_make_room(NULL, 0) && ledger_reserve(need) == 0);
+        memop_end(&held);
+        if (!fits) return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    measure_t m; /* the memory lock, exclusively: the upload's allocations are under it */
+    graph_work_begin(&m);
     r = real(e, g, params);
     if (upload) graph_mem_after(r, need);
-    return instantiated(r, e, g, need);
+    return instantiated(graph_work_done(r, e, &m), e, g, need);
 }
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams, e, g, params);
-    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams), e, g, params);
 }
 
 QGPU_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *e, CUgraph g, void *params) {
     HOOK_ENTER(cuGraphInstantiateWithParams_ptsz, e, g, params);
-    HOOK_MEM_OP();
     return with_params(REAL(cuGraphInstantiateWithParams_ptsz), e, g, params);
 }
 
@@ -356,6 +366,7 @@ QGPU_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuGraphExecDestroy)(e);
     if (r == CUDA_SUCCESS) {
+        graph_work_release(e);
         pthread_mutex_lock(&graph_lock);
         set_need(e, 0);
         forget_shares(e);

@@ -328,6 +328,14 @@ QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
 /* The same for a kernel node's kernel: func, or (func NULL) kern in ctx (NULL: current). */
 QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx);
 
+/* graph_work.c: what an executable graph keeps for its own work, measured around its
+ * instantiation (begin takes the memory lock exclusively; done charges, or destroys the
+ * graph and returns CUDA_ERROR_OUT_OF_MEMORY, and releases the lock) and given back when it
+ * is destroyed */
+QGPU_HIDDEN void graph_work_begin(measure_t *m);
+QGPU_HIDDEN CUresult graph_work_done(CUresult r, CUgraphExec *e, measure_t *m);
+QGPU_HIDDEN void graph_work_release(CUgraphExec e);
+
 /* graph.c: before a graph upload or launch on stream s, its allocations charged in full,
  * room made by trimming when they do not fit (-1: they still do not, refuse) */
 QGPU_HIDDEN int graph_mem_before(CUgraphExec e, CUstream s, int can_wait, uint64_t *need);

@@ -140,13 +140,15 @@ void pool_settle_all(void) {
 /* What the process's pools reserve now, by the driver's account: module.c takes pools
  * giving memory back during a measured call out of what the call took. */
 uint64_t pool_reserved_total(void) {
-    uint64_t sum = 0;
+    uint64_t sum = 0, graph = 0;
     pthread_mutex_lock(&pool_lock);
     for (size_t i = 0; i < npools; i++) {
         uint64_t r;
         if (pools[i].pool && pool_reserved(pools[i].pool, &r) == 0) sum += r;
     }
     pthread_mutex_unlock(&pool_lock);
+    /* the device's graph memory is the graphs' own charge (graph.c) too */
+    if (graph_reserved(current_device(), &graph) == 0) sum += graph;
     return sum;
 }
 

@@ -48,6 +48,7 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
     cfg->timeslice_ns = 2000000;
     cfg->procaddr = SIM_PROCADDR_INTERNAL;
     snprintf(cfg->mps_pipe_directory, sizeof cfg->mps_pipe_directory, "/tmp/nvidia-mps");
+    cfg->graph_node_bytes = 4096;
     char state_dir[4096] = "";
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -111,6 +112,9 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
             if (val[0] != '/' || strlen(val) >= sizeof cfg->mps_pipe_directory)
                 BAD("must be an absolute path shorter than 1024 bytes");
             snprintf(cfg->mps_pipe_directory, sizeof cfg->mps_pipe_directory, "%s", val);
+        } else if (strcmp(key, "graph_node_bytes") == 0) {
+            if (parse_u64(val, &cfg->graph_node_bytes) != 0 || cfg->graph_node_bytes > (1ULL << 30))
+                BAD("must be 0..1073741824 bytes");
         } else if (strcmp(key, "state_dir") == 0) {
             snprintf(state_dir, sizeof state_dir, "%s", val);
         } else if (strncmp(key, "gpu", 3) == 0 && isdigit((unsigned char)key[3])) {

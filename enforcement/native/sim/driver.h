@@ -173,6 +173,11 @@ struct CUgraphExec_st {
     uint64_t temp_backed;
     uint64_t *frees;
     int nfrees;
+    /* its work (graph.c): what its nodes' launch descriptors and parameters keep on a GPU
+     * (g_sim_cfg.graph_node_bytes per node, child graphs' and bodies' nodes too), from the
+     * instantiation to cuGraphExecDestroy */
+    uint64_t work_bytes;
+    int work_gidx;
 };
 
 struct CUmemPoolHandle_st {

@@ -661,12 +661,14 @@ static int device_launchable(const struct CUgraph_st *g, int *kernels) {
 typedef struct {
     int64_t ns;
     int kernels;
+    uint64_t nodes;
 } needs_t;
 
 /* What running a graph takes: conditional bodies are counted once each. */
 static void needs(const struct CUgraph_st *g, needs_t *out) {
     for (int i = 0; i < g->nnodes; i++) {
         const struct CUgraphNode_st *n = g->node[i];
+        out->nodes++;
         if (n->type == CU_GRAPH_NODE_TYPE_KERNEL) {
             out->ns += n->ns;
             out->kernels++;
@@ -756,7 +758,7 @@ static int refresh_memory(struct CUgraphExec_st *e) {
 }
 
 static int refresh(struct CUgraphExec_st *e) {
-    needs_t nd = {0, 0};
+    needs_t nd = {0, 0, 0};
     needs(e->snap, &nd);
     e->total_ns = nd.ns;
     e->kernels = nd.kernels;
@@ -765,6 +767,7 @@ static int refresh(struct CUgraphExec_st *e) {
 }
 
 static void exec_free(struct CUgraphExec_st *e) {
+    if (e->work_bytes) sim_uncharge(e->work_gidx, e->work_bytes);
     struct CUgraph_st *src = e->src;
     if (--src->execs == 0 && src->destroyed) graph_free(src);
     graph_free(e->snap);
@@ -772,6 +775,24 @@ static void exec_free(struct CUgraphExec_st *e) {
     free(e->frees);
     e->magic = 0;
     free(e);
+}
+
+/* An executable graph keeps its work on its graph's GPU (its context's when the graph has
+ * none yet): NVIDIA does not document where or how much, so a fixed size per node. */
+static CUresult take_work(struct CUgraphExec_st *e) {
+    needs_t nd = {0, 0, 0};
+    needs(e->snap, &nd);
+    struct CUctx_st *c = sim_current_ctx();
+    int gidx = e->snap->gidx >= 0 ? e->snap->gidx : c ? c->gidx : 0;
+    uint64_t per = g_sim_cfg.graph_node_bytes;
+    if (!per || !nd.nodes) return CUDA_SUCCESS;
+    if (nd.nodes > UINT64_MAX / per) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = sim_charge(gidx, nd.nodes * per);
+    if (r == CUDA_SUCCESS) {
+        e->work_bytes = nd.nodes * per;
+        e->work_gidx = gidx;
+    }
+    return r;
 }
 
 static CUresult instantiate(CUgraphExec *pe, CUgraph g, unsigned long long flags) {
@@ -796,7 +817,7 @@ static CUresult instantiate(CUgraphExec *pe, CUgraph g, unsigned long long flags
     e->flags = flags;
     e->id = sim_gmem_new_exec_id();
     g->execs++;
-    if (refresh(e) != 0) {
+    if (refresh(e) != 0 || take_work(e) != CUDA_SUCCESS) {
         exec_free(e);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

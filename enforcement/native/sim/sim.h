@@ -73,6 +73,9 @@ typedef struct {
     /* where a client looks for an MPS control daemon when CUDA_MPS_PIPE_DIRECTORY is unset
      * (NVIDIA's default: /tmp/nvidia-mps) */
     char mps_pipe_directory[1024];
+    /* device memory an executable graph keeps per node from its instantiation to its
+     * destruction (its launch descriptors and the parameters the driver keeps for them) */
+    uint64_t graph_node_bytes;
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 

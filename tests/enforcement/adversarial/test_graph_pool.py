@@ -128,5 +128,7 @@ def test_a_slice_can_relaunch_its_graphs(arena: Arena, programs: Programs) -> No
     h = arena.start([programs.c("graphpool"), "relaunch"])
     assert h.all("run") == [SUCCESS] * 8 and h.all("free") == [SUCCESS] * 2, h.lines
     assert h.all("reserved_end") == [1024]
-    assert h.all("grab") == [SUCCESS] * (ROOM - 2) + [OOM]
+    # 1 GiB of graph memory kept, and the executable graphs' own work (a few nodes, 4 KiB
+    # each on the simulator) takes the last of the room a fifth 512 MiB chunk needed
+    assert h.all("grab") == [SUCCESS] * (ROOM - 3) + [OOM]
     arena.contained(h)
