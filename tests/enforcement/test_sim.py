@@ -442,7 +442,7 @@ def test_mps_pipe_directory_is_checked_by_name(short_tmp: Path) -> None:
 
 
 def test_graph_node_bytes_is_checked_by_name(short_tmp: Path) -> None:
-    with pytest.raises(SimSpecError, match="graph_node_bytes -1: must be 0..1073741824 bytes"):
+    with pytest.raises(SimSpecError, match=r"graph_node_bytes -1: must be 0\.\.1073741824 bytes"):
         write_sim_config(short_tmp / "g.conf", "T4", graph_node_bytes=-1)
     cfg = write_sim_config(short_tmp / "g.conf", "T4", graph_node_bytes=1 << 20)
     assert load_sim_config(cfg.path).graph_node_bytes == 1 << 20
