@@ -50,6 +50,7 @@ LIBRARIES = {
                 "pool.c",
                 "graph.c",
                 "graph_work.c",
+                "lmem.c",
                 "ctx.c",
                 "module.c",
                 "launch.c",

@@ -80,6 +80,7 @@ static void context_gone(CUcontext ctx) {
     ipc_forget_ctx(ctx);
     pool_forget_ctx(ctx);
     module_forget_ctx(ctx);
+    lmem_forget(ctx);
 }
 
 #define CTX_CREATE(name, params, args)                                                       \
@@ -315,6 +316,18 @@ static uint64_t limit_cost(int limit, uint64_t value) {
     return hook_mul(value - base, per, &cost) ? UINT64_MAX : cost;
 }
 
+uint64_t ctx_stack_cost(CUcontext ctx, uint64_t per_thread) {
+    CUcontext cur = mem_current_ctx();
+    int pushed = ctx && ctx != cur && HAVE_REAL(cuCtxPushCurrent_v2) &&
+                 REAL(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS; /* its device's threads */
+    uint64_t cost = limit_cost(CU_LIMIT_STACK_SIZE, per_thread);
+    if (pushed) {
+        CUcontext popped;
+        REAL(cuCtxPopCurrent_v2)(&popped);
+    }
+    return cost;
+}
+
 /* ---- the device runtime's reservations ----
  *
  * CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT and CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH make the
@@ -339,6 +352,16 @@ static uint64_t limit_cost(int limit, uint64_t value) {
 #define DEVRT_SYNC_THREAD_BOUND (8ULL << 10)
 
 static pthread_mutex_t devrt_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void ctx_charge_add(CUcontext ctx, uint64_t bytes) {
+    if (!bytes) return;
+    pthread_mutex_lock(&devrt_lock); /* one writer of the context's charge at a time */
+    uint64_t held = 0;
+    qgpu_table_get(&ctx_charge, (uintptr_t)ctx, &held, NULL);
+    if (qgpu_table_put(&ctx_charge, (uintptr_t)ctx, held + bytes, 0) != 0) { /* kept for good */
+    }
+    pthread_mutex_unlock(&devrt_lock);
+}
 
 static uint64_t devrt_default(int limit) {
     return limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH ? SYNC_DEPTH_DEFAULT : PENDING_DEFAULT;
@@ -440,7 +463,10 @@ QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
         return REAL(cuCtxSetLimit)(limit, value);
     size_t old = 0;
     if (REAL(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS) return REAL(cuCtxSetLimit)(limit, value);
-    uint64_t before = limit_cost(limit, old), after = limit_cost(limit, value);
+    CUcontext ctx = mem_current_ctx();
+    uint64_t was = old, will = value; /* the stack: the context's local memory (lmem.c) */
+    if (limit == CU_LIMIT_STACK_SIZE) lmem_stack_reservation(ctx, value, &was, &will);
+    uint64_t before = limit_cost(limit, was), after = limit_cost(limit, will);
     if (after == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
     if (after > before && ledger_reserve(after - before) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = REAL(cuCtxSetLimit)(limit, value);
@@ -448,7 +474,7 @@ QGPU_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
         if (after > before) ledger_release(after - before);
         return r;
     }
-    CUcontext ctx = mem_current_ctx();
+    if (limit == CU_LIMIT_STACK_SIZE) lmem_stack_set(ctx, value);
     uint64_t held = 0;
     pthread_mutex_lock(&devrt_lock); /* one writer of the context's charge at a time */
     qgpu_table_get(&ctx_charge, (uintptr_t)ctx, &held, NULL);

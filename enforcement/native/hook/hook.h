@@ -140,7 +140,7 @@
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2) X(cuKernelGetLibrary) X(cuStreamGetCtx)                 \
-    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuFuncGetAttribute) X(cuKernelGetAttribute)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,
@@ -327,6 +327,21 @@ QGPU_HIDDEN void module_forget_ctx(CUcontext ctx); /* what was loaded into it is
 QGPU_HIDDEN CUresult module_kernel_use(void *f, CUstream s);
 /* The same for a kernel node's kernel: func, or (func NULL) kern in ctx (NULL: current). */
 QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx);
+
+/* lmem.c: the local memory a kernel's launch grows its context's reservation to, charged
+ * before the kernel is launched or put into a graph (ctx NULL: the current context;
+ * CUDA_ERROR_OUT_OF_MEMORY over the cap); the stack limit's share of the same reservation
+ * (per thread, before and after a cuCtxSetLimit to `value`; then recorded once set); a
+ * context gone (NULL: code unloaded) forgotten */
+QGPU_HIDDEN CUresult lmem_before(void *f, CUcontext ctx, int kernel); /* kernel: a CUkernel */
+QGPU_HIDDEN void lmem_stack_reservation(CUcontext ctx, uint64_t value, uint64_t *before,
+                                        uint64_t *after);
+QGPU_HIDDEN void lmem_stack_set(CUcontext ctx, uint64_t value);
+QGPU_HIDDEN void lmem_forget(CUcontext ctx);
+/* ctx.c: what `per_thread` bytes of local memory cost on ctx's device beyond the default
+ * stack; a charge added to what ctx's destruction gives back */
+QGPU_HIDDEN uint64_t ctx_stack_cost(CUcontext ctx, uint64_t per_thread);
+QGPU_HIDDEN void ctx_charge_add(CUcontext ctx, uint64_t bytes);
 
 /* graph_work.c: what an executable graph keeps for its own work, measured around its
  * instantiation (begin takes the memory lock exclusively; done charges, or destroys the

@@ -286,6 +286,7 @@ QGPU_EXPORT CUresult cuModuleUnload(CUmodule mod) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuModuleUnload)(mod);
     if (r == CUDA_SUCCESS && mod) give_back(mod, NULL);
+    if (r == CUDA_SUCCESS) lmem_forget(NULL); /* its functions' handles may come back */
     return r;
 }
 
@@ -327,6 +328,7 @@ QGPU_EXPORT CUresult cuLibraryUnload(CUlibrary lib) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuLibraryUnload)(lib);
     if (r == CUDA_SUCCESS && lib) library_gone(lib);
+    if (r == CUDA_SUCCESS) lmem_forget(NULL);
     return r;
 }
 
@@ -448,6 +450,13 @@ static int64_t seen_tag(CUcontext ctx) {
 /* `f` used in context `ctx` (NULL: the current one) when it is a CUkernel: one table
  * look-up, and only the first use of a kernel in a context (or after a context or library
  * went) goes further. */
+/* A CUkernel the hook learnt (cuLibraryGetKernel, cuLibraryEnumerateKernels), not a
+ * CUfunction: a CUfunction query on it would resolve it, loading its library unmeasured. */
+static int is_kernel(void *f) {
+    return f && __atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE) &&
+           qgpu_table_get(&kernels, (uintptr_t)f, NULL, NULL) == 0;
+}
+
 static CUresult kernel_use_in(void *f, CUcontext ctx) {
     if (!f || !__atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
     uint64_t lib = 0;
@@ -465,18 +474,21 @@ static CUresult kernel_use_in(void *f, CUcontext ctx) {
 /* On every launch once CUkernels are known; a stream other than a default one names the
  * context the kernel runs (and its library loads) in. */
 CUresult module_kernel_use(void *f, CUstream s) {
-    if (!f || !__atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
+    if (!f) return CUDA_SUCCESS;
     CUcontext c = NULL;
     if ((uintptr_t)s > 2 && HAVE_REAL(cuStreamGetCtx) && REAL(cuStreamGetCtx)(s, &c) != CUDA_SUCCESS)
         c = NULL;
-    return kernel_use_in(f, c);
+    CUresult r = kernel_use_in(f, c); /* its library first: measured */
+    return r != CUDA_SUCCESS ? r : lmem_before(f, c, is_kernel(f)); /* then its local memory */
 }
 
 /* A kernel node's kernel, as cuda.h's CUDA_KERNEL_NODE_PARAMS (v2, and the generic node's v3)
  * names it: `func` (a CUfunction, or a CUkernel cast to one, in the current context), or,
  * when func is NULL, `kern` in `ctx` (the current context when NULL). */
 CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx) {
-    return func ? kernel_use_in(func, NULL) : kernel_use_in(kern, ctx);
+    void *f = func ? func : kern;
+    CUresult r = kernel_use_in(f, func ? NULL : ctx);
+    return r != CUDA_SUCCESS ? r : lmem_before(f, func ? NULL : ctx, is_kernel(f));
 }
 
 /* the kernel of CUDA 11's CUDA_KERNEL_NODE_PARAMS (func only) and of the v2 form */

@@ -402,6 +402,31 @@ SIM_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
     return CUDA_SUCCESS;
 }
 
+/* What the context reserves per thread for local memory: its stack limit, or more when a
+ * kernel launched in it needed more. */
+static uint64_t lmem_reserved(const struct CUctx_st *c, uint64_t stack) {
+    return stack > c->lmem_grown ? stack : c->lmem_grown;
+}
+
+/* cuda.h: CUDA resizes a context's local memory for a kernel that needs more at its launch
+ * (CU_CTX_LMEM_RESIZE_TO_MAX: "not reduce local memory after resizing local memory for a
+ * kernel"); the simulator keeps it, whatever the flag, which is what a cap must expect. */
+CUresult sim_ctx_local_memory(struct CUctx_st *c, uint64_t per_thread) {
+    uint64_t stack = c->limits[CU_LIMIT_STACK_SIZE];
+    uint64_t have = lmem_reserved(c, stack);
+    if (per_thread <= have) return CUDA_SUCCESS;
+    uint64_t before = limit_cost(c, CU_LIMIT_STACK_SIZE, have);
+    uint64_t after = limit_cost(c, CU_LIMIT_STACK_SIZE, per_thread);
+    if (after == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (after > before) {
+        CUresult r = sim_charge(c->gidx, after - before);
+        if (r) return r;
+        c->charged += after - before;
+    }
+    c->lmem_grown = per_thread;
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     CUresult r = sim_check_init();
     if (r) return r;
@@ -413,8 +438,13 @@ SIM_EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     if (r) return r;
     if (limit == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH && value > SYNC_DEPTH_MAX)
         return CUDA_ERROR_INVALID_VALUE;
-    uint64_t before = limit_cost(c, limit, c->limits[limit]);
-    uint64_t after = limit_cost(c, limit, value);
+    uint64_t old = c->limits[limit], now = value;
+    if (limit == CU_LIMIT_STACK_SIZE) { /* the stack is local memory: what kernels grew stays */
+        old = lmem_reserved(c, old);
+        now = lmem_reserved(c, now);
+    }
+    uint64_t before = limit_cost(c, limit, old);
+    uint64_t after = limit_cost(c, limit, now);
     if (after == UINT64_MAX) return CUDA_ERROR_OUT_OF_MEMORY;
     if (after > before) {
         r = sim_charge(c->gidx, after - before);

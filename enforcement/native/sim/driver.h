@@ -61,6 +61,10 @@ struct CUctx_st {
     int64_t last_end_ns; /* fifo: end of the last op queued by this context */
     uint64_t limits[5];  /* CU_LIMIT_STACK_SIZE .. DEV_RUNTIME_PENDING_LAUNCH_COUNT */
     uint64_t charged;    /* device memory this context holds (its cost + its limits) */
+    /* the most local memory per thread a kernel launched in it needed (CUDA grows the
+     * context's local memory for such a kernel at its launch; kept, as with
+     * CU_CTX_LMEM_RESIZE_TO_MAX): with limits[STACK], what it reserves per thread */
+    uint64_t lmem_grown;
     int queue;           /* its index in the process slot's ctx_end (timesliced) */
 };
 
@@ -116,6 +120,9 @@ struct CUlinkState_st {
 struct CUfunc_st {
     uint32_t magic;
     int busy_kernel; /* named qgpu_sim_busy: first param is nanoseconds */
+    /* local memory per thread (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES): the built-in image's
+     * qgpu_sim_lmem_<bytes>; 0 for the others */
+    uint64_t local_bytes;
     char *name;
     struct CUfunc_st *next; /* in its module's list */
     /* legacy launch state (cuFuncSetBlockShape, cuParamSet*) */
@@ -132,6 +139,7 @@ struct CUgraphNode_st {
     int type;                       /* CU_GRAPH_NODE_TYPE_* */
     struct CUgraph_st *owner;       /* the graph it is in */
     int64_t ns;                     /* kernel: its duration */
+    uint64_t lmem;                  /* kernel: its function's local memory per thread */
     CUDA_MEM_ALLOC_NODE_PARAMS alloc; /* allocation: as added (no access descriptors kept) */
     int gidx;                       /* allocation: the device its memory is on */
     CUdeviceptr dptr;               /* free: the address it frees */
@@ -162,6 +170,7 @@ struct CUgraphExec_st {
     /* what the copy needs, refreshed after every update */
     int64_t total_ns;
     int kernels;
+    uint64_t lmem; /* the most local memory per thread of its kernels */
     int mem_gidx; /* the device of its allocation nodes (-1: none) */
     /* its graph memory (graphmem.c): the allocations it leaves allocated (no free node for
      * them in the graph), the physical size of those it frees itself, and the addresses of
@@ -222,6 +231,9 @@ QGPU_HIDDEN void sim_checkpoint_gate(void); /* waits while the process is locked
 
 /* ctx.c */
 QGPU_HIDDEN struct CUctx_st *sim_current_ctx(void);
+/* before a launch in `c` of work needing `per_thread` bytes of local memory per thread: the
+   context's local memory grown to it (charged; CUDA_ERROR_OUT_OF_MEMORY when it does not fit) */
+QGPU_HIDDEN CUresult sim_ctx_local_memory(struct CUctx_st *c, uint64_t per_thread);
 QGPU_HIDDEN void sim_set_current_ctx(struct CUctx_st *ctx);
 
 /* mem.c */
@@ -317,7 +329,7 @@ QGPU_HIDDEN int sim_gmem_range(uint64_t addr, uint64_t *base, uint64_t *size);
 QGPU_HIDDEN struct CUgraph_st *sim_graph_new(int gidx);
 QGPU_HIDDEN CUresult sim_graph_capture_begin(struct CUgraph_st *g); /* capture into a graph */
 QGPU_HIDDEN void sim_graph_capture_end(struct CUgraph_st *g);
-QGPU_HIDDEN CUresult sim_graph_capture_kernel(struct CUgraph_st *g, int64_t ns);
+QGPU_HIDDEN CUresult sim_graph_capture_kernel(struct CUgraph_st *g, int64_t ns, uint64_t lmem);
 QGPU_HIDDEN CUresult sim_graph_capture_alloc(struct CUgraph_st *g, int gidx, uint64_t size,
                                              CUdeviceptr *dptr);
 QGPU_HIDDEN CUresult sim_graph_capture_free(struct CUgraph_st *g, CUdeviceptr dptr);

@@ -233,7 +233,10 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     }
     struct CUstream_st *s = sim_real_stream(hs);
     int64_t dur = sim_kernel_duration(f, gx, gy, gz, params, extra);
-    if (s && s->capture) return sim_graph_capture_kernel(s->capture, dur); /* a kernel node */
+    if (s && s->capture) /* a kernel node: its local memory is grown when the graph runs */
+        return sim_graph_capture_kernel(s->capture, dur, f->local_bytes);
+    r = sim_ctx_local_memory(c, f->local_bytes);
+    if (r) return r;
     sim_submit(c, s, dur, 1);
     return CUDA_SUCCESS;
 }

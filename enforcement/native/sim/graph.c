@@ -160,6 +160,7 @@ static struct CUgraphNode_st *clone_node(struct CUgraph_st *into, const struct C
     struct CUgraphNode_st *c = append(into, n->type);
     if (!c) return NULL;
     c->ns = n->ns;
+    c->lmem = n->lmem;
     c->alloc = n->alloc;
     c->gidx = n->gidx;
     c->dptr = n->dptr;
@@ -207,10 +208,11 @@ static void adopt(struct CUgraph_st *into, struct CUgraph_st *from) {
 
 /* ---- adding nodes ---- */
 
-static CUresult add_kernel(CUgraphNode *out, struct CUgraph_st *g, int64_t ns) {
+static CUresult add_kernel(CUgraphNode *out, struct CUgraph_st *g, int64_t ns, uint64_t lmem) {
     struct CUgraphNode_st *n = append(g, CU_GRAPH_NODE_TYPE_KERNEL);
     if (!n) return CUDA_ERROR_OUT_OF_MEMORY;
     n->ns = ns;
+    n->lmem = lmem;
     if (out) *out = n;
     return CUDA_SUCCESS;
 }
@@ -231,8 +233,8 @@ typedef struct {
 #define KERNEL_ARGS_V1(p)                                                                        ((kernel_args_t){(p)->func, NULL, NULL, (p)->gridDimX, (p)->gridDimY, (p)->gridDimZ,                           (p)->kernelParams, (p)->extra})
 #define KERNEL_ARGS_V2(p)                                                                        ((kernel_args_t){(p)->func, (p)->kern, (p)->ctx, (p)->gridDimX, (p)->gridDimY,                                 (p)->gridDimZ, (p)->kernelParams, (p)->extra})
 
-/* The node's duration, its kernel resolved to a function first. */
-static CUresult kernel_ns(const kernel_args_t *a, int64_t *ns) {
+/* The node's duration and its function's local memory, its kernel resolved first. */
+static CUresult kernel_ns(const kernel_args_t *a, int64_t *ns, uint64_t *lmem) {
     CUfunction f = a->f;
     struct CUkern_st *k = NULL;
     struct CUctx_st *c = sim_current_ctx();
@@ -252,14 +254,16 @@ static CUresult kernel_ns(const kernel_args_t *a, int64_t *ns) {
     }
     if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
     *ns = sim_kernel_duration(f, a->gx, a->gy, a->gz, a->params, a->extra);
+    *lmem = f->local_bytes;
     return CUDA_SUCCESS;
 }
 
 static CUresult kernel_node(CUgraphNode *out, CUgraph g, kernel_args_t a) {
     if (!out || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
     int64_t ns;
-    CUresult r = kernel_ns(&a, &ns); /* node parameters are captured when added */
-    return r ? r : add_kernel(out, g, ns);
+    uint64_t lmem;
+    CUresult r = kernel_ns(&a, &ns, &lmem); /* node parameters are captured when added */
+    return r ? r : add_kernel(out, g, ns, lmem);
 }
 
 /* Allocation and free nodes go only into a graph no node owns. */
@@ -608,7 +612,7 @@ SIM_EXPORT CUresult cuGraphDestroy(CUgraph g) {
 /* A kernel node's parameters changed (its kernel may be a CUkernel now). */
 static CUresult kernel_set(CUgraphNode n, kernel_args_t a) {
     if (!node_ok(n) || n->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_ERROR_INVALID_VALUE;
-    return kernel_ns(&a, &n->ns);
+    return kernel_ns(&a, &n->ns, &n->lmem);
 }
 
 SIM_EXPORT CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode n, const CUDA_KERNEL_NODE_PARAMS_v2 *p) {
@@ -662,6 +666,7 @@ typedef struct {
     int64_t ns;
     int kernels;
     uint64_t nodes;
+    uint64_t lmem; /* the most local memory per thread of a kernel */
 } needs_t;
 
 /* What running a graph takes: conditional bodies are counted once each. */
@@ -672,6 +677,7 @@ static void needs(const struct CUgraph_st *g, needs_t *out) {
         if (n->type == CU_GRAPH_NODE_TYPE_KERNEL) {
             out->ns += n->ns;
             out->kernels++;
+            if (n->lmem > out->lmem) out->lmem = n->lmem;
         }
         if (n->child) needs(n->child, out);
         for (unsigned b = 0; b < n->nbodies; b++) needs(n->bodies[b], out);
@@ -758,10 +764,11 @@ static int refresh_memory(struct CUgraphExec_st *e) {
 }
 
 static int refresh(struct CUgraphExec_st *e) {
-    needs_t nd = {0, 0, 0};
+    needs_t nd = {0, 0, 0, 0};
     needs(e->snap, &nd);
     e->total_ns = nd.ns;
     e->kernels = nd.kernels;
+    e->lmem = nd.lmem;
     e->mem_gidx = mem_device(e->snap);
     return refresh_memory(e);
 }
@@ -780,7 +787,7 @@ static void exec_free(struct CUgraphExec_st *e) {
 /* An executable graph keeps its work on its graph's GPU (its context's when the graph has
  * none yet): NVIDIA does not document where or how much, so a fixed size per node. */
 static CUresult take_work(struct CUgraphExec_st *e) {
-    needs_t nd = {0, 0, 0};
+    needs_t nd = {0, 0, 0, 0};
     needs(e->snap, &nd);
     struct CUctx_st *c = sim_current_ctx();
     int gidx = e->snap->gidx >= 0 ? e->snap->gidx : c ? c->gidx : 0;
@@ -996,7 +1003,7 @@ SIM_EXPORT CUresult cuGraphExecChildGraphNodeSetParams(CUgraphExec e, CUgraphNod
 static CUresult exec_kernel_set(CUgraphExec e, CUgraphNode n, kernel_args_t a) {
     struct CUgraphNode_st *t = exec_twin(e, n);
     if (!t || t->type != CU_GRAPH_NODE_TYPE_KERNEL) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = kernel_ns(&a, &t->ns);
+    CUresult r = kernel_ns(&a, &t->ns, &t->lmem);
     if (!r) (void)refresh(e);
     return r;
 }
@@ -1054,6 +1061,8 @@ static CUresult graph_launch(CUgraphExec e, CUstream hs) {
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     struct CUstream_st *s = sim_real_stream(hs);
     if (s && s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    r = sim_ctx_local_memory(c, e->lmem);
+    if (r) return r;
     int dev = mem_dev(e, c);
     r = sim_gmem_launch(e, dev);
     if (r) return r;
@@ -1077,7 +1086,9 @@ void sim_graph_capture_end(struct CUgraph_st *g) {
     if (g->capturing > 0) g->capturing--;
 }
 
-CUresult sim_graph_capture_kernel(struct CUgraph_st *g, int64_t ns) { return add_kernel(NULL, g, ns); }
+CUresult sim_graph_capture_kernel(struct CUgraph_st *g, int64_t ns, uint64_t lmem) {
+    return add_kernel(NULL, g, ns, lmem);
+}
 
 /* cuMemAllocAsync / cuMemAllocFromPoolAsync while capturing: an allocation node on the
  * pool's device (its visible ordinal is the node's location). */

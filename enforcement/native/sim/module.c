@@ -135,6 +135,7 @@ static CUresult module_function(struct CUmod_st *m, const char *name, struct CUf
     }
     f->magic = FUNC_MAGIC;
     f->busy_kernel = strcmp(name, "qgpu_sim_busy") == 0;
+    if (strncmp(name, "qgpu_sim_lmem_", 14) == 0) f->local_bytes = strtoull(name + 14, NULL, 10);
     f->next = m->funcs;
     m->funcs = f;
     *out = f;
@@ -478,6 +479,59 @@ SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel k) {
     struct CUctx_st *c = sim_current_ctx();
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     return sim_kernel_function(k, c, out);
+}
+
+/* A function's attributes as cuda.h lists them; the simulated device code uses no registers
+ * beyond 32, no static shared or constant memory, and local memory only in the built-in
+ * image's qgpu_sim_lmem_<bytes> kernels. */
+static CUresult function_attribute(int *out, int attr, uint64_t local_bytes, const struct CUctx_st *c) {
+    const sim_gpu_config_t *g = c ? &g_sim_cfg.gpus[c->gidx] : &g_sim_cfg.gpus[0];
+    switch (attr) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *out = 1024; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+    case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *out = 0; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES:
+        *out = local_bytes > INT32_MAX ? INT32_MAX : (int)local_bytes;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *out = 32; return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+    case CU_FUNC_ATTRIBUTE_BINARY_VERSION: *out = g->cc_major * 10 + g->cc_minor; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+SIM_EXPORT CUresult cuFuncGetAttribute(int *out, CUfunction_attribute attr, CUfunction f) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    if (!f || (f->magic != FUNC_MAGIC && f->magic != KERNEL_MAGIC)) return CUDA_ERROR_INVALID_HANDLE;
+    struct CUctx_st *c = sim_current_ctx();
+    if (f->magic == KERNEL_MAGIC) { /* a CUkernel cast: its function in the current context */
+        if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+        r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
+        if (r) return r;
+    }
+    return function_attribute(out, (int)attr, f->local_bytes, c);
+}
+
+/* The kernel's attribute on `dev`; read from its name, without loading its library. */
+SIM_EXPORT CUresult cuKernelGetAttribute(int *out, CUfunction_attribute attr, CUkernel k,
+                                         CUdevice dev) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    int gidx;
+    if ((r = sim_device_gidx(dev, &gidx)) != CUDA_SUCCESS) return r;
+    pthread_mutex_lock(&mod_lock);
+    int ok = valid_kernel(k);
+    uint64_t local = ok && strncmp(k->name, "qgpu_sim_lmem_", 14) == 0
+                         ? strtoull(k->name + 14, NULL, 10) : 0;
+    pthread_mutex_unlock(&mod_lock);
+    if (!ok) return CUDA_ERROR_INVALID_HANDLE;
+    struct CUctx_st probe = {0};
+    probe.gidx = gidx;
+    return function_attribute(out, (int)attr, local, &probe);
 }
 
 SIM_EXPORT CUresult cuKernelGetLibrary(CUlibrary *out, CUkernel k) {

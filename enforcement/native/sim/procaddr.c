@@ -33,7 +33,7 @@
     X(cuDeviceSetGraphMemAttribute) X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
-    X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncSetBlockShape) X(cuGetErrorName) \
+    X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncGetAttribute) X(cuFuncSetBlockShape) X(cuGetErrorName) \
     X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
     X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) \
     X(cuGraphAddChildGraphNode) X(cuGraphAddEmptyNode) X(cuGraphChildGraphNodeGetGraph) \
@@ -74,7 +74,7 @@
     X(cuModuleGetLoadingMode) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload) \
     X(cuLibraryGetModule) X(cuLibraryGetKernel) X(cuLibraryGetKernelCount) \
     X(cuLibraryEnumerateKernels) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) \
-    X(cuKernelGetFunction) X(cuKernelGetLibrary) X(cuLinkCreate) X(cuLinkCreate_v2) \
+    X(cuKernelGetAttribute) X(cuKernelGetFunction) X(cuKernelGetLibrary) X(cuLinkCreate) X(cuLinkCreate_v2) \
     X(cuLinkAddData) X(cuLinkAddData_v2) X(cuLinkAddFile) X(cuLinkAddFile_v2) X(cuLinkComplete) \
     X(cuLinkDestroy) X(cuStreamGetCtx) X(cuStreamGetCtx_ptsz) X(cuStreamGetCtx_v2) \
     X(cuStreamGetCtx_v2_ptsz) \
