@@ -106,6 +106,7 @@ GREEN_CONTEXT_MEMORY = 32 << 20
 # keeps for them (up to 4 KiB of kernel parameters each, the limit before CUDA 12.1). NVIDIA
 # documents neither where nor how much: chosen, not measured; the interposer measures it.
 GRAPH_NODE_BYTES = 4 << 10
+GRAPH_WORK_AT = ("first_use", "instantiation")  # when an executable graph takes it
 DEVRT_LAUNCH_BYTES = 8 << 10
 DEVRT_SYNC_THREAD_BYTES = 4 << 10
 # The Linux driver each CUDA release shipped with (NVIDIA's CUDA release notes, "CUDA Toolkit
@@ -169,6 +170,7 @@ class SimConfig:
     accounting: bool = False
     mps_pipe_directory: Path = MPS_PIPE_DIRECTORY
     graph_node_bytes: int = GRAPH_NODE_BYTES
+    graph_work_at: str = GRAPH_WORK_AT[0]
 
     def device_sharing_env(self) -> dict[str, str]:
         """How these GPUs share themselves between processes, in the interposer's terms
@@ -232,6 +234,7 @@ def write_sim_config(
     accounting: bool = False,
     mps_pipe_directory: str | os.PathLike[str] = MPS_PIPE_DIRECTORY,
     graph_node_bytes: int = GRAPH_NODE_BYTES,
+    graph_work_at: str = GRAPH_WORK_AT[0],
 ) -> SimConfig:
     """Write the config file for ``spec`` and return what it describes.
 
@@ -253,7 +256,8 @@ def write_sim_config(
     where a process looks for an MPS control daemon when ``CUDA_MPS_PIPE_DIRECTORY`` is unset
     (NVIDIA's default, ``/tmp/nvidia-mps``; tests name their own; docs/enforcement.md, "The
     simulated driver"). ``graph_node_bytes``: what an executable graph keeps on its GPU per
-    node until it is destroyed (GRAPH_NODE_BYTES)."""
+    node until it is destroyed (GRAPH_NODE_BYTES), from its first upload or launch
+    (``first_use``, cuda.h: an upload "uploads the work") or from its ``instantiation``."""
     path = Path(path)
     models = parse_spec(spec)
     if scheduler not in SCHEDULERS:
@@ -282,6 +286,10 @@ def write_sim_config(
             raise SimSpecError(f"{name} {value!r}: must be >= 0 bytes")
     if not isinstance(graph_node_bytes, int) or not 0 <= graph_node_bytes <= GIB:
         raise SimSpecError(f"graph_node_bytes {graph_node_bytes!r}: must be 0..{GIB} bytes")
+    if graph_work_at not in GRAPH_WORK_AT:
+        raise SimSpecError(
+            f"graph_work_at {graph_work_at!r}: must be one of {', '.join(GRAPH_WORK_AT)}"
+        )
     mps_dir = Path(mps_pipe_directory)
     if not mps_dir.is_absolute() or "\n" in str(mps_dir) or len(str(mps_dir)) >= 1024:
         raise SimSpecError(
@@ -301,6 +309,7 @@ def write_sim_config(
         f"accounting={'enabled' if accounting else 'disabled'}",
         f"mps_pipe_directory={mps_dir}",
         f"graph_node_bytes={graph_node_bytes}",
+        f"graph_work_at={graph_work_at}",
     ]
     gpus = []
     for i, m in enumerate(models):
@@ -351,6 +360,7 @@ def write_sim_config(
         accounting,
         mps_dir,
         graph_node_bytes,
+        graph_work_at,
     )
 
 
@@ -425,6 +435,7 @@ def load_sim_config(path: str | os.PathLike[str]) -> SimConfig:
         values.get("accounting", "disabled") == "enabled",
         Path(values.get("mps_pipe_directory") or MPS_PIPE_DIRECTORY),
         int(values.get("graph_node_bytes", str(GRAPH_NODE_BYTES))),
+        values.get("graph_work_at", GRAPH_WORK_AT[0]),
     )
 
 

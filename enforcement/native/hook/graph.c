@@ -506,12 +506,18 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
 #define UPLOAD(name, SMAP)                                                                   \
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
+        measure_t wm;                                                                        \
+        int first = graph_work_first_use_begin(e, &wm); /* its work (graph_work.c) */        \
+        if (first < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                      \
         HOOK_MEM_OP();                                                                       \
         uint64_t need;                                                                       \
-        if (graph_mem_before(e, SMAP(s), 1, &need) != 0) return CUDA_ERROR_OUT_OF_MEMORY;    \
+        if (graph_mem_before(e, SMAP(s), 1, &need) != 0) {                                   \
+            if (first) graph_work_first_use_abort();                                         \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                 \
+        }                                                                                    \
         CUresult r = REAL(name)(e, s);                                                       \
         graph_mem_after(r, need);                                                            \
-        return r;                                                                            \
+        return first ? graph_work_first_use_end(r, e, &wm) : r;                              \
     }
 #define SAME_STREAM(s) (s)
 #define PTSZ_STREAM(s) ((s) ? (s) : (CUstream)(uintptr_t)0x2)

@@ -452,13 +452,25 @@ static void note_mode(int gated) {
         GATED(SMAP(cfg ? cfg->hStream : NULL), REAL(name)(cfg, f, params, extra));           \
     }
 
-/* A graph launch also allocates the graph's memory nodes (pool.c charges them first). */
+/* A graph launch also allocates the graph's memory nodes (pool.c charges them first); the
+ * first launch of one never uploaded uploads its work first, measured (graph_work.c). */
 #define GRAPH_LAUNCH(name, SMAP)                                                             \
     QGPU_EXPORT CUresult name(CUgraphExec g, CUstream s) {                                   \
         HOOK_ENTER(name, g, s);                                                              \
+        measure_t wm_;                                                                       \
+        int first_ = graph_work_first_use_begin(g, &wm_);                                    \
+        if (first_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                     \
         HOOK_MEM_OP();                                                                       \
         uint64_t need_;                                                                      \
-        if (graph_mem_before(g, SMAP(s), 1, &need_) != 0) return CUDA_ERROR_OUT_OF_MEMORY;   \
+        if (graph_mem_before(g, SMAP(s), 1, &need_) != 0) {                                  \
+            if (first_) graph_work_first_use_abort();                                        \
+            return CUDA_ERROR_OUT_OF_MEMORY;                                                 \
+        }                                                                                    \
+        CUresult w_ = first_ ? graph_work_upload_first(g, SMAP(s), &wm_) : CUDA_SUCCESS;     \
+        if (w_ != CUDA_SUCCESS) {                                                            \
+            graph_mem_after(w_, need_);                                                      \
+            return w_;                                                                       \
+        }                                                                                    \
         CUresult r_;                                                                         \
         region_publish_launch();                                                             \
         gate_mode_t m_ = gate_mode();                                                        \

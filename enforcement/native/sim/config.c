@@ -49,6 +49,7 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
     cfg->procaddr = SIM_PROCADDR_INTERNAL;
     snprintf(cfg->mps_pipe_directory, sizeof cfg->mps_pipe_directory, "/tmp/nvidia-mps");
     cfg->graph_node_bytes = 4096;
+    cfg->graph_work_at_use = 1;
     char state_dir[4096] = "";
     FILE *f = fopen(path, "r");
     if (!f) {
@@ -115,6 +116,13 @@ int sim_config_load(const char *path, sim_config_t *cfg, char *err, size_t errle
         } else if (strcmp(key, "graph_node_bytes") == 0) {
             if (parse_u64(val, &cfg->graph_node_bytes) != 0 || cfg->graph_node_bytes > (1ULL << 30))
                 BAD("must be 0..1073741824 bytes");
+        } else if (strcmp(key, "graph_work_at") == 0) {
+            if (strcmp(val, "first_use") == 0)
+                cfg->graph_work_at_use = 1;
+            else if (strcmp(val, "instantiation") == 0)
+                cfg->graph_work_at_use = 0;
+            else
+                BAD("must be first_use or instantiation");
         } else if (strcmp(key, "state_dir") == 0) {
             snprintf(state_dir, sizeof state_dir, "%s", val);
         } else if (strncmp(key, "gpu", 3) == 0 && isdigit((unsigned char)key[3])) {

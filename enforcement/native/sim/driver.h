@@ -187,6 +187,7 @@ struct CUgraphExec_st {
      * instantiation to cuGraphExecDestroy */
     uint64_t work_bytes;
     int work_gidx;
+    int work_taken;
 };
 
 struct CUmemPoolHandle_st {

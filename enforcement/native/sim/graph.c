@@ -785,8 +785,11 @@ static void exec_free(struct CUgraphExec_st *e) {
 }
 
 /* An executable graph keeps its work on its graph's GPU (its context's when the graph has
- * none yet): NVIDIA does not document where or how much, so a fixed size per node. */
+ * none yet): NVIDIA does not document where, when or how much, so a fixed size per node,
+ * from its instantiation or from its first upload or launch (graph_work_at: cuda.h says an
+ * upload "uploads the work"), once. */
 static CUresult take_work(struct CUgraphExec_st *e) {
+    if (e->work_taken) return CUDA_SUCCESS;
     needs_t nd = {0, 0, 0, 0};
     needs(e->snap, &nd);
     struct CUctx_st *c = sim_current_ctx();
@@ -798,6 +801,7 @@ static CUresult take_work(struct CUgraphExec_st *e) {
     if (r == CUDA_SUCCESS) {
         e->work_bytes = nd.nodes * per;
         e->work_gidx = gidx;
+        e->work_taken = 1;
     }
     return r;
 }
@@ -824,7 +828,7 @@ static CUresult instantiate(CUgraphExec *pe, CUgraph g, unsigned long long flags
     e->flags = flags;
     e->id = sim_gmem_new_exec_id();
     g->execs++;
-    if (refresh(e) != 0 || take_work(e) != CUDA_SUCCESS) {
+    if (refresh(e) != 0 || (!g_sim_cfg.graph_work_at_use && take_work(e) != CUDA_SUCCESS)) {
         exec_free(e);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1045,7 +1049,8 @@ static CUresult upload(struct CUgraphExec_st *e, CUstream hs) {
     if (!exec_ok(e)) return CUDA_ERROR_INVALID_VALUE;
     struct CUctx_st *c = sim_stream_ctx(hs);
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
-    return sim_gmem_upload(e, mem_dev(e, c));
+    r = take_work(e);
+    return r ? r : sim_gmem_upload(e, mem_dev(e, c));
 }
 
 SIM_EXPORT CUresult cuGraphUpload(CUgraphExec e, CUstream hs) { return upload(e, hs); }
@@ -1062,6 +1067,7 @@ static CUresult graph_launch(CUgraphExec e, CUstream hs) {
     struct CUstream_st *s = sim_real_stream(hs);
     if (s && s->capture) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     r = sim_ctx_local_memory(c, e->lmem);
+    if (!r) r = take_work(e);
     if (r) return r;
     int dev = mem_dev(e, c);
     r = sim_gmem_launch(e, dev);

@@ -76,6 +76,7 @@ typedef struct {
     /* device memory an executable graph keeps per node from its instantiation to its
      * destruction (its launch descriptors and the parameters the driver keeps for them) */
     uint64_t graph_node_bytes;
+    int graph_work_at_use; /* 1: kept from its first upload or launch, 0: from instantiation */
     sim_gpu_config_t gpus[SIM_MAX_GPUS];
 } sim_config_t;
 

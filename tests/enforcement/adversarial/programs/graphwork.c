@@ -1,13 +1,15 @@
 /* Device memory an executable graph keeps for its own work (its nodes' launch descriptors and
  * the parameters the driver keeps for them), which no allocation call shows: a graph of 64
- * kernel nodes instantiated again and again, every executable graph kept, until the driver
- * (or the hook) refuses. On the arena's simulator each node keeps 1 MiB, so each executable
+ * kernel nodes instantiated again and again, each executable graph launched (or uploaded)
+ * once and kept, until the driver (or the hook) refuses. On the arena's simulator each node
+ * keeps 1 MiB, from the instantiation or from the first use (its config), so each executable
  * graph holds 64 MiB and 100 of them 6.25 GiB in a 4 GiB slice. argv[1] picks the
  * instantiation: flags (cuGraphInstantiateWithFlags), v2 (cuGraphInstantiate_v2 through
  * cuGetProcAddress at CUDA 11.0), params (cuGraphInstantiateWithParams), params_upload (the
  * same with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD), params_ptsz (its per-thread form through
- * cuGetProcAddress). Reports "made N" and the CUresult that ended it ("last"); with argv[2]
- * "destroy", every executable graph is destroyed afterwards ("destroyed N"). */
+ * cuGetProcAddress); argv[2] the first use: launch, upload or none. Reports "made N" and the
+ * CUresult that ended it ("last"); with argv[3] "destroy", every executable graph is
+ * destroyed afterwards ("destroyed N"), then 512 MiB chunks are taken ("grabbed_mib"). */
 #include "hostile.h"
 
 #define NODES 64
@@ -58,10 +60,17 @@ int main(int argc, char **argv) {
     static CUgraphExec execs[TRIES];
     int made = 0;
     CUresult last = CUDA_SUCCESS;
-    while (made < TRIES && (last = instantiate(argv[1], &execs[made], g, s)) == CUDA_SUCCESS) made++;
+    const char *use = argc > 2 ? argv[2] : "launch";
+    while (made < TRIES && (last = instantiate(argv[1], &execs[made], g, s)) == CUDA_SUCCESS) {
+        if (!strcmp(use, "launch")) last = cuGraphLaunch(execs[made], s);
+        else if (!strcmp(use, "upload")) last = cuGraphUpload(execs[made], s);
+        made++;
+        if (last != CUDA_SUCCESS) break;
+    }
+    cuStreamSynchronize(s);
     say("made", made);
     say("last", last);
-    if (argc > 2 && !strcmp(argv[2], "destroy")) {
+    if (argc > 3 && !strcmp(argv[3], "destroy")) {
         int destroyed = 0;
         for (int i = 0; i < made; i++) destroyed += cuGraphExecDestroy(execs[i]) == CUDA_SUCCESS;
         say("destroyed", destroyed);
