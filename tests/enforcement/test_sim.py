@@ -459,3 +459,21 @@ def test_graph_node_bytes_is_checked_by_name(short_tmp: Path) -> None:
     )
     assert out.returncode != 0
     assert "graph_node_bytes=-5: must be 0..1073741824 bytes" in out.stderr
+
+
+def test_graph_work_at_is_checked_by_name(short_tmp: Path) -> None:
+    with pytest.raises(SimSpecError, match="graph_work_at 'later': must be one of first_use"):
+        write_sim_config(short_tmp / "w.conf", "T4", graph_work_at="later")
+    cfg = write_sim_config(short_tmp / "w.conf", "T4", graph_work_at="instantiation")
+    assert load_sim_config(cfg.path).graph_work_at == "instantiation"
+    cfg.path.write_text(cfg.path.read_text().replace("=instantiation", "=later"))
+    env = Sim(cfg, short_tmp / "l").base_env()
+    out = subprocess.run(
+        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "graph_work_at=later: must be first_use or instantiation" in out.stderr
