@@ -91,6 +91,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qgpu.agent")
 
+# NVIDIA MPS takes a client's thread percentage and pinned memory limit from the client's
+# own environment, and lets that environment only lower the daemon's (NVIDIA's MPS docs,
+# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): a tenant that sets its own keeps the daemon's defaults.
+MPS_CAPS_ADVISORY = (
+    "--enforcement mps: a slice's MPS caps (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, "
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) are its processes' own environment, which MPS lets "
+    "them raise up to the daemon's defaults (all threads, no memory limit): they hold "
+    "cooperative tenants only; the watchdog still kills memory over a cap, not compute. "
+    "Use --enforcement interposer (the default) for tenants that must not get out"
+)
+
 try:
     VERSION = version("qgpu")
 except PackageNotFoundError:  # running from a source tree
@@ -224,6 +235,7 @@ class Agent:
             self.tree.ensure_busy(gpu.uuid)
         if self.mps is not None:
             self.mps.start(g.uuid for g in self.inventory.gpus)
+            log.warning(MPS_CAPS_ADVISORY)
         self.restore()
         self.reconcile()
         self.expire_leases()

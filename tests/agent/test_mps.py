@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from fastapi.testclient import TestClient
 from enforcement.agent.app import create_app
 from enforcement.agent.config import AgentConfig
 from enforcement.agent.mps import MpsError, MpsManager
-from enforcement.agent.service import Agent
+from enforcement.agent.service import MPS_CAPS_ADVISORY, Agent
 from qgpu.model import Allocation, IsolationPolicy
 from tests.agent.conftest import FakeBackend
 
@@ -104,12 +105,15 @@ def test_slice_environment(
 
 
 def test_agent_in_mps_mode_hands_out_mps_environment(
-    state_dir: Path, backend: FakeBackend, mps_log: Path
+    state_dir: Path, backend: FakeBackend, mps_log: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = AgentConfig(
         node_name="n", state_dir=state_dir, test_mode=True, enforcement="mps", mps_control=FAKE
     )
-    agent = Agent(cfg, backend, mps=MpsManager(FAKE, cfg.mps_dir))
+    with caplog.at_level(logging.WARNING, logger="qgpu.agent"):
+        agent = Agent(cfg, backend, mps=MpsManager(FAKE, cfg.mps_dir))
+    # the caps are the clients' own environment: said so, once, when the daemons start
+    assert [r.getMessage() for r in caplog.records].count(MPS_CAPS_ADVISORY) == 1
     assert [c[1] for c in calls(mps_log)].count(("-d",)) == 2
     client = TestClient(create_app(agent))
     body = {"request": {"core": 40, "memory": 10, "isolation": "fs"}}
