@@ -5,6 +5,10 @@ driver_probe.py grab BYTES      cuMemAlloc_v2 of BYTES until refused; "count N",
 driver_probe.py managed BYTES   cuMemAllocManaged of BYTES prefetched to GPU 0; "ready",
                                 then holds it until stdin closes
 driver_probe.py alloc BYTES     one cuMemAlloc_v2 of BYTES; prints its CUresult
+driver_probe.py paint BYTES     cuMemAlloc_v2 of BYTES filled with 0xA5, then exits without
+                                freeing it (the driver frees it with the process)
+driver_probe.py peek BYTES      cuMemAlloc_v2 of BYTES, copied to the host unwritten;
+                                prints how many of its bytes are 0xA5 and how many non-zero
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class Location(Structure):
 
 DEVICE_LOCATION = 1  # CU_MEM_LOCATION_TYPE_DEVICE
 ATTACH_GLOBAL = 1
+PAINT = 0xA5  # what a neighbour leaves in its memory
 
 
 def main() -> int:
@@ -36,6 +41,21 @@ def main() -> int:
     ptr = c_uint64()
     if mode == "alloc":
         print(cuda.cuMemAlloc_v2(byref(ptr), size), flush=True)
+        return 0
+    if mode == "paint":
+        cuda.cuMemsetD8_v2.argtypes = [c_uint64, ctypes.c_ubyte, c_size_t]
+        r = cuda.cuMemAlloc_v2(byref(ptr), size) or cuda.cuMemsetD8_v2(ptr.value, PAINT, size)
+        print(r or cuda.cuCtxSynchronize(), flush=True)
+        return 0
+    if mode == "peek":
+        cuda.cuMemcpyDtoH_v2.argtypes = [c_void_p, c_uint64, c_size_t]
+        host = (ctypes.c_ubyte * size)()
+        r = cuda.cuMemAlloc_v2(byref(ptr), size) or cuda.cuMemcpyDtoH_v2(host, ptr.value, size)
+        if r:
+            print(f"peek failed {r}", flush=True)
+            return 3
+        data = bytes(host)
+        print(f"{data.count(PAINT)} {size - data.count(0)}", flush=True)
         return 0
     if mode == "grab":
         count = 0

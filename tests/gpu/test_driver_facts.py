@@ -7,7 +7,11 @@ trust:
   2 MiB + 4 KiB at a time (or 1 MiB + 4 KiB, or 64 KiB + 4 bytes) until refused must still
   hold no more than its cap in NVML's per-process view;
 * managed memory: NVML's per-process lists leave it out and the driver's own allocations
-  evict it to the host (the simulator's model since 2026-12-03; `test_strict_managed.py`).
+  evict it to the host (the simulator's model since 2026-12-03; `test_strict_managed.py`);
+* what a neighbour leaves in device memory: a process that fills 16 GiB with a pattern and
+  exits, then another that allocates 16 GiB and reads it unwritten, must see none of the
+  pattern (qgpu relies on the driver clearing memory between processes; the simulator has
+  no memory contents to show it).
 
 Results are printed (run with -s) for docs/gpu-validation.md.
 """
@@ -129,3 +133,22 @@ def test_managed_memory_is_not_listed_and_the_driver_s_allocations_evict_it(
     assert grew >= managed - GIB  # it is on the GPU
     assert listed < managed // 2  # but not in the per-process list
     assert out.stdout.strip() == "0"  # and the driver's allocation evicted what it needed
+
+
+def test_memory_a_neighbour_left_is_not_readable() -> None:
+    size = 16 * GIB  # the freed pages are likely handed out again (not certain: a probe)
+    paint = subprocess.run(
+        [sys.executable, str(PROBE), "paint", str(size)], env=plain_env(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert paint.stdout.strip() == "0", paint.stdout + paint.stderr
+    peek = subprocess.run(
+        [sys.executable, str(PROBE), "peek", str(size)], env=plain_env(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    painted, nonzero = map(int, peek.stdout.split())
+    print(
+        f"\na new 16 GiB allocation after a neighbour's: {painted} bytes of its pattern, "
+        f"{nonzero} non-zero"
+    )
+    assert painted == 0
