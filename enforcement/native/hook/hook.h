@@ -108,7 +108,7 @@
     X(cuLaunchCooperativeKernelMultiDevice) X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)  \
     X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary)       \
-    X(cuModuleUnload) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
+    X(cuModuleUnload) X(cuFuncLoad) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
     X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) X(cuLibraryGetKernel) \
     X(cuLibraryEnumerateKernels) X(cuKernelGetFunction)                                      \
     X(cuCheckpointProcessGetRestoreThreadId) X(cuCheckpointProcessGetState)                  \
@@ -140,7 +140,8 @@
     X(cuMemAddressReserve) X(cuMemAddressFree) X(cuMemGetAddressRange_v2)                    \
     X(nvmlDeviceGetUUID) X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID)                         \
     X(nvmlDeviceGetHandleByIndex_v2) X(cuKernelGetLibrary) X(cuStreamGetCtx)                 \
-    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuFuncGetAttribute) X(cuKernelGetAttribute)
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuFuncGetAttribute) X(cuKernelGetAttribute) \
+    X(cuFuncIsLoaded) X(cuFuncGetModule)
 
 enum {
 #define HOOK_IDX(name) HIDX_##name,

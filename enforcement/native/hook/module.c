@@ -158,23 +158,30 @@ static charge_t *charges;
 static size_t ncharges, cap_charges;
 static pthread_mutex_t charge_lock = PTHREAD_MUTEX_INITIALIZER;
 
+static void record(void *handle, CUcontext ctx, uint64_t bytes);
+
 /* 0, or -1 when `bytes` do not fit under the cap (nothing charged then) */
 static int charge(void *handle, CUcontext ctx, uint64_t bytes) {
     if (bytes && ledger_reserve(bytes) != 0) return -1;
+    record(handle, ctx, bytes);
+    return 0;
+}
+
+/* what (handle, ctx) took, already charged: given back with the handle or the context */
+static void record(void *handle, CUcontext ctx, uint64_t bytes) {
     pthread_mutex_lock(&charge_lock);
     if (ncharges == cap_charges) {
         size_t nc = cap_charges ? cap_charges * 2 : 32;
         charge_t *n = realloc(charges, nc * sizeof *n);
         if (!n) { /* cannot be given back later: kept for good */
             pthread_mutex_unlock(&charge_lock);
-            return 0;
+            return;
         }
         charges = n;
         cap_charges = nc;
     }
     charges[ncharges++] = (charge_t){handle, ctx, bytes};
     pthread_mutex_unlock(&charge_lock);
-    return 0;
 }
 
 static int charged(void *handle, CUcontext ctx) {
@@ -286,7 +293,10 @@ QGPU_EXPORT CUresult cuModuleUnload(CUmodule mod) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuModuleUnload)(mod);
     if (r == CUDA_SUCCESS && mod) give_back(mod, NULL);
-    if (r == CUDA_SUCCESS) lmem_forget(NULL); /* its functions' handles may come back */
+    if (r == CUDA_SUCCESS) { /* its functions' handles may come back, naming other code */
+        __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
+        lmem_forget(NULL);
+    }
     return r;
 }
 
@@ -447,9 +457,6 @@ static int64_t seen_tag(CUcontext ctx) {
     return (int64_t)((gen << 48) ^ (uint64_t)(uintptr_t)ctx);
 }
 
-/* `f` used in context `ctx` (NULL: the current one) when it is a CUkernel: one table
- * look-up, and only the first use of a kernel in a context (or after a context or library
- * went) goes further. */
 /* A CUkernel the hook learnt (cuLibraryGetKernel, cuLibraryEnumerateKernels), not a
  * CUfunction: a CUfunction query on it would resolve it, loading its library unmeasured. */
 static int is_kernel(void *f) {
@@ -457,6 +464,9 @@ static int is_kernel(void *f) {
            qgpu_table_get(&kernels, (uintptr_t)f, NULL, NULL) == 0;
 }
 
+/* `f` used in context `ctx` (NULL: the current one) when it is a CUkernel: one table
+ * look-up, and only the first use of a kernel in a context (or after a context or library
+ * went) goes further. */
 static CUresult kernel_use_in(void *f, CUcontext ctx) {
     if (!f || !__atomic_load_n(&kernels_known, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
     uint64_t lib = 0;
@@ -471,6 +481,83 @@ static CUresult kernel_use_in(void *f, CUcontext ctx) {
     return r == CUDA_ERROR_OUT_OF_MEMORY ? r : CUDA_SUCCESS; /* the call reports the rest */
 }
 
+/* ---- a function's code, loaded lazily (cuda.h: cuFuncIsLoaded, cuFuncLoad) ----
+ *
+ * Under lazy loading (CUDA's default since 12.2) a function's code reaches the GPU at its
+ * first launch, not with its module: memory no allocation call shows, as large as the
+ * tenant's kernels (a generated kernel of a million instructions takes megabytes, and a
+ * module can hold thousands). Before a function is launched or put into a graph node for the
+ * first time in its context, the hook loads it itself (cuFuncLoad), measured like a module
+ * load, and charges it to its module (its library for a CUkernel): given back at
+ * cuModuleUnload / cuLibraryUnload or with the context. A load cannot be undone: over the cap
+ * the code stays charged past it and the launch is refused, and no code is loaded while the
+ * slice is at its cap (at most one function's code past it). Drivers before CUDA 12.4 have
+ * no cuFuncLoad: nothing is measured there. A thread's last (function, context) costs one
+ * comparison. */
+static __thread void *code_f __attribute__((tls_model("initial-exec")));
+static __thread CUcontext code_ctx __attribute__((tls_model("initial-exec")));
+static __thread uint64_t code_gen __attribute__((tls_model("initial-exec")));
+
+static CUresult function_code_use(void *f, CUcontext ctx, int kernel);
+
+static CUresult load_code(CUfunction fn, void *owner, CUcontext ctx) {
+    int state = 1;
+    if (REAL(cuFuncIsLoaded)(&state, fn) != CUDA_SUCCESS || state != 0) return CUDA_SUCCESS;
+    if (ledger_used() >= g_lim.mem_limit) return CUDA_ERROR_OUT_OF_MEMORY; /* at the cap */
+    measure_t m;
+    measure_begin(&m);
+    CUresult r = REAL(cuFuncLoad)(fn);
+    uint64_t took = measure_took(&m, r);
+    if (r == CUDA_SUCCESS && took && charge(owner, ctx, took) != 0) {
+        ledger_force(took); /* the driver holds it: charged past the cap */
+        record(owner, ctx, took);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    memop_release();
+    return r;
+}
+
+/* The application's own cuFuncLoad: measured the same way (a CUfunction, or a CUkernel cast
+ * to one, in the current context). */
+QGPU_EXPORT CUresult cuFuncLoad(CUfunction f) {
+    HOOK_ENTER(cuFuncLoad, f);
+    return function_code_use((void *)f, NULL, is_kernel((void *)f));
+}
+
+static CUresult function_code_use(void *f, CUcontext ctx, int kernel) {
+    if (!f || !HAVE_REAL(cuFuncIsLoaded) || !HAVE_REAL(cuFuncLoad)) return CUDA_SUCCESS;
+    CUcontext cur = mem_current_ctx();
+    if (!ctx) ctx = cur;
+    uint64_t gen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+    if (f == code_f && ctx == code_ctx && gen == code_gen) return CUDA_SUCCESS;
+    int pushed = ctx && ctx != cur && HAVE_REAL(cuCtxPushCurrent_v2) &&
+                 REAL(cuCtxPushCurrent_v2)(ctx) == CUDA_SUCCESS;
+    CUfunction fn = (CUfunction)f;
+    void *owner = NULL;
+    CUresult r = CUDA_SUCCESS;
+    if (kernel) {
+        owner = library_of((CUkernel)f);
+        r = HAVE_REAL(cuKernelGetFunction) ? REAL(cuKernelGetFunction)(&fn, (CUkernel)f)
+                                           : CUDA_ERROR_NOT_FOUND;
+    } else {
+        CUmodule mod = NULL;
+        if (HAVE_REAL(cuFuncGetModule) && REAL(cuFuncGetModule)(&mod, fn) == CUDA_SUCCESS)
+            owner = mod;
+    }
+    if (r == CUDA_SUCCESS && owner) r = load_code(fn, owner, ctx);
+    else r = CUDA_SUCCESS; /* not a function the driver knows: its launch reports it */
+    if (pushed) {
+        CUcontext popped;
+        REAL(cuCtxPopCurrent_v2)(&popped);
+    }
+    if (r == CUDA_SUCCESS) {
+        code_f = f;
+        code_ctx = ctx;
+        code_gen = gen;
+    }
+    return r;
+}
+
 /* On every launch once CUkernels are known; a stream other than a default one names the
  * context the kernel runs (and its library loads) in. */
 CUresult module_kernel_use(void *f, CUstream s) {
@@ -478,8 +565,10 @@ CUresult module_kernel_use(void *f, CUstream s) {
     CUcontext c = NULL;
     if ((uintptr_t)s > 2 && HAVE_REAL(cuStreamGetCtx) && REAL(cuStreamGetCtx)(s, &c) != CUDA_SUCCESS)
         c = NULL;
-    CUresult r = kernel_use_in(f, c); /* its library first: measured */
-    return r != CUDA_SUCCESS ? r : lmem_before(f, c, is_kernel(f)); /* then its local memory */
+    int kernel = is_kernel(f);
+    CUresult r = kernel_use_in(f, c); /* its library first, then its code: measured */
+    if (r == CUDA_SUCCESS) r = function_code_use(f, c, kernel);
+    return r != CUDA_SUCCESS ? r : lmem_before(f, c, kernel); /* then its local memory */
 }
 
 /* A kernel node's kernel, as cuda.h's CUDA_KERNEL_NODE_PARAMS (v2, and the generic node's v3)
@@ -487,8 +576,11 @@ CUresult module_kernel_use(void *f, CUstream s) {
  * when func is NULL, `kern` in `ctx` (the current context when NULL). */
 CUresult module_node_kernel_use(void *func, void *kern, CUcontext ctx) {
     void *f = func ? func : kern;
-    CUresult r = kernel_use_in(f, func ? NULL : ctx);
-    return r != CUDA_SUCCESS ? r : lmem_before(f, func ? NULL : ctx, is_kernel(f));
+    CUcontext c = func ? NULL : ctx;
+    int kernel = is_kernel(f);
+    CUresult r = kernel_use_in(f, c);
+    if (r == CUDA_SUCCESS) r = function_code_use(f, c, kernel);
+    return r != CUDA_SUCCESS ? r : lmem_before(f, c, kernel);
 }
 
 /* the kernel of CUDA 11's CUDA_KERNEL_NODE_PARAMS (func only) and of the v2 form */

@@ -245,6 +245,9 @@ CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode h
 CUresult cuGraphNodeSetParams(CUgraphNode hNode, CUgraphNodeParams *nodeParams);
 CUresult cuStreamGetCtx(CUstream hStream, CUcontext *pctx);
 CUresult cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc);
+CUresult cuFuncIsLoaded(int *state, CUfunction function); /* CUfunctionLoadingState */
+CUresult cuFuncLoad(CUfunction function);
+CUresult cuFuncGetModule(CUmodule *hmod, CUfunction hfunc);
 CUresult cuKernelGetAttribute(int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev);
 CUresult cuCtxPushCurrent_v2(CUcontext ctx);
 CUresult cuCtxPopCurrent_v2(CUcontext *pctx);

@@ -91,6 +91,7 @@ struct CUmod_st {
     uint64_t base;           /* device address of its data block (img.data_bytes) */
     struct CUfunc_st *funcs; /* functions handed out, freed with the module */
     struct CUmod_st *next;   /* every live module of the process (module.c) */
+    uint64_t code_charged;   /* its functions' code loaded so far (given back with it) */
 };
 
 struct CUlib_st {
@@ -123,6 +124,12 @@ struct CUfunc_st {
     /* local memory per thread (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES): the built-in image's
      * qgpu_sim_lmem_<bytes>; 0 for the others */
     uint64_t local_bytes;
+    /* its code (the built-in image's qgpu_sim_code_<bytes> kernels; 0 for the others), loaded
+     * onto the GPU at its first launch, graph node or cuFuncLoad, as CUDA's lazy loading does
+     * (cuFuncIsLoaded) */
+    uint64_t code_bytes;
+    int loaded;
+    struct CUmod_st *mod;
     char *name;
     struct CUfunc_st *next; /* in its module's list */
     /* legacy launch state (cuFuncSetBlockShape, cuParamSet*) */
@@ -290,6 +297,8 @@ QGPU_HIDDEN void sim_image_free(sim_image_t *img);
 QGPU_HIDDEN CUresult sim_modules_ctx_created(struct CUctx_st *ctx); /* eager libraries */
 QGPU_HIDDEN void sim_modules_ctx_gone(struct CUctx_st *ctx);        /* its modules unload */
 /* The function a CUkernel is in `ctx` (its library loaded there first if it is not). */
+/* module.c: a function's code loaded onto its module's GPU if it is not (lazy loading) */
+QGPU_HIDDEN CUresult sim_function_load(struct CUfunc_st *f);
 QGPU_HIDDEN CUresult sim_kernel_function(struct CUkern_st *k, struct CUctx_st *ctx,
                                          struct CUfunc_st **out);
 

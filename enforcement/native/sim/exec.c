@@ -231,6 +231,7 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
         r = sim_kernel_function((struct CUkern_st *)(void *)f, c, &f);
         if (r) return r;
     }
+    if ((r = sim_function_load(f)) != CUDA_SUCCESS) return r; /* its code, lazily */
     struct CUstream_st *s = sim_real_stream(hs);
     int64_t dur = sim_kernel_duration(f, gx, gy, gz, params, extra);
     if (s && s->capture) /* a kernel node: its local memory is grown when the graph runs */

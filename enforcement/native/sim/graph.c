@@ -253,6 +253,8 @@ static CUresult kernel_ns(const kernel_args_t *a, int64_t *ns, uint64_t *lmem) {
         if (r) return r;
     }
     if (!f || f->magic != FUNC_MAGIC) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult r = sim_function_load(f); /* a kernel node's code is loaded with the node */
+    if (r) return r;
     *ns = sim_kernel_duration(f, a->gx, a->gy, a->gz, a->params, a->extra);
     *lmem = f->local_bytes;
     return CUDA_SUCCESS;

@@ -102,7 +102,7 @@ static void module_free(struct CUmod_st *m) {
             *pp = m->next;
             break;
         }
-    sim_uncharge(m->ctx->gidx, m->img.data_bytes);
+    sim_uncharge(m->ctx->gidx, m->img.data_bytes + m->code_charged);
     for (struct CUfunc_st *f = m->funcs, *n; f; f = n) {
         n = f->next;
         f->magic = 0;
@@ -136,6 +136,8 @@ static CUresult module_function(struct CUmod_st *m, const char *name, struct CUf
     f->magic = FUNC_MAGIC;
     f->busy_kernel = strcmp(name, "qgpu_sim_busy") == 0;
     if (strncmp(name, "qgpu_sim_lmem_", 14) == 0) f->local_bytes = strtoull(name + 14, NULL, 10);
+    if (strncmp(name, "qgpu_sim_code_", 14) == 0) f->code_bytes = strtoull(name + 14, NULL, 10);
+    f->mod = m;
     f->next = m->funcs;
     m->funcs = f;
     *out = f;
@@ -479,6 +481,62 @@ SIM_EXPORT CUresult cuKernelGetFunction(CUfunction *out, CUkernel k) {
     struct CUctx_st *c = sim_current_ctx();
     if (!c) return CUDA_ERROR_INVALID_CONTEXT;
     return sim_kernel_function(k, c, out);
+}
+
+/* ---- lazy loading of a function's code ---- */
+
+CUresult sim_function_load(struct CUfunc_st *f) {
+    pthread_mutex_lock(&mod_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!f->loaded && f->code_bytes) {
+        r = sim_charge(f->mod->ctx->gidx, f->code_bytes);
+        if (!r) f->mod->code_charged += f->code_bytes;
+    }
+    if (!r) f->loaded = 1;
+    pthread_mutex_unlock(&mod_lock);
+    return r;
+}
+
+/* a CUfunction, or a CUkernel cast to one (its function in the current context) */
+static CUresult function_of(CUfunction f, struct CUfunc_st **out) {
+    if (!f || (f->magic != FUNC_MAGIC && f->magic != KERNEL_MAGIC)) return CUDA_ERROR_INVALID_HANDLE;
+    if (f->magic == FUNC_MAGIC) {
+        *out = f;
+        return CUDA_SUCCESS;
+    }
+    struct CUctx_st *c = sim_current_ctx();
+    if (!c) return CUDA_ERROR_INVALID_CONTEXT;
+    return sim_kernel_function((struct CUkern_st *)(void *)f, c, out);
+}
+
+SIM_EXPORT CUresult cuFuncIsLoaded(int *state, CUfunction f) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!state) return CUDA_ERROR_INVALID_VALUE;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    pthread_mutex_lock(&mod_lock);
+    *state = fn->loaded ? 1 : 0; /* CU_FUNCTION_LOADING_STATE_LOADED / _UNLOADED */
+    pthread_mutex_unlock(&mod_lock);
+    return CUDA_SUCCESS;
+}
+
+SIM_EXPORT CUresult cuFuncLoad(CUfunction f) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    return sim_function_load(fn);
+}
+
+SIM_EXPORT CUresult cuFuncGetModule(CUmodule *mod, CUfunction f) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!mod) return CUDA_ERROR_INVALID_VALUE;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    *mod = fn->mod;
+    return CUDA_SUCCESS;
 }
 
 /* A function's attributes as cuda.h lists them; the simulated device code uses no registers
