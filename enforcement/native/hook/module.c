@@ -565,6 +565,7 @@ CUresult module_kernel_use(void *f, CUstream s) {
     CUcontext c = NULL;
     if ((uintptr_t)s > 2 && HAVE_REAL(cuStreamGetCtx) && REAL(cuStreamGetCtx)(s, &c) != CUDA_SUCCESS)
         c = NULL;
+    if (!c) c = mem_current_ctx(); /* looked up once for the three */
     int kernel = is_kernel(f);
     CUresult r = kernel_use_in(f, c); /* its library first, then its code: measured */
     if (r == CUDA_SUCCESS) r = function_code_use(f, c, kernel);
