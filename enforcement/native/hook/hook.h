@@ -108,7 +108,12 @@
     X(cuLaunchCooperativeKernelMultiDevice) X(cuLaunch) X(cuLaunchGrid) X(cuLaunchGridAsync) \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2)  \
     X(cuModuleLoad) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleLoadFatBinary)       \
-    X(cuModuleUnload) X(cuFuncLoad) X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
+    X(cuModuleUnload) X(cuFuncLoad) X(cuFuncSetAttribute) X(cuFuncSetCacheConfig)             \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessor)                                           \
+    X(cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags) X(cuOccupancyMaxPotentialBlockSize) \
+    X(cuOccupancyMaxPotentialBlockSizeWithFlags) X(cuOccupancyAvailableDynamicSMemPerBlock)  \
+    X(cuOccupancyMaxPotentialClusterSize) X(cuOccupancyMaxActiveClusters)                    \
+    X(cuLibraryLoadData) X(cuLibraryLoadFromFile) X(cuLibraryUnload)       \
     X(cuLibraryGetModule) X(cuLibraryGetGlobal) X(cuLibraryGetManaged) X(cuLibraryGetKernel) \
     X(cuLibraryEnumerateKernels) X(cuKernelGetFunction)                                      \
     X(cuCheckpointProcessGetRestoreThreadId) X(cuCheckpointProcessGetState)                  \

@@ -524,6 +524,37 @@ QGPU_EXPORT CUresult cuFuncLoad(CUfunction f) {
     return function_code_use((void *)f, NULL, is_kernel((void *)f));
 }
 
+/* Calls that name a function and may load its code as a launch does (cuda.h does not say
+ * they do not): its library (a CUkernel's) and its code loaded first, measured. */
+static CUresult code_before_query(void *f) {
+    int kernel = is_kernel(f);
+    CUresult r = kernel_use_in(f, NULL);
+    return r != CUDA_SUCCESS ? r : function_code_use(f, NULL, kernel);
+}
+
+#define LOADS_CODE(name, params, f, ...)                                                     \
+    QGPU_EXPORT CUresult name params {                                                       \
+        HOOK_ENTER(name, __VA_ARGS__);                                                       \
+        CUresult r = code_before_query((void *)(f));                                         \
+        return r != CUDA_SUCCESS ? r : REAL(name)(__VA_ARGS__);                              \
+    }
+LOADS_CODE(cuFuncSetAttribute, (CUfunction f, CUfunction_attribute a, int v), f, f, a, v)
+LOADS_CODE(cuFuncSetCacheConfig, (CUfunction f, int c), f, f, c)
+LOADS_CODE(cuOccupancyMaxActiveBlocksPerMultiprocessor, (int *n, CUfunction f, int b, size_t m),
+           f, n, f, b, m)
+LOADS_CODE(cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags,
+           (int *n, CUfunction f, int b, size_t m, unsigned int fl), f, n, f, b, m, fl)
+LOADS_CODE(cuOccupancyMaxPotentialBlockSize,
+           (int *g, int *b, CUfunction f, CUoccupancyB2DSize c, size_t m, int l), f, g, b, f, c, m, l)
+LOADS_CODE(cuOccupancyMaxPotentialBlockSizeWithFlags,
+           (int *g, int *b, CUfunction f, CUoccupancyB2DSize c, size_t m, int l, unsigned int fl), f,
+           g, b, f, c, m, l, fl)
+LOADS_CODE(cuOccupancyAvailableDynamicSMemPerBlock, (size_t *s, CUfunction f, int n, int b), f, s,
+           f, n, b)
+LOADS_CODE(cuOccupancyMaxPotentialClusterSize, (int *c, CUfunction f, const CUlaunchConfig *k), f,
+           c, f, k)
+LOADS_CODE(cuOccupancyMaxActiveClusters, (int *c, CUfunction f, const CUlaunchConfig *k), f, c, f, k)
+
 static CUresult function_code_use(void *f, CUcontext ctx, int kernel) {
     if (!f || !HAVE_REAL(cuFuncIsLoaded) || !HAVE_REAL(cuFuncLoad)) return CUDA_SUCCESS;
     CUcontext cur = mem_current_ctx();

@@ -529,6 +529,44 @@ SIM_EXPORT CUresult cuFuncLoad(CUfunction f) {
     return sim_function_load(fn);
 }
 
+/* Calls that name a function load its code first, as a driver may (cuda.h does not say they
+ * do not): what a cap must expect. */
+SIM_EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attr, int value) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    if (attr != CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES &&
+        attr != CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT)
+        return CUDA_ERROR_INVALID_VALUE; /* read-only, or not simulated */
+    if (value < 0) return CUDA_ERROR_INVALID_VALUE;
+    return sim_function_load(fn);
+}
+
+SIM_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, int config) {
+    CUresult r = sim_check_init();
+    if (r) return r;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    if (config < 0 || config > 3) return CUDA_ERROR_INVALID_VALUE; /* CU_FUNC_CACHE_PREFER_* */
+    return sim_function_load(fn);
+}
+
+SIM_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, CUfunction f,
+                                                                int block_size, size_t smem) {
+    (void)smem;
+    CUresult r = sim_check_init();
+    if (r) return r;
+    if (!blocks || block_size <= 0 || block_size > 1024) return CUDA_ERROR_INVALID_VALUE;
+    struct CUfunc_st *fn;
+    if ((r = function_of(f, &fn)) != CUDA_SUCCESS) return r;
+    if ((r = sim_function_load(fn)) != CUDA_SUCCESS) return r;
+    struct CUctx_st *c = sim_current_ctx();
+    int per_sm = c ? g_sim_cfg.gpus[c->gidx].threads_per_sm : 2048;
+    *blocks = per_sm / block_size;
+    return CUDA_SUCCESS;
+}
+
 SIM_EXPORT CUresult cuFuncGetModule(CUmodule *mod, CUfunction f) {
     CUresult r = sim_check_init();
     if (r) return r;

@@ -33,7 +33,7 @@
     X(cuDeviceSetGraphMemAttribute) X(cuDeviceSetMemPool) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDriverGetVersion) \
     X(cuEventCreate) X(cuEventDestroy) X(cuEventDestroy_v2) X(cuEventElapsedTime) \
     X(cuEventElapsedTime_v2) X(cuEventQuery) X(cuEventRecord) X(cuEventRecordWithFlags) \
-    X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncGetAttribute) X(cuFuncGetModule) X(cuFuncIsLoaded) X(cuFuncLoad) X(cuFuncSetBlockShape) X(cuGetErrorName) \
+    X(cuEventRecord_ptsz) X(cuEventSynchronize) X(cuFuncGetAttribute) X(cuFuncGetModule) X(cuFuncIsLoaded) X(cuFuncLoad) X(cuFuncSetAttribute) X(cuFuncSetBlockShape) X(cuFuncSetCacheConfig) X(cuOccupancyMaxActiveBlocksPerMultiprocessor) X(cuGetErrorName) \
     X(cuGetErrorString) X(cuGetExportTable) X(cuGraphAddKernelNode) X(cuGraphAddKernelNode_v2) \
     X(cuGraphAddMemAllocNode) X(cuGraphAddMemFreeNode) X(cuGraphAddNode) X(cuGraphAddNode_v2) \
     X(cuGraphAddChildGraphNode) X(cuGraphAddEmptyNode) X(cuGraphChildGraphNodeGetGraph) \

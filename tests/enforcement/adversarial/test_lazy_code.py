@@ -18,7 +18,7 @@ MIB = 1 << 20
 CODE = 64 * MIB
 
 
-@pytest.mark.parametrize("mode", ["launch", "graph", "load"])
+@pytest.mark.parametrize("mode", ["launch", "graph", "load", "attr", "cache", "occupancy"])
 def test_code_loaded_lazily_counts_against_the_slice(
     arena: Arena, programs: Programs, mode: str
 ) -> None:

@@ -3,7 +3,9 @@
  * simulator's built-in image has a kernel qgpu_sim_code_<bytes>_<n> of <bytes> of code for
  * any n. 100 functions of 64 MiB each (6.25 GiB in all), each used once, in one of the ways
  * argv[1] picks: launch (cuLaunchKernel), graph (a kernel node of it), load (the
- * application's own cuFuncLoad, then a launch). Reports "used N" and the CUresult that ended
+ * application's own cuFuncLoad, then a launch), attr / cache / occupancy (cuFuncSetAttribute,
+ * cuFuncSetCacheConfig or cuOccupancyMaxActiveBlocksPerMultiprocessor first, which may load
+ * it, then a launch). Reports "used N" and the CUresult that ended
  * it ("last"); with argv[2] "unload", the module is unloaded afterwards and 512 MiB chunks
  * are taken ("grab"). */
 #include "hostile.h"
@@ -36,7 +38,13 @@ int main(int argc, char **argv) {
             CUgraphNode n;
             last = cuGraphAddKernelNode(&n, g, NULL, 0, &p);
         } else {
+            int blocks;
             if (!strcmp(mode, "load")) last = cuFuncLoad(f);
+            if (!strcmp(mode, "attr"))
+                last = cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 0);
+            if (!strcmp(mode, "cache")) last = cuFuncSetCacheConfig(f, CU_FUNC_CACHE_PREFER_L1);
+            if (!strcmp(mode, "occupancy"))
+                last = cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, f, 128, 0);
             if (last == CUDA_SUCCESS) last = cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL);
         }
         if (last != CUDA_SUCCESS) break;
