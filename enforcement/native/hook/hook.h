@@ -5,8 +5,10 @@
  * (ledger.c), the GPU's shared state is opened (roster.c, busy.c, region.c), and the wrappers
  * apply them: plain allocations (mem.c), VMM handles and their export/import (vmm.c),
  * legacy IPC mappings (ipc.c), where managed memory may be moved (managed.c), pools,
- * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c),
- * contexts (ctx.c), what loading device code takes (module.c), launches (launch.c), which
+ * stream-ordered and graph memory (pool.c), what executable graphs allocate (graph.c) and
+ * keep for their own work (graph_work.c), contexts (ctx.c), what loading device code takes,
+ * modules, libraries and functions' code loaded lazily (module.c), the local memory a
+ * kernel's launch grows (lmem.c), launches (launch.c), which
  * processes a slice may checkpoint (checkpoint.c), NVML views (nvml.c: memory and processes;
  * nvml_activity.c: utilisation), the GPU's settings a slice may not change (nvml_settings.c). dlsym.c makes the wrappers reachable through dlsym, dlvsym and
  * cuGetProcAddress; real.c finds the real driver's functions. */
