@@ -30,8 +30,8 @@ device plugin refuses the container at Allocate (the webhook can be bypassed). T
 - no container is privileged or adds ``SYS_ADMIN`` (or ``ALL``): either can unmount or
   replace the plugin's mounts and reach every GPU of the node;
 - the pod does not share the host's pid namespace (``hostPID``: every tenant's pid to
-  name) and mounts no ``hostPath`` that contains or lies in the qgpu state directory or
-  ``/dev``.
+  name) and mounts no ``hostPath`` that contains or lies in the qgpu state directory,
+  ``/dev`` or NVIDIA's default MPS pipe directory (``/tmp/nvidia-mps``).
 
 What this cannot see: a symbolic link in the container's image, which makes a mount at an
 innocent path land on an injected one (runc resolves mount targets inside the root
@@ -46,6 +46,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
+from enforcement.sim import MPS_PIPE_DIRECTORY
 from k8s_bridge.container_paths import (
     DRIVER_CAPABILITIES_ENV,
     INJECTED_DIRS,
@@ -61,6 +62,9 @@ from qgpu.model import WHOLE_GPU_CORE
 
 DEFAULT_NODE_STATE_DIR = PurePosixPath("/var/lib/qgpu")  # the chart's manager.stateDir
 HOST_DEVICES = PurePosixPath("/dev")
+# NVIDIA's default MPS pipe directory: a pod that reaches the node's MPS control daemon runs
+# its work inside an MPS server process, where the watchdog cannot tell whose it is
+HOST_MPS_PIPES = PurePosixPath(str(MPS_PIPE_DIRECTORY))
 MOUNT_CAPABILITIES = ("SYS_ADMIN", "CAP_SYS_ADMIN", "ALL")
 
 
@@ -182,7 +186,7 @@ def _privilege_violations(c: ContainerModel, where: str) -> Iterator[RuleViolati
 def _volume_violations(
     pod: PodModel, state_dir: PurePosixPath | None
 ) -> Iterator[RuleViolation]:
-    guarded = [HOST_DEVICES, *([state_dir] if state_dir else [])]
+    guarded = [HOST_DEVICES, HOST_MPS_PIPES, *([state_dir] if state_dir else [])]
     for j, volume in enumerate(pod.spec.volumes or []):
         host = volume.get("hostPath") if isinstance(volume, dict) else None
         raw = host.get("path") if isinstance(host, dict) else None
@@ -195,7 +199,8 @@ def _volume_violations(
                     f"spec.volumes[{j}].hostPath.path",
                     raw,
                     f"a qgpu pod may not mount a host path that contains or lies in {root} "
-                    "(the node's GPUs and every slice's enforcement state)",
+                    "(the node's GPUs, its MPS daemon's pipes and every slice's enforcement "
+                    "state)",
                 )
                 break
 

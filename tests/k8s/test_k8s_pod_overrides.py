@@ -141,6 +141,8 @@ OVERRIDES = {
     ),
     "hostPath /": ({"host_path": "/"}, "spec.volumes[0].hostPath.path"),
     "hostPath dev": ({"host_path": "/dev/nvidia0"}, "spec.volumes[0].hostPath.path"),
+    "hostPath MPS": ({"host_path": "/tmp/nvidia-mps"}, "spec.volumes[0].hostPath.path"),
+    "hostPath tmp": ({"host_path": "/tmp"}, "spec.volumes[0].hostPath.path"),
     "hostPID": ({"host_pid": True}, "spec.hostPID"),
 }
 
