@@ -15,6 +15,10 @@ Keys (docs/enforcement.md has the full contract)::
     QGPU_LIMITS_FILE   the limits file (default /etc/qgpu/limits.conf)
     QGPU_REAL_LIBCUDA  driver to forward to (default libcuda.so.1)
     QGPU_SIM_CONFIG    simulated GPUs
+    QGPU_MPS_PIPE_DIRECTORY  the agent's MPS backend: the slice GPU's MPS daemon; the
+                       interposer then sets the slice's MPS caps (CUDA_MPS_*) from these
+                       limits at cuInit, over the process's own environment, and does not
+                       gate compute (MPS partitions the GPU instead)
 
 A limits file owned by root and not writable by group/other wins over the environment.
 """
@@ -48,6 +52,7 @@ LIMIT_KEYS = (
     "QGPU_LIMITS_FILE",
     "QGPU_REAL_LIBCUDA",
     "QGPU_SIM_CONFIG",
+    "QGPU_MPS_PIPE_DIRECTORY",
 )
 _UUID = re.compile(r"^GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$")
 _SAFE_VALUE = re.compile(r"^[^\n\r\x00]*$")
@@ -65,6 +70,7 @@ class SliceLimits:
     state_dir: str | None = None
     real_libcuda: str | None = None
     sim_config: str | None = None
+    mps_pipe_directory: str | None = None
 
     def __post_init__(self) -> None:
         if not is_slice_id(self.slice_id):
@@ -80,6 +86,14 @@ class SliceLimits:
         if not 1 <= self.core <= 100:
             raise RuleViolation(
                 "QGPU_CORE_LIMIT", self.core, "must be an integer 1..100 (100 = no compute cap)"
+            )
+        mps = self.mps_pipe_directory
+        if mps is not None and (
+            not mps.startswith("/") or len(mps) >= 1024 or not _SAFE_VALUE.match(mps)
+        ):
+            raise RuleViolation(
+                "QGPU_MPS_PIPE_DIRECTORY", mps, "must be an absolute path of one line, shorter "
+                "than 1024 bytes (the MPS daemon's pipe directory of the slice's GPU)"
             )
 
     def to_env(self) -> dict[str, str]:
@@ -98,6 +112,8 @@ class SliceLimits:
             env["QGPU_REAL_LIBCUDA"] = self.real_libcuda
         if self.sim_config:
             env["QGPU_SIM_CONFIG"] = self.sim_config
+        if self.mps_pipe_directory:
+            env["QGPU_MPS_PIPE_DIRECTORY"] = self.mps_pipe_directory
         return env
 
     @classmethod
@@ -126,6 +142,7 @@ class SliceLimits:
             state_dir=values.get("QGPU_STATE_DIR"),
             real_libcuda=values.get("QGPU_REAL_LIBCUDA"),
             sim_config=values.get("QGPU_SIM_CONFIG"),
+            mps_pipe_directory=values.get("QGPU_MPS_PIPE_DIRECTORY"),
         )
 
 

@@ -316,8 +316,9 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         type=choice(["interposer", "mps"], "--enforcement"),
         default="interposer",
         metavar="interposer|mps",
-        help="how share slices are capped: the CUDA interposer or NVIDIA MPS (whose caps are "
-        "the clients' own environment: for cooperative tenants only, see docs/agent.md)",
+        help="how share slices are capped: the CUDA interposer or NVIDIA MPS (caps set by "
+        "the interposer in the clients' environment: a process around the interposer sets its "
+        "own, see docs/agent.md)",
     )
     p.add_argument(
         "--mps-control", default="nvidia-cuda-mps-control", help="the MPS control program"

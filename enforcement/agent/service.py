@@ -93,13 +93,15 @@ log = logging.getLogger("qgpu.agent")
 
 # NVIDIA MPS takes a client's thread percentage and pinned memory limit from the client's
 # own environment, and lets that environment only lower the daemon's (NVIDIA's MPS docs,
-# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): a tenant that sets its own keeps the daemon's defaults.
+# CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): the interposer sets them from the slice's limits, so
+# only a process around it keeps the daemon's defaults.
 MPS_CAPS_ADVISORY = (
     "--enforcement mps: a slice's MPS caps (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, "
-    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) are its processes' own environment, which MPS lets "
-    "them raise up to the daemon's defaults (all threads, no memory limit): they hold "
-    "cooperative tenants only; the watchdog still kills memory over a cap, not compute. "
-    "Use --enforcement interposer (the default) for tenants that must not get out"
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) are its processes' environment, which the interposer "
+    "sets from the slice's limits at cuInit; a process that goes around the interposer sets "
+    "its own (MPS lets it rise to the daemon's defaults: all threads, no memory limit), and "
+    "the watchdog does not watch MPS slices. Use --enforcement interposer (the default) for "
+    "tenants that must not get out"
 )
 
 try:
@@ -632,19 +634,27 @@ class Agent:
             limits_file=self._limits_path(alloc.slice_id),
             real_libcuda=self.config.real_libcuda,
             extra=self.backend.workload_env,
+            mps_pipe_directory=(
+                self.mps.dirs(alloc.gpu_uuids[0])[0] if self.mps is not None else None
+            ),
         )
         self._last_limits = (alloc, values)
         return values
 
     def _prepare_slice(self, alloc: Allocation, who: Identity) -> None:
-        """An interposer slice's directory, ledger and limits file, and its entry and
-        activity file on its GPU (idempotent)."""
-        if self.enforcement_of(alloc) != "interposer":
+        """A share slice's directory, ledger and limits file, and (interposer slices) its
+        entry and activity file on its GPU (idempotent). MPS slices run the interposer too,
+        which sets their MPS caps from the limits; they are not on the GPU's roster, which
+        is for the interposer's compute gate (MPS partitions the GPU instead)."""
+        enforcement = self.enforcement_of(alloc)
+        if enforcement == "none":
             return
         self.tree.create(alloc.slice_id, who)
         # no fsync: the ledger (fsynced at commit) is the source of truth, and the agent
         # rewrites every limits file from it when it starts
         self.tree.write_limits(alloc.slice_id, self._limits(alloc), who)
+        if enforcement != "interposer":
+            return
         self.tree.join_gpu(
             alloc.gpu_uuids[0], alloc.slice_id, who, alloc.isolation, alloc.core, WRITER_AGENT
         )
@@ -658,8 +668,13 @@ class Agent:
             env = slice_env.whole_gpu_env(alloc, self.backend.workload_env)
         elif enforcement == "mps":
             assert self.mps is not None
-            env = dict(self.backend.workload_env)
+            hook = self.hook_path if self.hook_path.exists() else None
+            env = slice_env.interposer_env(
+                alloc, self._limits(alloc), hook_path=hook, workload_env=self.backend.workload_env
+            )
             env.update(self.mps.slice_env(alloc))
+            limits_file = str(self._limits_path(alloc.slice_id))
+            slice_dir = str(self.tree.files(alloc.slice_id).dir)
         else:
             hook = self.hook_path if self.hook_path.exists() else None
             env = slice_env.interposer_env(
@@ -754,7 +769,7 @@ class Agent:
         """The interposer's shared ledger when the slice has one, with NVML per process."""
         pids = {p.pid for p in mine}
         mem = [p.used_memory_bytes for p in mine if p.used_memory_bytes is not None]
-        if self.enforcement_of(alloc) == "interposer" and is_slice_id(alloc.slice_id):
+        if self.enforcement_of(alloc) != "none" and is_slice_id(alloc.slice_id):
             led = read_slice_ledger(self.config.slices_dir, alloc.slice_id)
             if led is not None:
                 # NVML's per-process numbers also see memory that bypassed the interposer.

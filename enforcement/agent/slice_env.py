@@ -9,7 +9,9 @@ keys as ``KEY=VALUE`` lines (`enforcement.limits` renders and validates them); i
 written atomically (temp file, rename), mode 0444 and owned by root in production, so a
 workload can read but not loosen its caps (the interposer trusts only such a file).
 
-The MPS backend hands out ``CUDA_MPS_*`` variables instead of the interposer's.
+The MPS backend hands out ``CUDA_MPS_*`` variables and the interposer too, its limits naming
+the GPU's MPS daemon (``QGPU_MPS_PIPE_DIRECTORY``): MPS takes a client's caps from its own
+environment, so the interposer sets them from the trusted limits at ``cuInit``.
 Whole-GPU slices need no cap: they get the device and the slice id only.
 """
 
@@ -35,6 +37,7 @@ def slice_limits(
     state_dir: Path,
     real_libcuda: Path | None = None,
     sim_config: str | None = None,
+    mps_pipe_directory: Path | None = None,
 ) -> SliceLimits:
     """The interposer's limits for a share slice (`enforcement.limits` owns the rules)."""
     limits = limits_for_allocation(alloc, state_dir=str(state_dir))
@@ -42,6 +45,7 @@ def slice_limits(
         limits,
         real_libcuda=str(real_libcuda) if real_libcuda is not None else None,
         sim_config=sim_config,
+        mps_pipe_directory=str(mps_pipe_directory) if mps_pipe_directory is not None else None,
     )
 
 
@@ -52,11 +56,16 @@ def limits_values(
     limits_file: Path,
     real_libcuda: Path | None = None,
     extra: Mapping[str, str] | None = None,
+    mps_pipe_directory: Path | None = None,
 ) -> dict[str, str]:
     """The QGPU_* limits of one share slice (what goes in its limits file)."""
     sim_config = (extra or {}).get("QGPU_SIM_CONFIG")
     values = slice_limits(
-        alloc, state_dir=state_dir, real_libcuda=real_libcuda, sim_config=sim_config
+        alloc,
+        state_dir=state_dir,
+        real_libcuda=real_libcuda,
+        sim_config=sim_config,
+        mps_pipe_directory=mps_pipe_directory,
     ).to_env()
     values["QGPU_LIMITS_FILE"] = str(limits_file)
     return values

@@ -119,9 +119,14 @@ def test_agent_in_mps_mode_hands_out_mps_environment(
     body = {"request": {"core": 40, "memory": 10, "isolation": "fs"}}
     res = client.post("/v1/slices", json=body).json()
     assert res["enforcement"] == "mps"
-    assert res["limits_file"] is None
-    assert "LD_PRELOAD" not in res["env"]
     assert res["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     assert res["env"]["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10240M"
+    # and the interposer, whose limits name the GPU's daemon: it sets the MPS caps from them
+    # at cuInit, whatever the process's own environment says
+    assert res["env"]["LD_PRELOAD"] == str(agent.hook_path)
+    limits = Path(res["limits_file"]).read_text()
+    pipe = res["env"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert f"QGPU_MPS_PIPE_DIRECTORY={pipe}" in limits.splitlines()
+    assert "QGPU_CORE_LIMIT=40" in limits.splitlines()
     assert client.get("/v1/health").json()["enforcement"] == "mps"
     agent.close()

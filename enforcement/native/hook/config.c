@@ -21,15 +21,16 @@
 
 enum {
     K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_FILE, K_REAL, K_SIM, K_CTXMEM, K_SHARING,
-    K_SLICE_US, K_COUNT
+    K_SLICE_US, K_MPS, K_COUNT
 };
 static const char *const keys[K_COUNT] = {
     "QGPU_SLICE_ID",     "QGPU_DEVICE_UUID",    "QGPU_MEMORY_LIMIT", "QGPU_CORE_LIMIT",
     "QGPU_ISOLATION",    "QGPU_STATE_DIR",      "QGPU_LIMITS_FILE",  "QGPU_REAL_LIBCUDA",
-    "QGPU_SIM_CONFIG",   "QGPU_CONTEXT_MEMORY", "QGPU_DEVICE_SHARING", "QGPU_TIMESLICE_US"};
+    "QGPU_SIM_CONFIG",   "QGPU_CONTEXT_MEMORY", "QGPU_DEVICE_SHARING", "QGPU_TIMESLICE_US",
+    "QGPU_MPS_PIPE_DIRECTORY"};
 /* keys a trusted file controls exclusively */
 static const int slice_keys[] = {K_SLICE, K_UUID, K_MEM, K_CORE, K_ISO, K_STATE, K_REAL,
-                                 K_CTXMEM, K_SHARING, K_SLICE_US};
+                                 K_CTXMEM, K_SHARING, K_SLICE_US, K_MPS};
 
 typedef struct {
     char val[K_COUNT][1024];
@@ -207,6 +208,12 @@ int hook_config_load(hook_limits_t *out, char *err, size_t errlen) {
         (parse_u64(eff.val[K_SLICE_US], &slice_us) != 0 || slice_us < 1 || slice_us > 1000000))
         BAD(K_SLICE_US, "must be an integer 1..1000000 (microseconds of one time slice)");
     out->timeslice_ns = (int64_t)slice_us * 1000;
+    if (eff.set[K_MPS]) {
+        if (eff.val[K_MPS][0] != '/' || strlen(eff.val[K_MPS]) >= sizeof out->mps_pipe_directory)
+            BAD(K_MPS, "must be an absolute path shorter than 1024 bytes (the MPS control "
+                       "daemon's pipe directory of the slice's GPU)");
+        snprintf(out->mps_pipe_directory, sizeof out->mps_pipe_directory, "%s", eff.val[K_MPS]);
+    }
     uint64_t core = 100;
     if (eff.set[K_CORE] && (parse_u64(eff.val[K_CORE], &core) != 0 || core < 1 || core > 100))
         BAD(K_CORE, "must be an integer 1..100 (100 = no compute cap)");

@@ -198,6 +198,9 @@ typedef struct {
     int policy;
     char state_dir[1024];
     char real_libcuda[1024];
+    /* the agent's MPS backend: the slice's GPU's MPS daemon; its caps are then MPS's, from
+     * these limits (init.c), and the hook does not gate compute */
+    char mps_pipe_directory[1024];
     char mem_source[1024]; /* "environment" or the limits file: for error messages */
 } hook_limits_t;
 QGPU_HIDDEN int hook_config_load(hook_limits_t *out, char *err, size_t errlen);

@@ -68,7 +68,7 @@ static void load_config(void) {
         region_open(g_lim.state_dir, g_lim.device_uuid, &g_lim);
         __atomic_store_n(&g_device_fenced, 1, __ATOMIC_RELEASE);
     }
-    g_capped = g_lim.policy != POLICY_BEST_EFFORT && g_lim.core < 100;
+    g_capped = g_lim.policy != POLICY_BEST_EFFORT && g_lim.core < 100 && !g_lim.mps_pipe_directory[0];
     __atomic_store_n(&g_hook_state, HOOK_ACTIVE, __ATOMIC_RELEASE);
 }
 
@@ -164,12 +164,31 @@ static int no_default_mps(void) {
     return -1;
 }
 
+/* The agent's MPS backend: MPS takes a client's caps from its environment and lets that only
+ * lower the daemon's (NVIDIA's MPS documentation), so a process that set its own would run
+ * with all of the GPU's threads and no memory limit. The caps are set here from the slice's
+ * limits, over whatever the environment said, before the driver reads them. */
+static int mps_from_limits(void) {
+    char pct[16], mem[48];
+    snprintf(pct, sizeof pct, "%d", g_lim.policy == POLICY_BEST_EFFORT ? 100 : g_lim.core);
+    snprintf(mem, sizeof mem, "0=%lluM", (unsigned long long)(g_lim.mem_limit >> 20));
+    if (setenv("CUDA_MPS_PIPE_DIRECTORY", g_lim.mps_pipe_directory, 1) == 0 &&
+        setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", pct, 1) == 0 &&
+        (!g_lim.mem_limit || setenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", mem, 1) == 0))
+        return 0;
+    fprintf(stderr, "qgpu: cannot set the MPS caps of slice %s (out of memory): cuInit refused\n",
+            g_lim.slice_id);
+    return -1;
+}
+
 QGPU_EXPORT CUresult cuInit(unsigned int flags) {
     hook_load_cuda();
     if (!HAVE_REAL(cuInit)) return CUDA_ERROR_NOT_INITIALIZED;
     int s = hook_state();
     if (s == HOOK_ERROR) return CUDA_ERROR_INVALID_VALUE;
-    if (s == HOOK_ACTIVE && no_default_mps() != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (s == HOOK_ACTIVE &&
+        (g_lim.mps_pipe_directory[0] ? mps_from_limits() : no_default_mps()) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = REAL(cuInit)(flags);
     if (r != CUDA_SUCCESS || s != HOOK_ACTIVE) return r;
     pthread_once(&device_once, check_device);

@@ -107,8 +107,13 @@ static void connect_mps(void) {
     snprintf(path, sizeof path, "%s/clients", dir);
     int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) return;
-    char line[32];
-    int n = snprintf(line, sizeof line, "%d\n", (int)getpid());
+    /* a client tells its server the caps its environment asks for (MPS applies the lower of
+     * them and the daemon's): what the tests read of what a client got */
+    const char *pct = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+    const char *mem = getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
+    char line[160];
+    int n = snprintf(line, sizeof line, "%d %.16s %.64s\n", (int)getpid(), pct && *pct ? pct : "-",
+                     mem && *mem ? mem : "-");
     ssize_t written = write(fd, line, (size_t)n); /* a short write: the daemon misses it */
     (void)written;
     close(fd);

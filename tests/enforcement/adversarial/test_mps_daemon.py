@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Arena, Programs, make_arena
+from ..test_config import build_hook_with_default
+from .conftest import HOOK_OVERRIDE, HOSTILE_CAP, Arena, Programs, make_arena
 
 
 @pytest.fixture
@@ -37,7 +38,15 @@ def _start_daemon(pipe_dir: Path) -> Path:
 
 
 def _clients(clients: Path) -> set[int]:
-    return {int(x) for x in clients.read_text().split()} if clients.exists() else set()
+    return set(_client_caps(clients))
+
+
+def _client_caps(clients: Path) -> dict[int, tuple[str, str]]:
+    """Each client's pid -> the thread percentage and pinned memory limit it asked for."""
+    if not clients.exists():
+        return {}
+    rows = (line.split() for line in clients.read_text().splitlines() if line.strip())
+    return {int(pid): (pct, mem) for pid, pct, mem in rows}
 
 
 def test_the_simulated_driver_joins_a_daemon_at_the_default_directory(
@@ -81,3 +90,40 @@ def test_a_pipe_directory_the_environment_names_is_kept(
     env["CUDA_MPS_PIPE_DIRECTORY"] = ""  # empty: the driver's default, so taken away too
     empty = arena.start([programs.c("mps_probe")], env)
     assert empty.one("pid") > 0 and _clients(default_clients) == set()
+
+
+def test_a_slice_under_the_mps_backend_cannot_raise_its_own_mps_caps(
+    mps_arena: tuple[Arena, Path], programs: Programs, short_tmp: Path
+) -> None:
+    """The agent's MPS backend: MPS takes a client's caps from its environment and lets that
+    only lower the daemon's, so a tenant that asks for 100 % of the threads and no memory
+    limit in its own environment would get them. With the slice's MPS daemon in its trusted
+    limits (QGPU_MPS_PIPE_DIRECTORY), the hook sets the caps from the limits before the
+    driver reads them: the daemon hears 30 % and 4 GiB, not what the tenant asked for."""
+    if os.geteuid() != 0:
+        pytest.skip("a trusted limits file is owned by root; this test runs as another user")
+    arena, _ = mps_arena
+    agent_dir = short_tmp / "agent-mps"
+    clients = _start_daemon(agent_dir)
+    trusted = short_tmp / "trusted-limits.conf"
+    trusted.write_text(
+        f"QGPU_SLICE_ID=hostile\nQGPU_DEVICE_UUID={arena.sim.uuid(0)}\n"
+        f"QGPU_MEMORY_LIMIT={HOSTILE_CAP}\nQGPU_CORE_LIMIT=30\nQGPU_ISOLATION=fixed-share\n"
+        f"QGPU_STATE_DIR={arena.sim.state_dir}\nQGPU_MPS_PIPE_DIRECTORY={agent_dir}\n"
+    )
+    trusted.chmod(0o444)
+    env = arena.hostile_env()
+    override = os.environ.get(HOOK_OVERRIDE)
+    env["LD_PRELOAD"] = override or str(build_hook_with_default(short_tmp, trusted))
+    env.update(  # what the tenant asks for itself
+        CUDA_MPS_PIPE_DIRECTORY=str(agent_dir),
+        CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="100",
+        QGPU_CORE_LIMIT="100",
+    )
+    env.pop("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", None)
+    h = arena.start([programs.c("mps_probe")], env)
+    assert _client_caps(clients)[h.one("pid")] == ("30", f"0={HOSTILE_CAP >> 20}M")
+    # the attack, as the MPS backend's slices ran before (no interposer): it gets its way
+    bare = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+    b = arena.start([programs.c("mps_probe")], bare)
+    assert _client_caps(clients)[b.one("pid")] == ("100", "-")
