@@ -99,9 +99,9 @@ MPS_CAPS_ADVISORY = (
     "--enforcement mps: a slice's MPS caps (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, "
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) are its processes' environment, which the interposer "
     "sets from the slice's limits at cuInit; a process that goes around the interposer sets "
-    "its own (MPS lets it rise to the daemon's defaults: all threads, no memory limit), and "
-    "the watchdog does not watch MPS slices. Use --enforcement interposer (the default) for "
-    "tenants that must not get out"
+    "its own (MPS lets it rise to the daemon's defaults: all threads, no memory limit); the "
+    "watchdog kills memory over a cap but does not judge compute under MPS. Use "
+    "--enforcement interposer (the default) for tenants that must not get out"
 )
 
 try:
