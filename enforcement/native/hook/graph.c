@@ -507,7 +507,7 @@ QGPU_EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode node,
     QGPU_EXPORT CUresult name(CUgraphExec e, CUstream s) {                                   \
         HOOK_ENTER(name, e, s);                                                              \
         measure_t wm;                                                                        \
-        int first = graph_work_first_use_begin(e, &wm); /* its work (graph_work.c) */        \
+        int first = graph_work_first_use_begin(e, SMAP(s), &wm); /* its work (graph_work.c) */ \
         if (first < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                      \
         HOOK_MEM_OP();                                                                       \
         uint64_t need;                                                                       \

@@ -56,8 +56,12 @@ void graph_work_release(CUgraphExec e) {
     pthread_mutex_unlock(&work_lock);
 }
 
-int graph_work_first_use_begin(CUgraphExec e, measure_t *m) {
+int graph_work_first_use_begin(CUgraphExec e, CUstream s, measure_t *m) {
     if (!e || qgpu_table_get(&uploaded, (uintptr_t)e, NULL, NULL) == 0) return 0;
+    int capturing = 0; /* launched into a capture: a node, nothing uploaded (later, then) */
+    if (HAVE_REAL(cuStreamIsCapturing) && REAL(cuStreamIsCapturing)(s, &capturing) == CUDA_SUCCESS &&
+        capturing)
+        return 0;
     if (ledger_used() >= g_lim.mem_limit) return -1; /* at the cap: no more work past it */
     measure_call_begin(m);
     return 1;

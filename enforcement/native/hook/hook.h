@@ -365,7 +365,7 @@ QGPU_HIDDEN void graph_work_release(CUgraphExec e);
  * held exclusively until end or abort) or -1 (the slice is at its cap: refuse); end charges
  * what the call took (past the cap: charged anyway, CUDA_ERROR_OUT_OF_MEMORY);
  * upload_first uploads it for a first launch, measured, and ends */
-QGPU_HIDDEN int graph_work_first_use_begin(CUgraphExec e, measure_t *m);
+QGPU_HIDDEN int graph_work_first_use_begin(CUgraphExec e, CUstream s, measure_t *m);
 QGPU_HIDDEN CUresult graph_work_first_use_end(CUresult r, CUgraphExec e, measure_t *m);
 QGPU_HIDDEN void graph_work_first_use_abort(void);
 QGPU_HIDDEN CUresult graph_work_upload_first(CUgraphExec e, CUstream s, measure_t *m);

@@ -458,7 +458,7 @@ static void note_mode(int gated) {
     QGPU_EXPORT CUresult name(CUgraphExec g, CUstream s) {                                   \
         HOOK_ENTER(name, g, s);                                                              \
         measure_t wm_;                                                                       \
-        int first_ = graph_work_first_use_begin(g, &wm_);                                    \
+        int first_ = graph_work_first_use_begin(g, SMAP(s), &wm_);                           \
         if (first_ < 0) return CUDA_ERROR_OUT_OF_MEMORY;                                     \
         HOOK_MEM_OP();                                                                       \
         uint64_t need_;                                                                      \
