@@ -14,6 +14,7 @@ import pytest
 
 from enforcement.sim import (
     MODELS,
+    SimConfig,
     SimSpecError,
     gpu_uuid,
     load_sim_config,
@@ -422,6 +423,17 @@ def test_simulated_nvml_views_of_processes_and_activity(short_tmp: Path) -> None
     assert unprivileged == [str(NVML_NO_PERMISSION), str(NVML_NO_PERMISSION)]
 
 
+def _driver_init(cfg: SimConfig, short_tmp: Path) -> subprocess.CompletedProcess[str]:
+    """A fresh process's cuInit on the simulated driver of `cfg` (which reads it then)."""
+    return subprocess.run(
+        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
+        env=Sim(cfg, short_tmp / "l").base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_mps_pipe_directory_is_checked_by_name(short_tmp: Path) -> None:
     with pytest.raises(SimSpecError, match="mps_pipe_directory 'relative/dir': must be an abs"):
         write_sim_config(short_tmp / "m.conf", "T4", mps_pipe_directory="relative/dir")
@@ -429,14 +441,7 @@ def test_mps_pipe_directory_is_checked_by_name(short_tmp: Path) -> None:
     assert load_sim_config(cfg.path).mps_pipe_directory == short_tmp / "mps"
     text = cfg.path.read_text().replace(f"={short_tmp / 'mps'}", "=relative/dir")
     cfg.path.write_text(text)
-    env = Sim(cfg, short_tmp / "l").base_env()
-    out = subprocess.run(
-        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _driver_init(cfg, short_tmp)
     assert out.returncode != 0
     assert "mps_pipe_directory=relative/dir: must be an absolute path" in out.stderr
 
@@ -449,14 +454,7 @@ def test_graph_node_bytes_is_checked_by_name(short_tmp: Path) -> None:
     cfg.path.write_text(
         cfg.path.read_text().replace("graph_node_bytes=1048576", "graph_node_bytes=-5")
     )
-    env = Sim(cfg, short_tmp / "l").base_env()
-    out = subprocess.run(
-        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _driver_init(cfg, short_tmp)
     assert out.returncode != 0
     assert "graph_node_bytes=-5: must be 0..1073741824 bytes" in out.stderr
 
@@ -467,13 +465,6 @@ def test_graph_work_at_is_checked_by_name(short_tmp: Path) -> None:
     cfg = write_sim_config(short_tmp / "w.conf", "T4", graph_work_at="instantiation")
     assert load_sim_config(cfg.path).graph_work_at == "instantiation"
     cfg.path.write_text(cfg.path.read_text().replace("=instantiation", "=later"))
-    env = Sim(cfg, short_tmp / "l").base_env()
-    out = subprocess.run(
-        [sys.executable, "-c", "from enforcement.simcuda import Driver\nDriver().init()"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _driver_init(cfg, short_tmp)
     assert out.returncode != 0
     assert "graph_work_at=later: must be first_use or instantiation" in out.stderr

@@ -343,12 +343,14 @@ QGPU_HIDDEN CUresult module_node_kernel_use(void *func, void *kern, CUcontext ct
  * before the kernel is launched or put into a graph (ctx NULL: the current context;
  * CUDA_ERROR_OUT_OF_MEMORY over the cap); the stack limit's share of the same reservation
  * (per thread, before and after a cuCtxSetLimit to `value`; then recorded once set); a
- * context gone (NULL: code unloaded) forgotten */
+ * context gone forgotten */
 QGPU_HIDDEN CUresult lmem_before(void *f, CUcontext ctx, int kernel); /* kernel: a CUkernel */
 QGPU_HIDDEN void lmem_stack_reservation(CUcontext ctx, uint64_t value, uint64_t *before,
                                         uint64_t *after);
 QGPU_HIDDEN void lmem_stack_set(CUcontext ctx, uint64_t value);
 QGPU_HIDDEN void lmem_forget(CUcontext ctx);
+/* module.c: moves on whenever a context, a module or a library goes */
+QGPU_HIDDEN uint64_t module_generation(void);
 /* ctx.c: what `per_thread` bytes of local memory cost on ctx's device beyond the default
  * stack; a charge added to what ctx's destruction gives back */
 QGPU_HIDDEN uint64_t ctx_stack_cost(CUcontext ctx, uint64_t per_thread);

@@ -15,7 +15,8 @@
  * may give the memory back after the kernel: more charged, never less). The stack limit is
  * charged against the same reservation (ctx.c). A thread's last (function, context) is
  * remembered, so a loop launching one kernel costs one comparison; unloading code or
- * destroying a context forgets it (a handle may come back naming other code). */
+ * destroying a context forgets it (module.c's generation: a handle may come back naming
+ * other code). */
 #include "hook.h"
 
 #define STACK_DEFAULT 1024ULL
@@ -24,7 +25,6 @@
  * limit the application set (tag; 0: the default) */
 static qgpu_table_t state = QGPU_TABLE_INIT;
 static pthread_mutex_t lmem_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t generation = 1;
 static __thread void *last_f __attribute__((tls_model("initial-exec")));
 static __thread CUcontext last_ctx __attribute__((tls_model("initial-exec")));
 static __thread uint64_t last_gen __attribute__((tls_model("initial-exec")));
@@ -68,7 +68,7 @@ static int64_t local_size(void *f, CUcontext ctx, int kernel) {
 CUresult lmem_before(void *f, CUcontext ctx, int kernel) {
     if (!f || !HAVE_REAL(cuFuncGetAttribute)) return CUDA_SUCCESS;
     if (!ctx) ctx = mem_current_ctx();
-    uint64_t gen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+    uint64_t gen = module_generation(); /* code unloaded or a context gone: check again */
     if (f == last_f && ctx == last_ctx && gen == last_gen) return CUDA_SUCCESS;
     int64_t need = local_size(f, ctx, kernel);
     if (need < 0) return CUDA_SUCCESS; /* not a function the driver knows: its launch fails */
@@ -112,10 +112,7 @@ void lmem_stack_set(CUcontext ctx, uint64_t value) {
 }
 
 void lmem_forget(CUcontext ctx) {
-    if (ctx) {
-        pthread_mutex_lock(&lmem_lock);
-        qgpu_table_take(&state, (uintptr_t)ctx, NULL, NULL);
-        pthread_mutex_unlock(&lmem_lock);
-    }
-    __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&lmem_lock);
+    qgpu_table_take(&state, (uintptr_t)ctx, NULL, NULL);
+    pthread_mutex_unlock(&lmem_lock);
 }

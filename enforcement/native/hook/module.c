@@ -208,8 +208,11 @@ static void give_back(void *handle, CUcontext ctx) {
     pthread_mutex_unlock(&charge_lock);
 }
 
-/* Bumped whenever a context or a library goes: launches then check their kernels again. */
+/* Bumped whenever a context, a module or a library goes: launches then check their kernels
+ * again (here, and their local memory in lmem.c: a handle may come back naming other code). */
 static uint64_t generation;
+
+uint64_t module_generation(void) { return __atomic_load_n(&generation, __ATOMIC_ACQUIRE); }
 
 void module_forget_ctx(CUcontext ctx) {
     if (!ctx) return;
@@ -293,10 +296,8 @@ QGPU_EXPORT CUresult cuModuleUnload(CUmodule mod) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuModuleUnload)(mod);
     if (r == CUDA_SUCCESS && mod) give_back(mod, NULL);
-    if (r == CUDA_SUCCESS) { /* its functions' handles may come back, naming other code */
+    if (r == CUDA_SUCCESS) /* its functions' handles may come back, naming other code */
         __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
-        lmem_forget(NULL);
-    }
     return r;
 }
 
@@ -338,7 +339,6 @@ QGPU_EXPORT CUresult cuLibraryUnload(CUlibrary lib) {
     HOOK_MEM_OP();
     CUresult r = REAL(cuLibraryUnload)(lib);
     if (r == CUDA_SUCCESS && lib) library_gone(lib);
-    if (r == CUDA_SUCCESS) lmem_forget(NULL);
     return r;
 }
 

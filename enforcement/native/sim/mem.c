@@ -69,38 +69,32 @@ static void v1_give(uint64_t addr, uint64_t size) {
 
 /* ---- the GPU's accounting ---- */
 
-CUresult sim_charge(int gidx, uint64_t bytes) {
+/* `bytes` onto / off GPU `gidx` for this process, under the GPU's lock: the driver's own
+ * memory (it may evict managed memory to fit) or managed memory (it never evicts) */
+static CUresult charge_on(int gidx, uint64_t bytes, CUresult (*charge)(sim_gpu_state_t *, uint64_t)) {
     if (!bytes) return CUDA_SUCCESS;
     sim_gpu_state_t *st = g_sim_state[gidx];
     sim_state_lock(st);
-    CUresult r = sim_state_charge(st, bytes);
+    CUresult r = charge(st, bytes);
     sim_state_unlock(st);
     return r;
 }
 
-void sim_uncharge(int gidx, uint64_t bytes) {
+static void uncharge_on(int gidx, uint64_t bytes, void (*uncharge)(sim_gpu_state_t *, uint64_t)) {
     if (gidx < 0 || !bytes) return;
     sim_gpu_state_t *st = g_sim_state[gidx];
     sim_state_lock(st);
-    sim_state_uncharge(st, bytes);
+    uncharge(st, bytes);
     sim_state_unlock(st);
 }
 
+CUresult sim_charge(int gidx, uint64_t bytes) { return charge_on(gidx, bytes, sim_state_charge); }
+void sim_uncharge(int gidx, uint64_t bytes) { uncharge_on(gidx, bytes, sim_state_uncharge); }
 CUresult sim_charge_managed(int gidx, uint64_t bytes) {
-    if (!bytes) return CUDA_SUCCESS;
-    sim_gpu_state_t *st = g_sim_state[gidx];
-    sim_state_lock(st);
-    CUresult r = sim_state_charge_managed(st, bytes);
-    sim_state_unlock(st);
-    return r;
+    return charge_on(gidx, bytes, sim_state_charge_managed);
 }
-
 void sim_uncharge_managed(int gidx, uint64_t bytes) {
-    if (gidx < 0 || !bytes) return;
-    sim_gpu_state_t *st = g_sim_state[gidx];
-    sim_state_lock(st);
-    sim_state_uncharge_managed(st, bytes);
-    sim_state_unlock(st);
+    uncharge_on(gidx, bytes, sim_state_uncharge_managed);
 }
 
 uint64_t sim_take_evicted(int gidx) {

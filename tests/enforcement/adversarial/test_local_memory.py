@@ -23,6 +23,12 @@ def growth(per_thread: int) -> int:
     return (per_thread - STACK_DEFAULT) * THREADS
 
 
+def grabs_beside(arena: Arena, per_thread: int) -> list[int]:
+    """The 512 MiB chunks a slice gets beside its context and a kernel of `per_thread`."""
+    room = HOSTILE_CAP - max(arena.context_cost, 512 * MIB) - growth(per_thread)
+    return [SUCCESS] * (room // (512 * MIB)) + [OOM]
+
+
 @pytest.mark.parametrize("mode", ["launch", "graph", "capture"])
 def test_a_kernel_whose_local_memory_passes_the_cap_is_refused(
     arena: Arena, programs: Programs, mode: str
@@ -39,8 +45,7 @@ def test_lowering_the_stack_limit_gives_back_nothing_a_kernel_grew(
 ) -> None:
     h = arena.start([programs.c("lmem"), "lower", str(48 * KIB)])  # 1.84 GiB at its launch
     assert h.one("launch") == SUCCESS and h.one("lower") == SUCCESS
-    room = HOSTILE_CAP - max(arena.context_cost, 512 * MIB) - growth(48 * KIB)
-    assert h.all("grab") == [SUCCESS] * (room // (512 * MIB)) + [OOM]
+    assert h.all("grab") == grabs_beside(arena, 48 * KIB)
     arena.contained(h)
 
 
@@ -49,8 +54,7 @@ def test_a_workload_s_kernel_with_local_memory_runs_and_is_charged_once(
 ) -> None:
     h = arena.start([programs.c("lmem"), "again", str(16 * KIB)])  # 600 MiB, 100 launches
     assert h.one("launch") == SUCCESS and h.one("sync") == SUCCESS
-    room = HOSTILE_CAP - max(arena.context_cost, 512 * MIB) - growth(16 * KIB)
-    assert h.all("grab") == [SUCCESS] * (room // (512 * MIB)) + [OOM]
+    assert h.all("grab") == grabs_beside(arena, 16 * KIB)
     arena.contained(h)
 
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ..test_config import build_hook_with_default
-from .conftest import HOOK_OVERRIDE, HOSTILE_CAP, Arena, Programs, make_arena
+from .conftest import HOSTILE_CAP, Arena, Programs, make_arena
 
 
 @pytest.fixture
@@ -97,28 +96,19 @@ def test_a_slice_under_the_mps_backend_cannot_raise_its_own_mps_caps(
 ) -> None:
     """The agent's MPS backend: MPS takes a client's caps from its environment and lets that
     only lower the daemon's, so a tenant that asks for 100 % of the threads and no memory
-    limit in its own environment would get them. With the slice's MPS daemon in its trusted
-    limits (QGPU_MPS_PIPE_DIRECTORY), the hook sets the caps from the limits before the
-    driver reads them: the daemon hears 30 % and 4 GiB, not what the tenant asked for."""
-    if os.geteuid() != 0:
-        pytest.skip("a trusted limits file is owned by root; this test runs as another user")
+    limit in its own environment would get them. With the slice's MPS daemon in its limits
+    (QGPU_MPS_PIPE_DIRECTORY), the hook sets the caps from the limits before the driver
+    reads them: the daemon hears 30 % and 4 GiB, not what the tenant asked for. (That a
+    root-owned limits file wins over QGPU_* variables the tenant sets is
+    test_native_paths.py::test_environment_cannot_override_a_trusted_limits_file.)"""
     arena, _ = mps_arena
     agent_dir = short_tmp / "agent-mps"
     clients = _start_daemon(agent_dir)
-    trusted = short_tmp / "trusted-limits.conf"
-    trusted.write_text(
-        f"QGPU_SLICE_ID=hostile\nQGPU_DEVICE_UUID={arena.sim.uuid(0)}\n"
-        f"QGPU_MEMORY_LIMIT={HOSTILE_CAP}\nQGPU_CORE_LIMIT=30\nQGPU_ISOLATION=fixed-share\n"
-        f"QGPU_STATE_DIR={arena.sim.state_dir}\nQGPU_MPS_PIPE_DIRECTORY={agent_dir}\n"
-    )
-    trusted.chmod(0o444)
-    env = arena.hostile_env()
-    override = os.environ.get(HOOK_OVERRIDE)
-    env["LD_PRELOAD"] = override or str(build_hook_with_default(short_tmp, trusted))
+    env = arena.hostile_env(core=30, policy="fixed-share")
+    env["QGPU_MPS_PIPE_DIRECTORY"] = str(agent_dir)
     env.update(  # what the tenant asks for itself
         CUDA_MPS_PIPE_DIRECTORY=str(agent_dir),
         CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="100",
-        QGPU_CORE_LIMIT="100",
     )
     env.pop("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", None)
     h = arena.start([programs.c("mps_probe")], env)

@@ -48,15 +48,8 @@ int main(int argc, char **argv) {
     if (cuModuleLoadData(&mod, "qgpu-sim-module") || cuModuleGetFunction(&k, mod, "k")) return 3;
     CUgraph g;
     if (cuGraphCreate(&g, 0)) return 4;
-    for (int i = 0; i < NODES; i++) {
-        CUDA_KERNEL_NODE_PARAMS p;
-        memset(&p, 0, sizeof p);
-        p.func = k;
-        p.gridDimX = p.gridDimY = p.gridDimZ = 1;
-        p.blockDimX = p.blockDimY = p.blockDimZ = 1;
-        CUgraphNode n;
-        if (cuGraphAddKernelNode(&n, g, NULL, 0, &p)) return 5;
-    }
+    for (int i = 0; i < NODES; i++)
+        if (add_kernel_node(g, k)) return 5;
     static CUgraphExec execs[TRIES];
     int made = 0;
     CUresult last = CUDA_SUCCESS;

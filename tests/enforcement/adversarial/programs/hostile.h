@@ -39,6 +39,17 @@ __attribute__((unused)) static CUcontext setup(void) {
     return ctx;
 }
 
+/* A kernel node of `f` (a 1x1x1 grid of one thread, no parameters) added to `g`. */
+__attribute__((unused)) static CUresult add_kernel_node(CUgraph g, CUfunction f) {
+    CUDA_KERNEL_NODE_PARAMS p;
+    memset(&p, 0, sizeof p);
+    p.func = f;
+    p.gridDimX = p.gridDimY = p.gridDimZ = 1;
+    p.blockDimX = p.blockDimY = p.blockDimZ = 1;
+    CUgraphNode n;
+    return cuGraphAddKernelNode(&n, g, NULL, 0, &p);
+}
+
 /* Keep everything until the test closes stdin. */
 __attribute__((unused)) static void hold(void) {
     say("ready", 0);

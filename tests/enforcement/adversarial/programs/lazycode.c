@@ -30,13 +30,7 @@ int main(int argc, char **argv) {
         CUfunction f;
         if (cuModuleGetFunction(&f, mod, name)) return 4;
         if (!strcmp(mode, "graph")) {
-            CUDA_KERNEL_NODE_PARAMS p;
-            memset(&p, 0, sizeof p);
-            p.func = f;
-            p.gridDimX = p.gridDimY = p.gridDimZ = 1;
-            p.blockDimX = p.blockDimY = p.blockDimZ = 1;
-            CUgraphNode n;
-            last = cuGraphAddKernelNode(&n, g, NULL, 0, &p);
+            last = add_kernel_node(g, f);
         } else {
             int blocks;
             if (!strcmp(mode, "load")) last = cuFuncLoad(f);

@@ -29,13 +29,7 @@ int main(int argc, char **argv) {
         CUgraph g;
         if (!strcmp(mode, "graph")) {
             cuGraphCreate(&g, 0);
-            CUDA_KERNEL_NODE_PARAMS p;
-            memset(&p, 0, sizeof p);
-            p.func = f;
-            p.gridDimX = p.gridDimY = p.gridDimZ = 1;
-            p.blockDimX = p.blockDimY = p.blockDimZ = 1;
-            CUgraphNode n;
-            say("node", cuGraphAddKernelNode(&n, g, NULL, 0, &p));
+            say("node", add_kernel_node(g, f));
         } else {
             say("begin", cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_RELAXED));
             say("node", cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, s, NULL, NULL));
