@@ -5,17 +5,29 @@ Schemathesis gives every API operation of one test the same node id (the operati
 in the item's name), and xdist would then run one of them per id and silently drop the
 rest; `pytest_collection_modifyitems` gives each such item the id its name says, and
 fails the collection if any id is still shared.
+
+gRPC's fork support is switched off for the test processes, before anything loads gRPC:
+with it on, a child forked (not vforked) from a process where gRPC's threads run (Ray,
+the device plugin's tests) crashes before exec about one time in five, and the tests that
+start programs as other users (`subprocess.run(user=...)`, which must fork) then see a
+child that never ran. No test forks a child that uses gRPC.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import os
+import sys
 
-import pytest
-from _pytest.nodeid import coerce_node_id  # pytest 9 keeps an item's id here
+assert "grpc" not in sys.modules, "gRPC was loaded before the suite could configure it"
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
-from qgpu.model import NodeInventory
-from tests.helpers import make_node
+from collections import Counter  # noqa: E402
+
+import pytest  # noqa: E402
+from _pytest.nodeid import coerce_node_id  # noqa: E402 - pytest 9 keeps an item's id here
+
+from qgpu.model import NodeInventory  # noqa: E402
+from tests.helpers import make_node  # noqa: E402
 
 
 @pytest.fixture

@@ -11,9 +11,11 @@ Both are registered as ``qgpu.commands`` entry points (see pyproject.toml).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
+import signal
 import stat
 import sys
 import time
@@ -147,8 +149,32 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         raise flag_violation(first_violation(exc), CONFIG_FLAGS) from exc
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(parent: int) -> None:
+    """Ask the kernel for SIGTERM when `parent` (this process's parent) dies.
+
+    Done here, in the agent, not in a preexec_fn of whoever starts it: a forked child of a
+    threaded process (gRPC's threads in a Ray driver) may crash before it reaches exec."""
+    if parent <= 0:
+        raise RuleViolation("--exit-with-parent", parent, "must be a process id (> 0)")
+    if not sys.platform.startswith("linux"):
+        raise RuleViolation("--exit-with-parent", parent, "needs Linux (prctl PDEATHSIG)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise QgpuError(f"--exit-with-parent: prctl failed: {os.strerror(ctypes.get_errno())}")
+    if os.getppid() != parent:  # it died (or never was the parent) before prctl took effect
+        raise RuleViolation(
+            "--exit-with-parent", parent, "must be this agent's parent, and still running"
+        )
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from enforcement.agent.server import serve
+
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
 
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
@@ -331,6 +357,13 @@ def register_agent(sub: argparse._SubParsersAction) -> None:
         "--test-mode",
         action="store_true",
         help="limits files need not be root-owned (tests, laptops)",
+    )
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="stop (SIGTERM) when the process PID, which must be the agent's parent, exits "
+        "(private agents of the Ray and Dask SDKs)",
     )
     p.add_argument(
         "--workload-gid",

@@ -156,3 +156,17 @@ def test_agent_enumerated_options_follow_the_case_rule() -> None:
         "fixed-share",
         "spread",
     )
+
+
+@pytest.mark.parametrize(
+    ("pid", "rule"),
+    [("1", "must be this agent's parent, and still running"), ("-3", "must be a process id (> 0)")],
+)
+def test_exit_with_parent_refuses_a_process_that_is_not_the_parent(
+    state_dir: Path, pid: str, rule: str
+) -> None:
+    args = ["agent", "--sim", "1xH100-80GB", "--state-dir", str(state_dir), "--test-mode"]
+    proc = qgpu(*args, "--exit-with-parent", pid)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: --exit-with-parent {pid}: {rule}"
+    assert not (state_dir / "agent.sock").exists()  # refused before it served anything
